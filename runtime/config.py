@@ -1,0 +1,196 @@
+"""Engine settings: what the user chose, parsed once, never written back.
+
+Values derived at run time (number of KV blocks, EOS ids, the resolved dtype)
+live in ``EngineState`` (``runtime/engine/state.py``), not here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+SchedulerMode = Literal["continuous", "static", "none"]
+SCHEDULER_MODES: tuple[str, ...] = ("continuous", "static", "none")
+DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How one engine is built and scheduled. Flag names follow SGLang and vLLM."""
+
+    model: str = "conveyor-tiny"
+    """A model directory, a hub id already in the local cache, or ``conveyor-tiny`` (built in)."""
+
+    tokenizer: str | None = None
+    """Tokenizer directory or id; defaults to the model's own."""
+
+    dtype: str = "auto"
+    """Weights and activations: ``auto`` takes the config's dtype on GPU and float32 on CPU
+    (CPU half-precision matmuls are slow without AMX)."""
+
+    load_format: str = "auto"
+    """``safetensors`` loads the weights; ``dummy`` builds the architecture from the config with
+    random weights, for benchmarks of real model shapes without the files."""
+
+    device: str = "auto"
+    """``auto`` picks CUDA when present, else CPU."""
+
+    seed: int = 0
+    """Seed for dummy weights and for requests that do not bring their own."""
+
+    max_running_requests: int = 64
+    """Cap on requests in the running batch (SGLang's name). 64 keeps CPU steps short; raise on GPU."""
+
+    chunked_prefill_size: int = 2048
+    """Token budget of one engine step: decodes first, prefill chunks fill the rest (tokens)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; defaults to the model's limit, clamped to the KV cache."""
+
+    block_size: int = 16
+    """Tokens per KV-cache block (SGLang calls it the page size). 16 is vLLM's default."""
+
+    max_total_tokens: int | None = None
+    """KV-cache size in tokens. When unset: on GPU from ``mem_fraction_static``, on CPU from
+    ``cpu_kv_cache_bytes``."""
+
+    mem_fraction_static: float = 0.88
+    """GPU only: fraction of device memory for weights + KV cache (SGLang's default region)."""
+
+    cpu_kv_cache_bytes: int = 1 << 30
+    """CPU only: KV-cache budget in bytes when ``max_total_tokens`` is unset (1 GiB)."""
+
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes (hash of full blocks)."""
+
+    scheduler: str = "continuous"
+    """``continuous`` refills a finished slot at the next step; ``static`` runs a batch until
+    every member finishes; ``none`` runs one request at a time. Same kernels: only admission
+    differs."""
+
+    attention_backend: str = "auto"
+    """``torch`` (reference, CPU), ``triton`` (GPU kernels) or ``auto`` (triton on CUDA)."""
+
+    enforce_eager: bool = False
+    """GPU only: never capture CUDA graphs for decode."""
+
+    num_threads: int | None = None
+    """CPU threads for torch; defaults to the process's CPU limit (cgroup quota or cores)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
+        _check_choice("scheduler", self.scheduler, SCHEDULER_MODES)
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_positive("max_running_requests", self.max_running_requests)
+        _check_positive("chunked_prefill_size", self.chunked_prefill_size)
+        _check_positive("block_size", self.block_size)
+        if self.max_model_len is not None:
+            _check_positive("max_model_len", self.max_model_len)
+        if self.max_total_tokens is not None:
+            _check_positive("max_total_tokens", self.max_total_tokens)
+        _check_positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
+            )
+
+    # -- command line ------------------------------------------------------------------
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the engine's flags (canonical names first, SGLang/vLLM spellings as aliases)."""
+        d = EngineSettings()
+        g = parser.add_argument_group("engine")
+        g.add_argument("--model", "--model-path", default=d.model,
+                       help="model directory, cached hub id, or conveyor-tiny (built in, generated on first use)")
+        g.add_argument("--tokenizer", "--tokenizer-path", default=None,
+                       help="tokenizer directory or id (default: the model's)")
+        g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                       help="weights/activations dtype; auto = config dtype on GPU, float32 on CPU")
+        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                       help="dummy = random weights of the config's shapes (benchmarks)")
+        g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
+        g.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=d.max_running_requests,
+                       help=f"max requests in the running batch (default {d.max_running_requests})")
+        g.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", type=int,
+                       default=d.chunked_prefill_size,
+                       help=f"token budget per engine step (default {d.chunked_prefill_size})")
+        g.add_argument("--max-model-len", "--context-length", type=int, default=None,
+                       help="max prompt+output tokens (default: the model's, clamped to the KV cache)")
+        g.add_argument("--block-size", "--page-size", type=int, default=d.block_size,
+                       help=f"tokens per KV-cache block (default {d.block_size})")
+        g.add_argument("--max-total-tokens", type=int, default=None,
+                       help="KV-cache size in tokens (the way to size it on CPU)")
+        g.add_argument("--mem-fraction-static", "--gpu-memory-utilization", type=float,
+                       default=d.mem_fraction_static,
+                       help=f"GPU: fraction of memory for weights + KV cache (default {d.mem_fraction_static})")
+        g.add_argument("--cpu-kv-cache-bytes", type=parse_bytes, default=d.cpu_kv_cache_bytes,
+                       help="CPU: KV-cache budget when --max-total-tokens is unset (e.g. 512MiB; default 1GiB)")
+        g.add_argument("--disable-prefix-caching", "--disable-radix-cache", action="store_true",
+                       help="do not reuse KV blocks of shared prompt prefixes")
+        g.add_argument("--scheduler", default=d.scheduler, choices=SCHEDULER_MODES,
+                       help="continuous (default), static (batch runs to completion), none (one at a time)")
+        g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
+                       help="auto = triton on CUDA, torch elsewhere")
+        g.add_argument("--enforce-eager", "--disable-cuda-graph", action="store_true",
+                       help="GPU: never capture CUDA graphs")
+        g.add_argument("--num-threads", type=int, default=None,
+                       help="CPU threads for torch (default: the CPU limit of this process)")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineSettings:
+        return cls(
+            model=args.model,
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            device=args.device,
+            seed=args.seed,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
+            enable_prefix_caching=not args.disable_prefix_caching,
+            scheduler=args.scheduler,
+            attention_backend=args.attention_backend,
+            enforce_eager=args.enforce_eager,
+            num_threads=args.num_threads,
+        )
+
+    def replace(self, **changes: object) -> EngineSettings:
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_bytes(text: str) -> int:
+    """Parse ``512MiB``, ``2GB``, ``1073741824`` into bytes (argparse ``type``)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
+
+
+__all__ = ["EngineSettings", "parse_bytes"]

@@ -1,0 +1,121 @@
+"""The offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.detokenizer import IncrementalDetokenizer
+from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.outputs import RequestOutput
+from conveyor.runtime.engine.sequence import TokenLogprob
+from conveyor.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's result: text, token ids, why it ended, and when things happened."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.finish_time is None or self.first_token_time is None or len(self.token_ids) < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (len(self.token_ids) - 1)
+
+
+class LLM:
+    """Generate for a list of prompts with continuous batching, offline (no server)."""
+
+    def __init__(self, model: str = "conveyor-tiny", **settings: object):
+        self.engine = LLMEngine(EngineSettings(model=model, **settings))  # type: ignore[arg-type]
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | list[int] | Seq[str | list[int]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Every prompt is checked before any enters the batch; results keep the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        for i, (ids, p) in enumerate(zip(encoded, params, strict=True)):
+            try:
+                self.engine.check_request(ids, p)
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        detoks = {
+            rid: IncrementalDetokenizer(self.tokenizer, p, ids)
+            for rid, p, ids in zip(request_ids, params, encoded, strict=True)
+        }
+        for rid, ids, p in zip(request_ids, encoded, params, strict=True):
+            self.engine.add_request(rid, ids, p)
+        finals: dict[str, RequestOutput] = {}
+        logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.request_id in finals:
+                    continue  # the engine's echo of a stop-string abort
+                logprobs[out.request_id] += out.new_logprobs
+                det = detoks[out.request_id]
+                det.update(out.new_token_ids)
+                if det.stopped_by is not None and not out.finished:
+                    self.engine.abort_request(out.request_id)
+                    out.finished, out.finish_reason, out.stop_reason = True, "stop", det.stopped_by
+                if out.finished:
+                    finals[out.request_id] = out
+        return [self._result(finals[rid], detoks[rid], logprobs[rid]) for rid in request_ids]
+
+    @staticmethod
+    def _result(
+        out: RequestOutput, det: IncrementalDetokenizer, logprobs: list[TokenLogprob]
+    ) -> GenerationResult:
+        det.flush()
+        token_ids = out.output_token_ids
+        return GenerationResult(
+            request_id=out.request_id,
+            prompt_token_ids=out.prompt_token_ids,
+            text=det.text,
+            token_ids=token_ids,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            logprobs=logprobs,
+            num_cached_tokens=out.num_cached_tokens,
+            num_preemptions=out.num_preemptions,
+            arrival_time=out.arrival_time,
+            first_scheduled_time=out.first_scheduled_time,
+            first_token_time=out.first_token_time,
+            finish_time=out.finish_time,
+        )

@@ -1,0 +1,213 @@
+"""The engine: one ``step()`` is schedule, run the model, postprocess.
+
+Not thread-safe: one thread owns an engine. The HTTP server runs it on its own
+thread behind a narrow client (submit, stream outputs, abort); the offline
+``LLM`` calls it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.block_manager import BlockManager
+from conveyor.runtime.engine.model_runner import ModelRunner, Sample
+from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
+from conveyor.runtime.engine.platform import configure_threads
+from conveyor.runtime.engine.scheduler import ScheduledBatch, Scheduler
+from conveyor.runtime.engine.sequence import FinishReason, Sequence
+from conveyor.runtime.engine.state import EngineState
+from conveyor.runtime.model.loader import load_config, load_tokenizer, resolve_model_path
+from conveyor.runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("conveyor.runtime")
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings, on_progress: Callable[[str], None] | None = None):
+        started = time.monotonic()
+        progress = on_progress or log.info
+        self.settings = settings
+        threads = configure_threads(settings.num_threads)
+        progress(f"resolving model {settings.model!r}")
+        path = resolve_model_path(settings.model)
+        self.model_path = path
+        self.model_name = settings.model
+        self.hf_config = load_config(path)
+        self.tokenizer = load_tokenizer(resolve_model_path(settings.tokenizer) if settings.tokenizer else path)
+        self.runner = ModelRunner(settings, self.hf_config, path, on_progress=progress)
+        self.state = EngineState.derive(settings, self.hf_config, self.tokenizer, path, self.runner, threads)
+        self.runner.eos_token_ids = self.state.eos_token_ids
+        self.runner.allocate_kv_cache(self.state.num_blocks)
+        self.block_manager = BlockManager(
+            self.state.num_blocks, settings.block_size, settings.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_running=settings.max_running_requests,
+            token_budget=settings.chunked_prefill_size,
+            mode=settings.scheduler,
+            watermark_blocks=max(1, self.state.num_blocks // 100) if self.state.num_blocks > 100 else 0,
+        )
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.steps = 0
+        progress(self.kv_cache_summary())
+        progress(f"engine ready in {time.monotonic() - started:.1f}s ({self.runner.device}, {threads} threads)")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.state.max_model_len
+
+    def kv_cache_summary(self) -> str:
+        st = self.state
+        mib = st.num_blocks * self.runner.bytes_per_block / (1 << 20)
+        return (
+            f"KV cache: {st.num_blocks} blocks x {self.settings.block_size} tokens = "
+            f"{st.num_blocks * self.settings.block_size} tokens, {mib:.1f} MiB "
+            f"({str(self.runner.dtype).removeprefix('torch.')}); max model len {st.max_model_len}"
+        )
+
+    # -- requests ------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Refuse what can never run, before it enters the batch. Reads constants only."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.runner.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        limit = self.state.max_model_len
+        if len(prompt_token_ids) >= limit:
+            raise ValueError(
+                f"prompt is {len(prompt_token_ids)} tokens, but this model's context length is {limit} "
+                f"tokens including at least one generated token; shorten the prompt to at most "
+                f"{limit - 1} tokens"
+            )
+        params.validate()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.encode_prompt(prompt)
+        self.check_request(token_ids, params)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=token_ids,
+            num_prompt_tokens=len(token_ids),
+            params=params,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+        )
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self._finish(seq, FinishReason.ABORT)
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # -- the step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        samples = self.runner.execute(batch) if not batch.is_empty else {}
+        return self.postprocess(batch, samples)
+
+    def postprocess(self, batch: ScheduledBatch, samples: dict[str, Sample]) -> list[RequestOutput]:
+        now = time.monotonic()
+        self.steps += 1
+        self.scheduler.update_after_step(batch)
+        outputs = [self._output(seq, []) for seq in self._aborted]
+        self._aborted.clear()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            sample = samples.get(seq.request_id)
+            if sample is None:
+                continue
+            self._append(seq, sample, now)
+            outputs.append(self._output(seq, [sample.token_id]))
+        return outputs
+
+    def _append(self, seq: Sequence, sample: Sample, now: float) -> None:
+        seq.token_ids.append(sample.token_id)
+        self.generation_tokens += 1
+        if sample.logprob is not None:
+            seq.logprobs.append(sample.logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.prompt_tokens += seq.num_prompt_tokens
+        seq.last_token_time = now
+        p, tok, n_out = seq.params, sample.token_id, seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and tok in self.state.eos_token_ids:
+                return self._finish(seq, FinishReason.STOP)
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return self._finish(seq, FinishReason.STOP)
+        if n_out >= p.max_tokens or len(seq.token_ids) >= self.state.max_model_len:
+            self._finish(seq, FinishReason.LENGTH)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = time.monotonic()
+        self.runner.release(seq.request_id)
+        del self._seqs[seq.request_id]
+
+    def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=new_tokens,
+            output_token_ids=seq.output_token_ids,
+            new_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [],
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            stop_reason=seq.stop_reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+        )
+
+    # -- observability -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        c = self.scheduler.counters
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage,
+            num_total_blocks=self.block_manager.num_blocks,
+            max_running_requests=self.scheduler.max_running,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits,
+            preemptions=c.preemptions,
+            steps=self.steps,
+        )
+

@@ -1,0 +1,286 @@
+"""The only part of the engine that touches tensors: inputs in, sampled tokens out.
+
+It owns the model, the KV cache and the per-request random generators. Given
+a scheduled batch it lays the step's tokens out flat (decodes first, then
+prefill chunks), runs one forward pass, and samples for every sequence whose
+last known token was computed in this step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.scheduler import ScheduledBatch
+from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
+from conveyor.runtime.layers.attention import select_backend
+from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+from conveyor.runtime.layers.sampler import Sampler, SamplingTensors
+from conveyor.runtime.model.loader import build_model, config_dtype
+
+log = logging.getLogger("conveyor.runtime")
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: TokenLogprob | None
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cpu":
+        return torch.float32  # CPU half-precision matmuls are slow without AMX
+    dtype = config_dtype(config)
+    return torch.bfloat16 if dtype == torch.float32 else dtype
+
+
+class ModelRunner:
+    def __init__(self, settings: EngineSettings, config, model_path, on_progress=None):
+        self.settings = settings
+        self.config = config
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, config, self.device)
+        self.backend = select_backend(settings.attention_backend, self.device)
+        self.model = build_model(
+            config,
+            model_path,
+            backend=self.backend,
+            dtype=self.dtype,
+            device=self.device,
+            load_format=settings.load_format,
+            seed=settings.seed,
+            on_progress=on_progress,
+        )
+        s = self.model.shape
+        self.vocab_size = s.vocab_size
+        self.block_size = settings.block_size
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self._pin = self.device.type == "cuda"
+
+    # -- KV cache ------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        s = self.model.shape
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+
+    def num_blocks_for_memory(self, max_tokens_useful: int) -> int:
+        """How many KV blocks fit: the explicit token count, or the memory budget."""
+        st = self.settings
+        if st.max_total_tokens is not None:
+            return -(-st.max_total_tokens // self.block_size)
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_kv_budget()
+        else:
+            budget = st.cpu_kv_cache_bytes
+        blocks = budget // self.bytes_per_block
+        useful = -(-max_tokens_useful // self.block_size)
+        if self.device.type == "cpu":
+            blocks = min(blocks, useful)  # no point pinning memory no request can use
+        if blocks < 1:
+            raise ValueError(
+                "no memory left for the KV cache: raise --mem-fraction-static or --cpu-kv-cache-bytes, "
+                "or set --max-total-tokens"
+            )
+        return int(blocks)
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Device memory for the KV cache: the static fraction minus weights and the peak of a
+        forward pass over a full step's tokens."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = min(self.settings.chunked_prefill_size, self.model.shape.max_position)
+        self.allocate_kv_cache(-(-tokens // self.block_size) + 1)
+        fake = Sequence("warmup", [0] * tokens, tokens, params=None, arrival_time=0.0)  # type: ignore[arg-type]
+        fake.block_table = list(range(-(-tokens // self.block_size)))
+        batch = ScheduledBatch(seqs=[fake], num_new_tokens=[tokens], num_decodes=0)
+        input_ids, positions, meta, _ = self._prepare(batch)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        self.kv_cache = None
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return int(total * self.settings.mem_fraction_static - peak)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        s = self.model.shape
+        # (layers, K/V, blocks, block_size, kv_heads, head_dim); zeros, so padded reads are finite.
+        self.kv_cache = torch.zeros(
+            s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+
+    # -- one step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> dict[str, Sample]:
+        """Run the model over ``batch``; returns a sample per sequence that reached its end."""
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
+        if not sample_rows:
+            return {}
+        seqs = [batch.seqs[i] for i, _ in sample_rows]
+        rows = torch.tensor([r for _, r in sample_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # (N, V)
+        out = self.sampler(logits, self._sampling_tensors(seqs))
+        token_ids = out.token_ids.tolist()
+        logprobs = self._logprobs(seqs, out)
+        return {
+            seq.request_id: Sample(tok, lp)
+            for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
+        }
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        decode_tables, decode_lens = [], []
+        prefill_tables, prefill_ctx, prefill_q = [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
+            end = start + n
+            ids += seq.token_ids[start:end]
+            table = seq.block_table
+            for p in range(start, end):
+                pos.append(p)
+                slots.append(table[p // bs] * bs + p % bs)
+            if end == len(seq.token_ids):
+                sample_rows.append((i, len(ids) - 1))
+            if i < batch.num_decodes:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefill_tables.append(table)
+                prefill_ctx.append(end)
+                prefill_q.append(n)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=batch.num_decodes,
+            decode_context_lens=self._tensor(decode_lens, torch.int32),
+            decode_block_tables=self._tensor(_pad(decode_tables), torch.int32),
+            prefill_query_start_loc=self._tensor(_cumsum0(prefill_q), torch.int32),
+            prefill_context_lens=self._tensor(prefill_ctx, torch.int32),
+            prefill_block_tables=self._tensor(_pad(prefill_tables), torch.int32),
+            max_decode_context_len=max(decode_lens, default=0),
+            max_prefill_query_len=max(prefill_q, default=0),
+            max_prefill_context_len=max(prefill_ctx, default=0),
+            prefill_query_lens_host=tuple(prefill_q),
+            prefill_context_lens_host=tuple(prefill_ctx),
+        )
+        del dev
+        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows
+
+    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
+    # -- sampling inputs ----------------------------------------------------------------
+
+    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
+        params = [s.params for s in seqs]
+        n, vocab = len(seqs), self.vocab_size
+        f32 = torch.float32
+        top_k = [vocab if p.top_k in (-1, 0) else min(p.top_k, vocab) for p in params]
+        t = SamplingTensors(
+            temperature=self._tensor([p.temperature for p in params], f32),
+            top_p=self._tensor([p.top_p for p in params], f32),
+            top_k=self._tensor(top_k, torch.int64),
+            min_p=self._tensor([p.min_p for p in params], f32),
+            all_greedy=all(p.greedy for p in params),
+            needs_top_k_top_p=any(p.top_p < 1.0 or k < vocab for p, k in zip(params, top_k, strict=True)),
+            needs_min_p=any(p.min_p > 0 for p in params),
+            generators=[self._generator(s) for s in seqs],
+            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+        if any(p.needs_penalties for p in params):
+            t.repetition_penalty = self._tensor([p.repetition_penalty for p in params], f32)
+            t.presence_penalty = self._tensor([p.presence_penalty for p in params], f32)
+            t.frequency_penalty = self._tensor([p.frequency_penalty for p in params], f32)
+            prompt_mask = torch.zeros(n, vocab, dtype=torch.bool)
+            counts = torch.zeros(n, vocab, dtype=torch.int64)
+            for i, s in enumerate(seqs):
+                prompt_mask[i, torch.tensor(s.prompt_token_ids)] = True
+                out = s.output_token_ids
+                if out:
+                    counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out), dtype=torch.int64))
+            t.prompt_mask = prompt_mask.to(self.device)
+            t.output_counts = counts.to(self.device).to(f32)
+        bans = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        if bans:
+            banned = torch.zeros(n, vocab, dtype=torch.bool)
+            for i, s in bans:
+                ids = list(s.params.stop_token_ids)
+                if not s.params.ignore_eos:
+                    ids += list(self.eos_token_ids)
+                ids = [x for x in ids if x < vocab]
+                if ids:
+                    banned[i, torch.tensor(ids)] = True
+            t.banned = banned.to(self.device)
+        return t
+
+    eos_token_ids: tuple[int, ...] = ()
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.greedy:
+            return None
+        g = self.generators.get(seq.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self.generators[seq.request_id] = g
+        return g
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @staticmethod
+    def _logprobs(seqs: list[Sequence], out) -> list[TokenLogprob | None]:
+        if out.logprobs is None:
+            return [None] * len(seqs)
+        lps = out.logprobs.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        result: list[TokenLogprob | None] = []
+        for i, s in enumerate(seqs):
+            k = s.params.logprobs
+            if k is None:
+                result.append(None)
+                continue
+            top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k and top_ids else []
+            result.append(TokenLogprob(token_id=int(out.token_ids[i]), logprob=lps[i], top=top))
+        return result
+
+    def warmup_log(self, started: float) -> None:
+        log.info("model ready in %.1fs", time.monotonic() - started)
+
+
+def _pad(tables: list[list[int]]) -> list[list[int]]:
+    width = max((len(t) for t in tables), default=0)
+    return [t + [0] * (width - len(t)) for t in tables] if tables else []
+
+
+def _cumsum0(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out

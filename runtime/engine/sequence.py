@@ -1,0 +1,88 @@
+"""One request's state in the engine: its tokens, its KV blocks, its timings. No torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from conveyor.runtime.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"  # the client went away, or a stop string was found downstream
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's logprob and the top alternatives, as OpenAI reports them."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request inside the engine.
+
+    ``num_computed_tokens`` counts the tokens whose keys and values are in the
+    KV cache (found in the prefix cache or computed). The next step computes
+    ``token_ids[num_computed_tokens:]``, or a chunk of them.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    arrival_time: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at the first admission."""
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended it, as vLLM reports it."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    admitted_at_step: int = -1
+    """Engine step at which it was last admitted (the preemption order)."""
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]

@@ -1,0 +1,63 @@
+"""Values derived at start-up (KV blocks, context length, EOS ids), kept apart from settings."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.runtime.config import EngineSettings
+
+log = logging.getLogger("conveyor.runtime")
+
+
+@dataclass(frozen=True)
+class EngineState:
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_threads: int
+
+    @classmethod
+    def derive(cls, settings: EngineSettings, config, tokenizer, path: Path, runner, threads: int):
+        model_limit = int(getattr(config, "max_position_embeddings", 0) or 4096)
+        wanted = settings.max_model_len or model_limit
+        if wanted > model_limit:
+            raise ValueError(
+                f"--max-model-len {wanted} exceeds the model's max_position_embeddings {model_limit}"
+            )
+        num_blocks = runner.num_blocks_for_memory(wanted * settings.max_running_requests)
+        capacity = num_blocks * settings.block_size
+        if capacity < wanted:
+            if settings.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens, fewer than --max-model-len {wanted}: "
+                    "lower --max-model-len, or raise --max-total-tokens / the memory budget"
+                )
+            log.warning("max model len clamped from %d to the KV cache's %d tokens", wanted, capacity)
+            wanted = capacity
+        return cls(
+            num_blocks=num_blocks,
+            max_model_len=wanted,
+            eos_token_ids=_eos_ids(config, tokenizer, path),
+            num_threads=threads,
+        )
+
+
+def _eos_ids(config, tokenizer, path: Path) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (what HF generate stops on), the config and tokenizer."""
+    ids: list[int] = []
+
+    def add(value) -> None:
+        if isinstance(value, int):
+            ids.append(value)
+        elif isinstance(value, list):
+            ids.extend(v for v in value if isinstance(v, int))
+
+    gen = path / "generation_config.json"
+    if gen.exists():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    add(getattr(config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(ids))

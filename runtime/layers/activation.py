@@ -1,0 +1,14 @@
+"""The gated MLP's activation: silu(gate) * up over a merged gate_up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up`` (num_tokens, 2 * intermediate) -> (num_tokens, intermediate)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

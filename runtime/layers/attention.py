@@ -1,0 +1,119 @@
+"""Attention over the paged KV cache, behind one small interface.
+
+A backend writes the step's new keys and values into the cache and attends
+each query to its sequence's context. ``TorchAttentionBackend`` is the
+reference and the CPU path; the Triton backend (``runtime/kernels/``) has the
+same signature.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
+        ...
+
+
+def write_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter the step's K/V (T, Hkv, D) into the paged cache at ``slots`` (T,)."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        k, v, slots = k[valid], v[valid], slots[valid]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+
+
+class TorchAttentionBackend:
+    """Gathers each sequence's blocks and calls SDPA: clear, and fast enough on CPU."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        if meta.num_prefills:
+            self._prefill(q[nd:], out[nd:], k_cache, v_cache, meta, scale)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """(num_blocks, bs, H, D) gathered along ``block_table`` -> (..., length, H, D)."""
+        blocks = cache[block_table]  # (..., M, bs, H, D)
+        flat = blocks.flatten(-4, -3)  # (..., M*bs, H, D)
+        return flat[..., :length, :, :]
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        length = meta.max_decode_context_len
+        keys = self._gather(k_cache, meta.decode_block_tables, length)  # (B, L, Hkv, D)
+        values = self._gather(v_cache, meta.decode_block_tables, length)
+        pos = torch.arange(length, device=q.device)
+        mask = pos[None, :] < meta.decode_context_lens[:, None].to(pos.dtype)  # (B, L)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (B, Hq, 1, D)
+            keys.transpose(1, 2),  # (B, Hkv, L, D)
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],  # (B, 1, 1, L)
+            scale=scale,
+            enable_gqa=True,
+        )  # (B, Hq, 1, D)
+        return out.squeeze(2)
+
+    def _prefill(self, q, out, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        start = 0
+        for i, (qlen, ctx) in enumerate(
+            zip(meta.prefill_query_lens_host, meta.prefill_context_lens_host, strict=True)
+        ):
+            keys = self._gather(k_cache, meta.prefill_block_tables[i], ctx)  # (ctx, Hkv, D)
+            values = self._gather(v_cache, meta.prefill_block_tables[i], ctx)
+            # Query j sits at position ctx - qlen + j and sees keys up to it.
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)
+            kpos = torch.arange(ctx, device=q.device)
+            mask = kpos[None, :] <= qpos[:, None]  # (qlen, ctx)
+            o = F.scaled_dot_product_attention(
+                q[start : start + qlen].transpose(0, 1),  # (Hq, qlen, D)
+                keys.transpose(0, 1),  # (Hkv, ctx, D)
+                values.transpose(0, 1),
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=True,
+            )  # (Hq, qlen, D)
+            out[start : start + qlen] = o.transpose(0, 1)
+            start += qlen
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA and the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        from conveyor.runtime.kernels.backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"attention backend must be auto, torch or triton; got {name!r}")

@@ -1,0 +1,110 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+One set of tensor ops for the whole batch; the only per-request loop draws
+the random noise of requests that brought their own seed (each has its own
+generator, so its output does not depend on what else is in the batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row parameters of the sequences that sample this step; N rows."""
+
+    temperature: torch.Tensor  # (N,) float32; 0 = greedy
+    top_p: torch.Tensor  # (N,) float32
+    top_k: torch.Tensor  # (N,) int64; vocab size = disabled
+    min_p: torch.Tensor  # (N,) float32
+    all_greedy: bool
+    needs_top_k_top_p: bool
+    needs_min_p: bool
+    generators: list[torch.Generator | None]
+    repetition_penalty: torch.Tensor | None = None  # (N,)
+    presence_penalty: torch.Tensor | None = None  # (N,)
+    frequency_penalty: torch.Tensor | None = None  # (N,)
+    prompt_mask: torch.Tensor | None = None  # (N, V) bool: token occurs in the prompt
+    output_counts: torch.Tensor | None = None  # (N, V) int: occurrences in the output
+    banned: torch.Tensor | None = None  # (N, V) bool: EOS/stop ids before min_tokens
+    max_logprobs: int = -1  # most top alternatives any row asked for; -1 = none asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # (N,)
+    logprobs: torch.Tensor | None = None  # (N,) logprob of the sampled token
+    top_ids: torch.Tensor | None = None  # (N, K)
+    top_logprobs: torch.Tensor | None = None  # (N, K)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """``logits`` (N, V) float32 -> one token per row."""
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_logprobs >= 0 else None
+        logits = self._apply_penalties(logits, t)
+        if t.banned is not None:
+            logits = logits.masked_fill(t.banned, float("-inf"))
+        greedy = logits.argmax(dim=-1)
+        if t.all_greedy:
+            tokens = greedy
+        else:
+            tokens = torch.where(t.temperature == 0, greedy, self._sample(logits, t))
+        out = SamplerOutput(tokens)
+        if raw_logprobs is not None:
+            out.logprobs = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
+            if t.max_logprobs > 0:
+                out.top_logprobs, out.top_ids = raw_logprobs.topk(t.max_logprobs, dim=-1)
+        return out
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        if t.output_counts is None:
+            return logits
+        counts = t.output_counts
+        seen = counts > 0
+        if t.repetition_penalty is not None:
+            p = t.repetition_penalty[:, None]  # (N, 1)
+            mask = seen | t.prompt_mask  # (N, V)
+            penalised = torch.where(logits > 0, logits / p, logits * p)
+            logits = torch.where(mask, penalised, logits)
+        if t.frequency_penalty is not None:
+            logits = logits - t.frequency_penalty[:, None] * counts
+        if t.presence_penalty is not None:
+            logits = logits - t.presence_penalty[:, None] * seen
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        temperature = torch.where(t.temperature == 0, torch.ones_like(t.temperature), t.temperature)
+        logits = logits / temperature[:, None]
+        if t.needs_top_k_top_p:
+            logits = _top_k_top_p(logits, t.top_k, t.top_p)
+        probs = torch.softmax(logits, dim=-1)  # (N, V)
+        if t.needs_min_p:
+            top = probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < t.min_p[:, None] * top, 0.0)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel trick).
+        noise = torch.empty_like(probs)
+        if all(g is None for g in t.generators):
+            noise.exponential_()
+        else:
+            for i, g in enumerate(t.generators):
+                noise[i].exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask everything outside each row's top-k and top-p nucleus with -inf."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    outside = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    outside |= before > top_p[:, None]  # the top token always stays (its before is 0)
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -1,0 +1,169 @@
+"""``conveyor-tiny``: a small Llama the project generates itself, so nothing is downloaded.
+
+It is an ordinary Hugging Face model directory (config.json, safetensors
+weights, tokenizer.json, tokenizer_config.json with a ChatML chat template,
+generation_config.json) and loads through the same code as any other model.
+Weights are random from a fixed seed; the tokenizer is byte-level, so any text
+round-trips. Generation is deterministic, and lands in the cache directory
+with an atomic rename, so replicas that start together never see half a model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_MODELS = ("conveyor-tiny",)
+_VERSION = 1  # bump when the generated files change, so old caches are not reused
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "vocab_size": 320,
+    "torch_dtype": "float32",
+}
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def cache_root() -> Path:
+    """Where generated models live: ``$CONVEYOR_CACHE`` or ``~/.cache/conveyor``."""
+    root = os.environ.get("CONVEYOR_CACHE") or os.path.join(Path.home(), ".cache", "conveyor")
+    return Path(root) / "models"
+
+
+def builtin_model_path(name: str = "conveyor-tiny") -> Path:
+    """The directory of a built-in model, generated on first use."""
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"no built-in model {name!r}; built in: {', '.join(BUILTIN_MODELS)}")
+    path = cache_root() / f"{name}-v{_VERSION}"
+    if not (path / "config.json").exists():
+        generate_model(path, TINY_CONFIG, seed=0)
+    return path
+
+
+def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
+    """Write a random-weight Llama-family model with a byte-level tokenizer to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        _write_tokenizer(tmp, config)
+        _write_config(tmp, config)
+        _write_weights(tmp, config, seed)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / "config.json").exists():  # lost the race to an incomplete copy?
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write_tokenizer(out: Path, config: dict) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # Token id = byte value; ByteLevel maps each byte to a printable stand-in character.
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    reserved = [f"<|reserved_{i}|>" for i in range(config["vocab_size"] - 256 - len(SPECIAL_TOKENS))]
+    tok.add_special_tokens(SPECIAL_TOKENS + reserved)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=config["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (ByteLevel's alphabet, in byte order)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
+
+
+def _write_config(out: Path, config: dict) -> None:
+    special = {t: 256 + i for i, t in enumerate(SPECIAL_TOKENS)}
+    full = dict(config)
+    full.update(
+        bos_token_id=None,
+        eos_token_id=special["<|im_end|>"],
+        pad_token_id=special["<|endoftext|>"],
+    )
+    (out / "config.json").write_text(json.dumps(full, indent=2) + "\n")
+    generation = {
+        "eos_token_id": [special["<|im_end|>"], special["<|endoftext|>"]],
+        "pad_token_id": special["<|endoftext|>"],
+        "do_sample": False,
+    }
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
+def _write_weights(out: Path, config: dict, seed: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=1.0)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "self_attn.q_proj.weight": normal(nh * hd, h, std=0.08),
+            p + "self_attn.k_proj.weight": normal(nkv * hd, h, std=0.08),
+            p + "self_attn.v_proj.weight": normal(nkv * hd, h, std=0.06),
+            p + "self_attn.o_proj.weight": normal(h, nh * hd, std=0.04),
+            p + "mlp.gate_proj.weight": normal(inter, h, std=0.06),
+            p + "mlp.up_proj.weight": normal(inter, h, std=0.06),
+            p + "mlp.down_proj.weight": normal(h, inter, std=0.04),
+            p + "input_layernorm.weight": 1.0 + normal(h, std=0.05),
+            p + "post_attention_layernorm.weight": 1.0 + normal(h, std=0.05),
+        }
+    tensors["model.norm.weight"] = torch.ones(h)
+    # Logits with a spread of a few units: greedy choices are clear-cut, not ties.
+    tensors["lm_head.weight"] = normal(v, h, std=0.25)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})

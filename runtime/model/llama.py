@@ -1,0 +1,206 @@
+"""The Llama family's decoder: Llama, Mistral, Qwen2 and Qwen3 share one shape.
+
+RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache,
+and a gated MLP. The differences are flags read from the Hugging Face config:
+Qwen2 has biases on q/k/v, Qwen3 normalises q and k per head, some models tie
+the LM head to the embeddings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from conveyor.runtime.layers.activation import SiluAndMul
+from conveyor.runtime.layers.attention import AttentionBackend
+from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+from conveyor.runtime.layers.layernorm import RMSNorm
+from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class DecoderShape:
+    """The hyper-parameters the layers need, read once from a transformers config."""
+
+    def __init__(self, config):
+        self.model_type = config.model_type
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {self.model_type!r} is not supported; "
+                f"Conveyor runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.intermediate_size = config.intermediate_size
+        self.vocab_size = config.vocab_size
+        self.rms_norm_eps = config.rms_norm_eps
+        self.max_position = config.max_position_embeddings
+        self.qkv_bias = self.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = self.model_type == "qwen3"
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.inv_freq, self.rope_scaling = rope_inv_freq(config, self.head_dim)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, s: DecoderShape, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.q_size = s.num_heads * s.head_dim
+        self.kv_size = s.num_kv_heads * s.head_dim
+        self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=False)
+        if s.qk_norm:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+        self.qk_norm = s.qk_norm
+        self.scale = s.head_dim**-0.5
+        self.backend = backend
+
+    def forward(self, positions, x, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, Hq, D)
+        return self.o_proj(o.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, s: DecoderShape):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, s: DecoderShape, backend: AttentionBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(s, backend)
+        self.mlp = LlamaMLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, positions, x, residual, rotary, kv_cache, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, rotary, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # Hugging Face checkpoint names -> (our merged parameter, shard index).
+    packed = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, backend: AttentionBackend):
+        super().__init__()
+        s = self.shape = DecoderShape(config)
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
+        if s.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions (T,); kv_caches (L, 2, blocks, bs, Hkv, D) -> hidden (T, hidden)."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, self.rotary, kv_caches[i], meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32 logits."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    # -- weights ---------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face tensors into the (partly merged) parameters; all must be set."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = name, None
+            for hf_part, (ours, index) in self.packed.items():
+                if f".{hf_part}." in name:
+                    target, shard = name.replace(f".{hf_part}.", f".{ours}."), (hf_part, index)
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}")
+            param = params[target]
+            if shard is None:
+                _copy(param.data, tensor, hf_name)
+            else:
+                _copy(param.data.narrow(0, *self._shard_range(shard[0])), tensor, hf_name)
+            loaded.add(target if shard is None else f"{target}:{shard[1]}")
+        missing = [n for n in self._expected_names() if n not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _shard_range(self, hf_part: str) -> tuple[int, int]:
+        s = self.shape
+        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        return {
+            "q_proj": (0, q),
+            "k_proj": (q, kv),
+            "v_proj": (q + kv, kv),
+            "gate_proj": (0, inter),
+            "up_proj": (inter, inter),
+        }[hf_part]
+
+    def _expected_names(self) -> list[str]:
+        names = []
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                names += [f"{name}:{i}" for i in range(3)]
+            elif ".gate_up_proj." in name:
+                names += [f"{name}:{i}" for i in range(2)]
+            else:
+                names.append(name)
+        return names
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

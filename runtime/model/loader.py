@@ -1,0 +1,130 @@
+"""Find a model, read its config and tokenizer, build it and load its weights.
+
+The built-in model, a local directory and a hub id all end up as a directory
+of Hugging Face files, and everything after that is one code path.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from conveyor.runtime.layers.attention import AttentionBackend
+from conveyor.runtime.model.builtin import BUILTIN_MODELS, builtin_model_path
+from conveyor.runtime.model.llama import LlamaForCausalLM
+
+log = logging.getLogger("conveyor.runtime")
+
+
+def resolve_model_path(model: str) -> Path:
+    """``conveyor-tiny`` -> its generated directory; a directory -> itself; a hub id -> the
+    local hub cache (downloaded first unless ``HF_HUB_OFFLINE=1``)."""
+    if model in BUILTIN_MODELS:
+        return builtin_model_path(model)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model directory {str(path)!r} has no config.json")
+        return path
+    if path.is_absolute() or model.startswith("."):
+        raise ValueError(f"model directory {model!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns, local_files_only=True))
+    except Exception as cached_miss:  # not in the local cache: try the hub, if allowed
+        if os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise ValueError(
+                f"model {model!r} is not a directory, a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                "or a hub id in the local cache, and HF_HUB_OFFLINE=1 forbids downloading it"
+            ) from cached_miss
+    try:
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except Exception as exc:
+        raise ValueError(
+            f"model {model!r} is not a directory, a built-in model ({', '.join(BUILTIN_MODELS)}), "
+            f"or a hub id that could be downloaded ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def load_config(path: Path):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: Path | str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def build_model(
+    config,
+    path: Path,
+    *,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+    on_progress: Callable[[str], None] | None = None,
+) -> LlamaForCausalLM:
+    """Build the model directly on ``device`` in ``dtype`` and fill its weights."""
+    progress = on_progress or log.info
+    started = time.monotonic()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config, backend)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    # The rotary tables stay float32 (cast per step), as in the reference.
+    model.rotary.float()
+    if load_format == "dummy":
+        g = torch.Generator(device=device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                else:
+                    param.uniform_(-0.05, 0.05, generator=g)
+        progress(f"built {config.model_type} with dummy weights in {time.monotonic() - started:.1f}s")
+    else:
+        files = sorted(glob.glob(str(path / "*.safetensors")))
+        if not files:
+            raise ValueError(
+                f"no *.safetensors files in {str(path)!r}; convert the checkpoint or use --load-format dummy"
+            )
+        with torch.no_grad():
+            model.load_weights(_iter_safetensors(files, device, progress))
+        progress(f"loaded {len(files)} weight file(s) in {time.monotonic() - started:.1f}s")
+    model.eval()
+    return model
+
+
+def _iter_safetensors(
+    files: list[str], device: torch.device, progress: Callable[[str], None]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for i, file in enumerate(files, 1):
+        progress(f"loading weights {i}/{len(files)}: {os.path.basename(file)}")
+        with safe_open(file, framework="pt", device=str(device) if device.type == "cuda" else "cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)

@@ -1,0 +1,99 @@
+"""Per-request sampling parameters, checked before a request enters the batch."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """What to generate and how; names and meanings follow the OpenAI API and vLLM."""
+
+    max_tokens: int = 16
+    """Most tokens to generate (OpenAI's default for completions is 16)."""
+    min_tokens: int = 0
+    """EOS and stop token ids are ignored until this many tokens were generated."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) keeps every token."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """HF-style: > 1 discourages any token already in the prompt or output."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    """Makes a sampled request reproducible, whatever else is in the batch."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: the output is cut before the first one."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        _int_at_least("max_tokens", self.max_tokens, 1)
+        _int_at_least("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+            )
+        _float_in("temperature", self.temperature, 0.0, None, "must be >= 0 (0 means greedy)")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+        _float_in("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
+        if not (_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+        _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0, "must be in [-2, 2]")
+        _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "must be in [-2, 2]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.logprobs is not None:
+            _int_at_least("logprobs", self.logprobs, 0)
+            if self.logprobs > 20:
+                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int_at_least(name: str, value: object, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _float_in(name: str, value: object, low: float, high: float | None, says: str) -> None:
+    if not _is_number(value) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name} {says}, got {value!r}")
