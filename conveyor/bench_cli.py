@@ -6,7 +6,10 @@ import importlib
 import sys
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "offline": ("conveyor.runtime.bench.offline", "engine throughput: continuous vs static vs none vs HF"),
+    "offline": (
+        "conveyor.runtime.bench.offline",
+        "engine throughput: continuous vs static vs none vs HF",
+    ),
     "serve": ("conveyor.runtime.bench.serve", "HTTP load generator against a server or gateway"),
     "serve-compare": ("conveyor.runtime.bench.serve_compare", "the seed's comparison over HTTP"),
     "gateway": ("conveyor.gateway.bench", "routing policies and gateway overhead"),
@@ -22,7 +25,10 @@ def main(argv: list[str]) -> int:
             print(f"  {name:<14} {help_}")
         return 0
     if argv[0] not in BENCHMARKS:
-        print(f"conveyor bench: unknown benchmark {argv[0]!r}; one of {', '.join(BENCHMARKS)}", file=sys.stderr)
+        print(
+            f"conveyor bench: unknown benchmark {argv[0]!r}; one of {', '.join(BENCHMARKS)}",
+            file=sys.stderr,
+        )
         return 2
     module = importlib.import_module(BENCHMARKS[argv[0]][0])
     return int(module.main(argv[1:]) or 0)

@@ -11,7 +11,10 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("conveyor.runtime.server.cli", "start one runtime replica (OpenAI-compatible HTTP API)"),
+    "serve": (
+        "conveyor.runtime.server.cli",
+        "start one runtime replica (OpenAI-compatible HTTP API)",
+    ),
     "generate": ("conveyor.runtime.generate_cli", "generate text offline on a model (no server)"),
     "gateway": ("conveyor.gateway.cli", "start the load- and cache-aware gateway"),
     "operator": ("conveyor.operator.cli", "run the LLMService operator"),

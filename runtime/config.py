@@ -107,42 +107,111 @@ class EngineSettings:
         """Add the engine's flags (canonical names first, SGLang/vLLM spellings as aliases)."""
         d = EngineSettings()
         g = parser.add_argument_group("engine")
-        g.add_argument("--model", "--model-path", default=d.model,
-                       help="model directory, cached hub id, or conveyor-tiny (built in, generated on first use)")
-        g.add_argument("--tokenizer", "--tokenizer-path", default=None,
-                       help="tokenizer directory or id (default: the model's)")
-        g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                       help="weights/activations dtype; auto = config dtype on GPU, float32 on CPU")
-        g.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
-                       help="dummy = random weights of the config's shapes (benchmarks)")
+        g.add_argument(
+            "--model",
+            "--model-path",
+            default=d.model,
+            help="model directory, cached hub id, or conveyor-tiny (built in, generated on first use)",
+        )
+        g.add_argument(
+            "--tokenizer",
+            "--tokenizer-path",
+            default=None,
+            help="tokenizer directory or id (default: the model's)",
+        )
+        g.add_argument(
+            "--dtype",
+            default=d.dtype,
+            choices=DTYPES,
+            help="weights/activations dtype; auto = config dtype on GPU, float32 on CPU",
+        )
+        g.add_argument(
+            "--load-format",
+            default=d.load_format,
+            choices=LOAD_FORMATS,
+            help="dummy = random weights of the config's shapes (benchmarks)",
+        )
         g.add_argument("--device", default=d.device, help="auto, cpu, cuda, cuda:N")
-        g.add_argument("--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling")
-        g.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=d.max_running_requests,
-                       help=f"max requests in the running batch (default {d.max_running_requests})")
-        g.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", type=int,
-                       default=d.chunked_prefill_size,
-                       help=f"token budget per engine step (default {d.chunked_prefill_size})")
-        g.add_argument("--max-model-len", "--context-length", type=int, default=None,
-                       help="max prompt+output tokens (default: the model's, clamped to the KV cache)")
-        g.add_argument("--block-size", "--page-size", type=int, default=d.block_size,
-                       help=f"tokens per KV-cache block (default {d.block_size})")
-        g.add_argument("--max-total-tokens", type=int, default=None,
-                       help="KV-cache size in tokens (the way to size it on CPU)")
-        g.add_argument("--mem-fraction-static", "--gpu-memory-utilization", type=float,
-                       default=d.mem_fraction_static,
-                       help=f"GPU: fraction of memory for weights + KV cache (default {d.mem_fraction_static})")
-        g.add_argument("--cpu-kv-cache-bytes", type=parse_bytes, default=d.cpu_kv_cache_bytes,
-                       help="CPU: KV-cache budget when --max-total-tokens is unset (e.g. 512MiB; default 1GiB)")
-        g.add_argument("--disable-prefix-caching", "--disable-radix-cache", action="store_true",
-                       help="do not reuse KV blocks of shared prompt prefixes")
-        g.add_argument("--scheduler", default=d.scheduler, choices=SCHEDULER_MODES,
-                       help="continuous (default), static (batch runs to completion), none (one at a time)")
-        g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
-                       help="auto = triton on CUDA, torch elsewhere")
-        g.add_argument("--enforce-eager", "--disable-cuda-graph", action="store_true",
-                       help="GPU: never capture CUDA graphs")
-        g.add_argument("--num-threads", type=int, default=None,
-                       help="CPU threads for torch (default: the CPU limit of this process)")
+        g.add_argument(
+            "--seed", type=int, default=d.seed, help="seed for dummy weights and unseeded sampling"
+        )
+        g.add_argument(
+            "--max-running-requests",
+            "--max-num-seqs",
+            type=int,
+            default=d.max_running_requests,
+            help=f"max requests in the running batch (default {d.max_running_requests})",
+        )
+        g.add_argument(
+            "--chunked-prefill-size",
+            "--max-num-batched-tokens",
+            type=int,
+            default=d.chunked_prefill_size,
+            help=f"token budget per engine step (default {d.chunked_prefill_size})",
+        )
+        g.add_argument(
+            "--max-model-len",
+            "--context-length",
+            type=int,
+            default=None,
+            help="max prompt+output tokens (default: the model's, clamped to the KV cache)",
+        )
+        g.add_argument(
+            "--block-size",
+            "--page-size",
+            type=int,
+            default=d.block_size,
+            help=f"tokens per KV-cache block (default {d.block_size})",
+        )
+        g.add_argument(
+            "--max-total-tokens",
+            type=int,
+            default=None,
+            help="KV-cache size in tokens (the way to size it on CPU)",
+        )
+        g.add_argument(
+            "--mem-fraction-static",
+            "--gpu-memory-utilization",
+            type=float,
+            default=d.mem_fraction_static,
+            help=f"GPU: fraction of memory for weights + KV cache (default {d.mem_fraction_static})",
+        )
+        g.add_argument(
+            "--cpu-kv-cache-bytes",
+            type=parse_bytes,
+            default=d.cpu_kv_cache_bytes,
+            help="CPU: KV-cache budget when --max-total-tokens is unset (e.g. 512MiB; default 1GiB)",
+        )
+        g.add_argument(
+            "--disable-prefix-caching",
+            "--disable-radix-cache",
+            action="store_true",
+            help="do not reuse KV blocks of shared prompt prefixes",
+        )
+        g.add_argument(
+            "--scheduler",
+            default=d.scheduler,
+            choices=SCHEDULER_MODES,
+            help="continuous (default), static (batch runs to completion), none (one at a time)",
+        )
+        g.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            choices=ATTENTION_BACKENDS,
+            help="auto = triton on CUDA, torch elsewhere",
+        )
+        g.add_argument(
+            "--enforce-eager",
+            "--disable-cuda-graph",
+            action="store_true",
+            help="GPU: never capture CUDA graphs",
+        )
+        g.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="CPU threads for torch (default: the CPU limit of this process)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineSettings:
@@ -181,8 +250,19 @@ def _check_positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-               "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+_BYTE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
 
 
 def parse_bytes(text: str) -> int:

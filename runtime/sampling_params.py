@@ -53,13 +53,19 @@ class SamplingParams:
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be -1 (disabled) or a positive integer, got {self.top_k!r}"
+            )
         _float_in("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
         if not (_is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}")
+            raise ValueError(
+                f"repetition_penalty must be in (0, 2], got {self.repetition_penalty!r}"
+            )
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0, "must be in [-2, 2]")
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "must be in [-2, 2]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+        ):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)

@@ -120,7 +120,8 @@ class BlockManager:
             seq.block_table.append(block_id)
         if cached_blocks and self.enable_prefix_caching:
             self._seq_hashes[seq.request_id] = [
-                self.blocks[b].block_hash for b in cached_blocks  # type: ignore[misc]
+                self.blocks[b].block_hash
+                for b in cached_blocks  # type: ignore[misc]
             ]
         for _ in range(need_new):
             seq.block_table.append(self._take_free_block())

@@ -12,7 +12,9 @@ from conveyor.runtime.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, params: SamplingParams, prompt_token_ids: list[int] | None = None):
+    def __init__(
+        self, tokenizer, params: SamplingParams, prompt_token_ids: list[int] | None = None
+    ):
         from tokenizers.decoders import DecodeStream
 
         self._backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer._tokenizer

@@ -36,9 +36,13 @@ class LLMEngine:
         self.model_path = path
         self.model_name = settings.model
         self.hf_config = load_config(path)
-        self.tokenizer = load_tokenizer(resolve_model_path(settings.tokenizer) if settings.tokenizer else path)
+        self.tokenizer = load_tokenizer(
+            resolve_model_path(settings.tokenizer) if settings.tokenizer else path
+        )
         self.runner = ModelRunner(settings, self.hf_config, path, on_progress=progress)
-        self.state = EngineState.derive(settings, self.hf_config, self.tokenizer, path, self.runner, threads)
+        self.state = EngineState.derive(
+            settings, self.hf_config, self.tokenizer, path, self.runner, threads
+        )
         self.runner.eos_token_ids = self.state.eos_token_ids
         self.runner.allocate_kv_cache(self.state.num_blocks)
         self.block_manager = BlockManager(
@@ -49,7 +53,9 @@ class LLMEngine:
             max_running=settings.max_running_requests,
             token_budget=settings.chunked_prefill_size,
             mode=settings.scheduler,
-            watermark_blocks=max(1, self.state.num_blocks // 100) if self.state.num_blocks > 100 else 0,
+            watermark_blocks=max(1, self.state.num_blocks // 100)
+            if self.state.num_blocks > 100
+            else 0,
         )
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
@@ -57,7 +63,9 @@ class LLMEngine:
         self.generation_tokens = 0
         self.steps = 0
         progress(self.kv_cache_summary())
-        progress(f"engine ready in {time.monotonic() - started:.1f}s ({self.runner.device}, {threads} threads)")
+        progress(
+            f"engine ready in {time.monotonic() - started:.1f}s ({self.runner.device}, {threads} threads)"
+        )
 
     @property
     def max_model_len(self) -> int:
@@ -181,7 +189,7 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_tokens,
             output_token_ids=seq.output_token_ids,
-            new_logprobs=seq.logprobs[-len(new_tokens):] if new_tokens and seq.logprobs else [],
+            new_logprobs=seq.logprobs[-len(new_tokens) :] if new_tokens and seq.logprobs else [],
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,
@@ -210,4 +218,3 @@ class LLMEngine:
             preemptions=c.preemptions,
             steps=self.steps,
         )
-

@@ -9,12 +9,12 @@ last known token was computed in this step.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
 
 from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.layers.attention import select_backend
@@ -69,7 +69,24 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
-        self._pin = self.device.type == "cuda"
+        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine once derived
+        # -- GPU path (issue 12): fused Triton layers, CUDA graphs for decode ------------------
+        if self.backend.name == "triton":
+            from conveyor.runtime.kernels.backend import use_fused_layers
+
+            use_fused_layers(self.model)
+        self.cuda_graphs: DecodeCudaGraphs | None = None
+        if (
+            self.device.type == "cuda"
+            and self.backend.name == "triton"
+            and not settings.enforce_eager
+        ):
+            self.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                settings.max_running_requests,
+                -(-s.max_position // self.block_size),
+                self.device,
+            )
 
     # -- KV cache ------------------------------------------------------------------------
 
@@ -105,7 +122,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = min(self.settings.chunked_prefill_size, self.model.shape.max_position)
-        self.allocate_kv_cache(-(-tokens // self.block_size) + 1)
+        self.allocate_kv_cache(-(-tokens // self.block_size) + 1, capture_graphs=False)
         fake = Sequence("warmup", [0] * tokens, tokens, params=None, arrival_time=0.0)  # type: ignore[arg-type]
         fake.block_table = list(range(-(-tokens // self.block_size)))
         batch = ScheduledBatch(seqs=[fake], num_new_tokens=[tokens], num_decodes=0)
@@ -113,18 +130,28 @@ class ModelRunner:
         with torch.inference_mode():
             self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta)[-1:])
         torch.cuda.synchronize(self.device)
-        self.kv_cache = None
         peak = torch.cuda.max_memory_allocated(self.device)
+        if self.cuda_graphs is not None:  # the graphs' pool comes out of the KV cache's share
+            peak += self.cuda_graphs.measure(self.kv_cache)
+        self.kv_cache = None
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.settings.mem_fraction_static - peak)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         s = self.model.shape
         # (layers, K/V, blocks, block_size, kv_heads, head_dim); zeros, so padded reads are finite.
         self.kv_cache = torch.zeros(
-            s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim,
-            dtype=self.dtype, device=self.device,
+            s.num_layers,
+            2,
+            num_blocks,
+            self.block_size,
+            s.num_kv_heads,
+            s.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
+        if self.cuda_graphs is not None and capture_graphs:  # the graphs hold the cache's address
+            self.cuda_graphs.capture(self.kv_cache)
 
     # -- one step -------------------------------------------------------------------------
 
@@ -132,7 +159,12 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> dict[str, Sample]:
         """Run the model over ``batch``; returns a sample per sequence that reached its end."""
         input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(
+            batch.num_decodes, len(input_ids)
+        ):
+            hidden = self.cuda_graphs.run(input_ids, positions, meta)  # (T, hidden)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
         if not sample_rows:
             return {}
         seqs = [batch.seqs[i] for i, _ in sample_rows]
@@ -171,7 +203,6 @@ class ModelRunner:
                 prefill_tables.append(table)
                 prefill_ctx.append(end)
                 prefill_q.append(n)
-        dev = self.device
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=batch.num_decodes,
@@ -186,7 +217,6 @@ class ModelRunner:
             prefill_query_lens_host=tuple(prefill_q),
             prefill_context_lens_host=tuple(prefill_ctx),
         )
-        del dev
         return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows
 
     def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
@@ -208,7 +238,9 @@ class ModelRunner:
             top_k=self._tensor(top_k, torch.int64),
             min_p=self._tensor([p.min_p for p in params], f32),
             all_greedy=all(p.greedy for p in params),
-            needs_top_k_top_p=any(p.top_p < 1.0 or k < vocab for p, k in zip(params, top_k, strict=True)),
+            needs_top_k_top_p=any(
+                p.top_p < 1.0 or k < vocab for p, k in zip(params, top_k, strict=True)
+            ),
             needs_min_p=any(p.min_p > 0 for p in params),
             generators=[self._generator(s) for s in seqs],
             max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
@@ -223,7 +255,9 @@ class ModelRunner:
                 prompt_mask[i, torch.tensor(s.prompt_token_ids)] = True
                 out = s.output_token_ids
                 if out:
-                    counts[i].index_add_(0, torch.tensor(out), torch.ones(len(out), dtype=torch.int64))
+                    counts[i].index_add_(
+                        0, torch.tensor(out), torch.ones(len(out), dtype=torch.int64)
+                    )
             t.prompt_mask = prompt_mask.to(self.device)
             t.output_counts = counts.to(self.device).to(f32)
         bans = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
@@ -238,8 +272,6 @@ class ModelRunner:
                     banned[i, torch.tensor(ids)] = True
             t.banned = banned.to(self.device)
         return t
-
-    eos_token_ids: tuple[int, ...] = ()
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.greedy:
@@ -269,9 +301,6 @@ class ModelRunner:
             top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k and top_ids else []
             result.append(TokenLogprob(token_id=int(out.token_ids[i]), logprob=lps[i], top=top))
         return result
-
-    def warmup_log(self, started: float) -> None:
-        log.info("model ready in %.1fs", time.monotonic() - started)
 
 
 def _pad(tables: list[list[int]]) -> list[list[int]]:

@@ -35,7 +35,9 @@ class EngineState:
                     f"the KV cache holds {capacity} tokens, fewer than --max-model-len {wanted}: "
                     "lower --max-model-len, or raise --max-total-tokens / the memory budget"
                 )
-            log.warning("max model len clamped from %d to the KV cache's %d tokens", wanted, capacity)
+            log.warning(
+                "max model len clamped from %d to the KV cache's %d tokens", wanted, capacity
+            )
             wanted = capacity
         return cls(
             num_blocks=num_blocks,

@@ -34,7 +34,11 @@ class AttentionBackend(Protocol):
 
 
 def write_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
 ) -> None:
     """Scatter the step's K/V (T, Hkv, D) into the paged cache at ``slots`` (T,)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -113,7 +117,8 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from conveyor.runtime.kernels.backend import TritonAttentionBackend
+        from conveyor.runtime.kernels.backend import TritonAttentionBackend, check_triton_device
 
+        check_triton_device(device)
         return TritonAttentionBackend()
     raise ValueError(f"attention backend must be auto, torch or triton; got {name!r}")

@@ -7,6 +7,9 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    use_triton = False
+    """Run the fused Triton kernel (set by the model runner with the triton backend)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -16,6 +19,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` (..., hidden). With ``residual``: returns (norm(x + residual), x + residual)."""
+        if self.use_triton:
+            from conveyor.runtime.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -14,10 +14,14 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    rope_type = (
+        params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    )
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = 1.0 / (
+            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+        )
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -26,7 +30,13 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0):
+    use_triton = False
+    """Rotate q and k in place with the Triton kernel (set by the model runner with the triton
+    backend)."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0
+    ):
         super().__init__()
         self.head_dim = head_dim
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
@@ -38,6 +48,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` (T,), ``q`` (T, Hq, D), ``k`` (T, Hkv, D) -> rotated q, k."""
+        if self.use_triton:
+            from conveyor.runtime.kernels.rotary import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

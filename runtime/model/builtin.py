@@ -65,7 +65,12 @@ def builtin_model_path(name: str = "conveyor-tiny") -> Path:
 
 
 def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
-    """Write a random-weight Llama-family model with a byte-level tokenizer to ``path``."""
+    """Write a random-weight Llama-family model with a byte-level tokenizer to ``path``.
+
+    ``config`` is a Hugging Face config dict of model type llama, mistral, qwen2
+    (q/k/v biases) or qwen3 (q/k norms); the tests use small random Qwen2 and
+    Qwen3 shapes made this way.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
@@ -92,7 +97,9 @@ def _write_tokenizer(out: Path, config: dict) -> None:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    reserved = [f"<|reserved_{i}|>" for i in range(config["vocab_size"] - 256 - len(SPECIAL_TOKENS))]
+    reserved = [
+        f"<|reserved_{i}|>" for i in range(config["vocab_size"] - 256 - len(SPECIAL_TOKENS))
+    ]
     tok.add_special_tokens(SPECIAL_TOKENS + reserved)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -107,8 +114,10 @@ def _write_tokenizer(out: Path, config: dict) -> None:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (ByteLevel's alphabet, in byte order)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars = printable[:]
     n = 0
@@ -162,8 +171,23 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             p + "input_layernorm.weight": 1.0 + normal(h, std=0.05),
             p + "post_attention_layernorm.weight": 1.0 + normal(h, std=0.05),
         }
+        if config["model_type"] == "qwen2" or config.get("attention_bias"):
+            tensors |= {
+                p + "self_attn.q_proj.bias": normal(nh * hd, std=0.1),
+                p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),
+                p + "self_attn.v_proj.bias": normal(nkv * hd, std=0.1),
+            }
+        if config["model_type"] == "qwen3":
+            tensors |= {
+                p + "self_attn.q_norm.weight": 1.0 + normal(hd, std=0.05),
+                p + "self_attn.k_norm.weight": 1.0 + normal(hd, std=0.05),
+            }
     tensors["model.norm.weight"] = torch.ones(h)
     # Logits with a spread of a few units: greedy choices are clear-cut, not ties.
-    tensors["lm_head.weight"] = normal(v, h, std=0.25)
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    if not config.get("tie_word_embeddings"):
+        tensors["lm_head.weight"] = normal(v, h, std=4.0 / h**0.5)
+    save_file(
+        {k: t.contiguous() for k, t in tensors.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )

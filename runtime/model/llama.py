@@ -166,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(f".{hf_part}.", f".{ours}."), (hf_part, index)
                     break
             if target not in params:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}"
+                )
             param = params[target]
             if shard is None:
                 _copy(param.data, tensor, hf_name)
@@ -202,5 +204,7 @@ class LlamaForCausalLM(nn.Module):
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(src)

@@ -104,7 +104,9 @@ def build_model(
                     param.fill_(1.0)
                 else:
                     param.uniform_(-0.05, 0.05, generator=g)
-        progress(f"built {config.model_type} with dummy weights in {time.monotonic() - started:.1f}s")
+        progress(
+            f"built {config.model_type} with dummy weights in {time.monotonic() - started:.1f}s"
+        )
     else:
         files = sorted(glob.glob(str(path / "*.safetensors")))
         if not files:
@@ -125,6 +127,8 @@ def _iter_safetensors(
 
     for i, file in enumerate(files, 1):
         progress(f"loading weights {i}/{len(files)}: {os.path.basename(file)}")
-        with safe_open(file, framework="pt", device=str(device) if device.type == "cuda" else "cpu") as f:
+        with safe_open(
+            file, framework="pt", device=str(device) if device.type == "cuda" else "cpu"
+        ) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 yield name, f.get_tensor(name)

@@ -1,0 +1,81 @@
+"""Model directories and the Hugging Face reference for the engine's correctness tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.runtime.model.builtin import TINY_CONFIG, builtin_model_path, generate_model
+
+SMALL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    vocab_size=320,
+    torch_dtype="float32",
+)
+
+QWEN2 = dict(
+    SMALL, architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=False
+)
+QWEN3 = dict(
+    SMALL,
+    architectures=["Qwen3ForCausalLM"],
+    model_type="qwen3",
+    attention_bias=False,
+    tie_word_embeddings=True,
+    num_key_value_heads=1,
+)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "conveyor-tiny": str(builtin_model_path()),
+        "qwen2": str(generate_model(root / "qwen2", QWEN2, seed=1)),
+        "qwen3": str(generate_model(root / "qwen3", QWEN3, seed=2)),
+    }
+
+
+class Reference:
+    """Greedy outputs of transformers' ``generate`` on the same model directory, cached."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, object] = {}
+        self._cache: dict[tuple, list[int]] = {}
+
+    def greedy(self, model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (model_dir, tuple(prompt_ids), max_new_tokens)
+        if key not in self._cache:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            if model_dir not in self._models:
+                self._models[model_dir] = AutoModelForCausalLM.from_pretrained(
+                    model_dir, dtype=torch.float32
+                ).eval()
+            model = self._models[model_dir]
+            ids = torch.tensor([prompt_ids])
+            with torch.inference_mode():
+                out = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    do_sample=False,
+                )
+            self._cache[key] = out[0, len(prompt_ids) :].tolist()
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def reference() -> Reference:
+    return Reference()
+
+
+__all__ = ["TINY_CONFIG"]
