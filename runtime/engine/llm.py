@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -50,6 +51,10 @@ class LLM:
         self.engine = LLMEngine(EngineSettings(model=model, **settings))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> LLM:
+        return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)})
 
     def generate(
         self,

@@ -1,0 +1,240 @@
+"""The gateway's ASGI app: components are built in the lifespan and passed to each other.
+
+Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (proxied, see ``proxy.py``),
+``GET /v1/models`` (every pool's model), ``/health``, ``/ready``, ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.routing import Route
+
+from conveyor.gateway.auth import ApiKeyAuth
+from conveyor.gateway.errors import error_body
+from conveyor.gateway.k8s_discovery import K8sPoolSpec, KubernetesDiscovery, KubernetesSliceSource
+from conveyor.gateway.load_poller import LoadPoller
+from conveyor.gateway.metrics import GatewayMetrics
+from conveyor.gateway.pool import Registry
+from conveyor.gateway.proxy import Proxy
+from conveyor.gateway.routing import make_policy
+from conveyor.gateway.settings import GatewaySettings
+from conveyor.gateway.static_discovery import StaticDiscovery
+
+log = logging.getLogger("conveyor.gateway")
+
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+@dataclass
+class Gateway:
+    """Everything one running gateway holds; built and torn down by the lifespan."""
+
+    settings: GatewaySettings
+    client: httpx.AsyncClient
+    session: aiohttp.ClientSession
+    metrics: GatewayMetrics
+    registry: Registry
+    auth: ApiKeyAuth
+    proxy: Proxy
+    synced: list[asyncio.Event] = field(default_factory=list)
+    """One per discovery source; the gateway is ready once each has synced once."""
+
+
+def make_control_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    """Client for /load polls and /v1/models: a few requests per replica per second.
+
+    ``trust_env=False`` so no proxy variable reroutes traffic meant for pods.
+    """
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(settings.load_poll_timeout_s),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+        trust_env=False,
+    )
+
+
+def make_upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
+    """The one pooled client of the data path (proxied requests).
+
+    aiohttp rather than httpx here: httpcore's pool scans every connection on each request
+    and release, which took two thirds of the gateway's CPU at 200 concurrent streams
+    (``conveyor bench gateway --part overhead``); aiohttp's connector does not.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, use_dns_cache=True),
+        timeout=aiohttp.ClientTimeout(
+            total=None, connect=settings.connect_timeout_s, sock_read=settings.upstream_timeout_s
+        ),
+        auto_decompress=False,  # bytes pass through as the replica encoded them
+        trust_env=False,
+        skip_auto_headers=("User-Agent",),
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
+    """Build every component, start discovery and load polling; stop all of it on exit."""
+    metrics = GatewayMetrics()
+
+    def policy_factory(name: str | None):
+        return make_policy(
+            name or settings.routing,
+            bounded_load_factor=settings.bounded_load_factor,
+            ring_vnodes=settings.ring_vnodes,
+        )
+
+    registry = Registry(policy_factory)
+    auth = ApiKeyAuth(settings.api_keys)
+    async with (
+        make_control_client(settings) as client,
+        make_upstream_session(settings) as session,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        proxy = Proxy(
+            registry=registry, session=session, metrics=metrics, auth=auth, settings=settings
+        )
+        gateway = Gateway(settings, client, session, metrics, registry, auth, proxy)
+        poller = LoadPoller(
+            registry=registry,
+            client=client,
+            metrics=metrics,
+            interval_s=settings.load_poll_interval_s,
+            timeout_s=settings.load_poll_timeout_s,
+            backend_api_key=settings.backend_api_key,
+        )
+        tasks = [asyncio.create_task(poller.run(), name="load poller")]
+        if settings.backends or settings.backends_file:
+            static = StaticDiscovery(
+                registry=registry,
+                client=client,
+                backends=settings.backends,
+                backends_file=settings.backends_file,
+                interval_s=settings.discovery_interval_s,
+                timeout_s=settings.load_poll_timeout_s,
+                backend_api_key=settings.backend_api_key,
+            )
+            gateway.synced.append(static.synced)
+            tasks.append(asyncio.create_task(static.run(), name="static discovery"))
+        if settings.k8s_namespace:
+            source = await KubernetesSliceSource.connect()
+            stack.push_async_callback(source.close)
+            k8s = KubernetesDiscovery(
+                registry=registry,
+                source=source,
+                client=client,
+                timeout_s=settings.load_poll_timeout_s,
+                backend_api_key=settings.backend_api_key,
+            )
+            stack.push_async_callback(k8s.close)
+            selector = settings.k8s_selector or f"kubernetes.io/service-name={settings.k8s_service}"
+            k8s.add_pool(
+                K8sPoolSpec(
+                    namespace=settings.k8s_namespace,
+                    label_selector=selector,
+                    model=settings.k8s_model,
+                    port_name=settings.k8s_port_name,
+                )
+            )
+            gateway.synced.append(k8s.synced)
+        try:
+            yield gateway
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _ProxyRoute:
+    """ASGI endpoint that hands the request to the running gateway's proxy."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await scope["app"].state.gateway.proxy(scope, receive, send)
+
+
+def build_app(settings: GatewaySettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with running_gateway(settings) as gateway:
+            app.state.gateway = gateway
+            log.info(
+                "gateway listening on %s:%d, routing %s, %d API keys",
+                settings.host, settings.port, settings.routing, len(settings.api_keys),
+            )  # fmt: skip
+            yield
+
+    app = FastAPI(
+        title="conveyor gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    for path in PROXIED_PATHS:
+        app.router.routes.append(Route(path, _ProxyRoute(), methods=["POST"]))
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        if all(event.is_set() for event in gateway.synced):
+            return JSONResponse({"status": "ready", "models": gateway.registry.served_models()})
+        return JSONResponse({"status": "discovering replicas"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def unauthorized(request: Request) -> Response | None:
+        gateway: Gateway = request.app.state.gateway
+        if gateway.auth.allows(request.headers.get("authorization", "").encode()):
+            return None
+        message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
+        return Response(error_body(401, message), status_code=401, media_type="application/json")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        if (refused := unauthorized(request)) is not None:
+            return refused
+        data = [
+            {"id": model, "object": "model", "created": 0, "owned_by": "conveyor"}
+            for model in gateway.registry.served_models()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.get("/debug/pools")
+    async def pools(request: Request) -> Response:
+        """Every pool's replicas and what the gateway knows of them (for people and tests)."""
+        gateway: Gateway = request.app.state.gateway
+        if (refused := unauthorized(request)) is not None:
+            return refused
+        now = asyncio.get_running_loop().time()
+        stale = gateway.settings.load_stale_after_s
+        return JSONResponse({
+            model: {
+                "policy": pool.policy.name,
+                "replicas": [
+                    {
+                        "url": r.url,
+                        "admitted": r.admitted(now),
+                        "load_known": r.load_known(now, stale),
+                        "in_flight": r.in_flight,
+                        "load": None if r.load is None else vars(r.load),
+                    }
+                    for r in pool.replicas.values()
+                ],
+            }
+            for model, pool in gateway.registry.pools.items()
+        })  # fmt: skip
+
+    return app

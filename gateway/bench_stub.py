@@ -1,0 +1,168 @@
+"""A minimal OpenAI-style streaming server that exists only for benchmarks and tests.
+
+It answers like a runtime replica (``/v1/completions``, ``/v1/chat/completions`` streamed
+or not, ``/v1/models``, ``/load``, ``/health``, ``/ready``) without a model, so a
+measurement through the gateway measures the gateway. Each completion's text names the
+stub (``--name``), so a test can tell which replica answered.
+
+``python -m conveyor.gateway.bench_stub --port P [--tokens N --token-interval-ms MS]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class StubSettings:
+    host: str = "127.0.0.1"
+    """Loopback: a stub is never meant to be reachable from elsewhere."""
+    port: int = 8000
+    """Port to listen on (the runtime's port by default)."""
+    model: str = "stub"
+    """Model name served."""
+    name: str = ""
+    """Name put in every completion's text; defaults to host:port."""
+    tokens: int = 16
+    """Chunks per streamed completion (and words in a non-streamed one)."""
+    token_interval_ms: float = 0.0
+    """Pause between chunks in milliseconds, to hold streams open for concurrency tests."""
+    max_running_requests: int = 256
+    """Reported in /load; the stub itself never queues."""
+    max_queued_requests: int = -1
+    """Reported in /load (negative: null, no bound)."""
+    report_waiting: int = 0
+    """Queue depth reported in /load, to make the gateway see a full replica."""
+
+
+class StubApp:
+    def __init__(self, settings: StubSettings) -> None:
+        self.s = settings
+        self.name = settings.name or f"{settings.host}:{settings.port}"
+        self.running = 0
+        self.served = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        path = scope["path"]
+        if path == "/load":
+            await _json(send, {
+                "running": self.running, "waiting": self.s.report_waiting, "kv_cache_usage": 0.0,
+                "max_running_requests": self.s.max_running_requests,
+                "max_queued_requests": None if self.s.max_queued_requests < 0 else self.s.max_queued_requests,
+                "ready": True, "served": self.served,
+            })  # fmt: skip
+        elif path in ("/health", "/ready"):
+            await _json(send, {"status": "ok"})
+        elif path == "/v1/models":
+            await _json(send, {"object": "list", "data": [{"id": self.s.model, "object": "model"}]})
+        elif path in ("/v1/completions", "/v1/chat/completions") and scope["method"] == "POST":
+            body = b""
+            while True:
+                message = await receive()
+                body += message.get("body", b"")
+                if not message.get("more_body"):
+                    break
+            request = json.loads(body)
+            self.running += 1
+            self.served += 1
+            # uvicorn drops sends after a disconnect silently: watch for it, as the runtime does
+            complete = asyncio.ensure_future(
+                self._complete(request, path.endswith("chat/completions"), send)
+            )
+            disconnect = asyncio.ensure_future(_wait_disconnect(receive))
+            try:
+                await asyncio.wait((complete, disconnect), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                complete.cancel()
+                disconnect.cancel()
+                self.running -= 1
+        else:
+            await _json(send, {"error": {"message": "not found"}}, 404)
+
+    async def _complete(self, request: dict[str, Any], chat: bool, send: Any) -> None:
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        base = {"id": "cmpl-stub", "created": created, "model": self.s.model}
+        n = int(request.get("max_tokens") or self.s.tokens)
+        if not request.get("stream"):
+            text = " ".join([self.name] * n)
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length",
+                }
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length"}
+            )
+            usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            await _json(send, {**base, "object": kind, "choices": [choice], "usage": usage})
+            return
+        await send({
+            "type": "http.response.start", "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        })  # fmt: skip
+        interval = self.s.token_interval_ms / 1000
+        for i in range(n):
+            if i and interval:
+                await asyncio.sleep(interval)
+            last = i == n - 1
+            delta = {"content": f"{self.name} "} if chat else None
+            choice = (
+                {"index": 0, "delta": delta, "finish_reason": "length" if last else None}
+                if chat
+                else {
+                    "index": 0,
+                    "text": f"{self.name} ",
+                    "finish_reason": "length" if last else None,
+                }
+            )
+            chunk = {**base, "object": f"{kind}.chunk" if chat else kind, "choices": [choice]}
+            payload = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            if last:
+                payload += b"data: [DONE]\n\n"
+            await send({"type": "http.response.body", "body": payload, "more_body": not last})
+
+
+async def _wait_disconnect(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _json(send: Any, doc: dict[str, Any], status: int = 200) -> None:
+    body = json.dumps(doc).encode()
+    await send({
+        "type": "http.response.start", "status": status,
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+    })  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+def main(argv: list[str] | None = None) -> int:
+    defaults = StubSettings()
+    parser = argparse.ArgumentParser(prog="python -m conveyor.gateway.bench_stub")
+    for field, default in vars(defaults).items():
+        parser.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+    settings = StubSettings(**vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
+    import uvicorn
+
+    uvicorn.run(
+        StubApp(settings), host=settings.host, port=settings.port, log_level="warning",
+        access_log=False, backlog=4096,
+    )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

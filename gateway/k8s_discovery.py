@@ -1,0 +1,239 @@
+"""Kubernetes discovery: a pool's replicas are the ready endpoints of EndpointSlices picked by label.
+
+A pool is (model name, routing policy, EndpointSlice label selector in a namespace). Today
+the command line gives one (``--k8s-service`` or ``--k8s-selector``); the operator adds one
+per LLMService through :meth:`KubernetesDiscovery.add_pool` / :meth:`remove_pool`.
+
+Each pool has one task: list, then watch from the list's resourceVersion; on any error (the
+watch dropping, 410 Gone, the apiserver away) list and watch again after a backoff. The
+Kubernetes client sits behind :class:`SliceSource` (list and watch, plain dicts out), so the
+event handling is tested with fake events and the kubernetes-facing part stays thin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from conveyor.gateway.pool import Registry
+from conveyor.gateway.static_discovery import fetch_models
+
+log = logging.getLogger("conveyor.gateway")
+
+BACKOFF_INITIAL_S = 0.5
+"""First wait before re-listing after a failed list or watch."""
+BACKOFF_MAX_S = 30.0
+"""Longest wait between attempts while the apiserver is away."""
+WATCH_TIMEOUT_S = 300
+"""Server-side watch timeout; the watch is then re-established from the last resourceVersion."""
+
+
+@dataclass(frozen=True)
+class K8sPoolSpec:
+    namespace: str
+    label_selector: str
+    """EndpointSlice selector, e.g. ``kubernetes.io/service-name=chat`` or ``conveyor.dev/llmservice=chat``."""
+    model: str | None = None
+    """Model the pool serves; None reads it from the first ready replica's /v1/models."""
+    policy: str | None = None
+    """Routing policy of the pool; None is the gateway's default."""
+    port_name: str | None = None
+    """Which EndpointSlice port to use; None takes the slice's first port."""
+
+    @property
+    def source(self) -> str:
+        return f"k8s:{self.namespace}/{self.label_selector}"
+
+
+def endpoint_urls(slice_: dict[str, Any], port_name: str | None) -> set[str]:
+    """``http://ADDRESS:PORT`` for each ready endpoint of one EndpointSlice (API JSON, camelCase)."""
+    ports = slice_.get("ports") or []
+    port = next(
+        (p.get("port") for p in ports if port_name is None or p.get("name") == port_name), None
+    )
+    if port is None:
+        return set()
+    urls = set()
+    for endpoint in slice_.get("endpoints") or []:
+        conditions = endpoint.get("conditions") or {}
+        if conditions.get("ready") is False:  # unset means ready (API docs)
+            continue
+        for address in (endpoint.get("addresses") or [])[:1]:  # all addresses are one pod
+            host = f"[{address}]" if ":" in address else address
+            urls.add(f"http://{host}:{port}")
+    return urls
+
+
+class EndpointSliceTracker:
+    """Ready endpoint URLs of one pool, kept up to date from list results and watch events."""
+
+    def __init__(self, port_name: str | None) -> None:
+        self._port_name = port_name
+        self._slices: dict[str, set[str]] = {}
+
+    def reset(self, slices: list[dict[str, Any]]) -> None:
+        self._slices = {s["metadata"]["name"]: endpoint_urls(s, self._port_name) for s in slices}
+
+    def apply(self, event_type: str, slice_: dict[str, Any]) -> None:
+        name = slice_["metadata"]["name"]
+        if event_type == "DELETED":
+            self._slices.pop(name, None)
+        elif event_type in ("ADDED", "MODIFIED"):
+            self._slices[name] = endpoint_urls(slice_, self._port_name)
+        # BOOKMARK and anything newer carry no endpoints
+
+    def urls(self) -> set[str]:
+        return set().union(*self._slices.values()) if self._slices else set()
+
+
+class SliceSource(Protocol):
+    """The Kubernetes boundary: EndpointSlices as plain API dicts."""
+
+    async def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
+        """(slices, resourceVersion)."""
+        ...
+
+    def watch(
+        self, namespace: str, selector: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """(event type, slice) until the watch ends; raises when it breaks."""
+        ...
+
+
+class KubernetesDiscovery:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        source: SliceSource,
+        client: httpx.AsyncClient,
+        timeout_s: float,
+        backend_api_key: str | None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self._registry = registry
+        self._source = source
+        self._client = client
+        self._timeout = timeout_s
+        self._headers = {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._sleep = sleep
+        self._tasks: dict[K8sPoolSpec, asyncio.Task[None]] = {}
+        self._models: dict[K8sPoolSpec, str] = {}
+        self.synced = asyncio.Event()
+        """Set once every pool has been listed at least once."""
+        self._listed: set[K8sPoolSpec] = set()
+
+    def add_pool(self, spec: K8sPoolSpec) -> None:
+        if spec not in self._tasks:
+            self.synced.clear()
+            self._tasks[spec] = asyncio.create_task(self._run_pool(spec), name=spec.source)
+
+    async def remove_pool(self, spec: K8sPoolSpec) -> None:
+        task = self._tasks.pop(spec, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self._listed.discard(spec)
+        self._models.pop(spec, None)
+        self._registry.forget(spec.source)
+
+    async def close(self) -> None:
+        for spec in list(self._tasks):
+            await self.remove_pool(spec)
+
+    async def _run_pool(self, spec: K8sPoolSpec) -> None:
+        tracker = EndpointSliceTracker(spec.port_name)
+        backoff = BACKOFF_INITIAL_S
+        while True:
+            try:
+                slices, version = await self._source.list(spec.namespace, spec.label_selector)
+                tracker.reset(slices)
+                await self._publish(spec, tracker)
+                self._listed.add(spec)
+                if self._listed >= self._tasks.keys():
+                    self.synced.set()
+                backoff = BACKOFF_INITIAL_S
+                async for event_type, slice_ in self._source.watch(
+                    spec.namespace, spec.label_selector, version
+                ):
+                    tracker.apply(event_type, slice_)
+                    await self._publish(spec, tracker)
+                continue  # the watch timed out normally: list and watch again
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning(
+                    "EndpointSlice watch %s failed (%s: %s); retrying in %.1fs",
+                    spec.source, type(exc).__name__, exc, backoff,
+                )  # fmt: skip
+            await self._sleep(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _publish(self, spec: K8sPoolSpec, tracker: EndpointSliceTracker) -> None:
+        urls = tracker.urls()
+        model = spec.model or self._models.get(spec)
+        if model is None and urls:
+            model = await self._learn_model(spec, urls)
+        if model is None:
+            return  # no replica has told us its model yet; the next event asks again
+        self._registry.sync(spec.source, {model: urls}, {model: spec.policy})
+
+    async def _learn_model(self, spec: K8sPoolSpec, urls: set[str]) -> str | None:
+        for url in sorted(urls):
+            try:
+                models = await fetch_models(self._client, url, self._headers, self._timeout)
+            except (httpx.HTTPError, ValueError):
+                continue
+            if models:
+                self._models[spec] = models[0]
+                return models[0]
+        return None
+
+
+class KubernetesSliceSource:
+    """The real :class:`SliceSource` over kubernetes_asyncio (in-cluster or kubeconfig)."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes_asyncio import client
+
+        self._api_client = api_client
+        self._api = client.DiscoveryV1Api(api_client)
+
+    @classmethod
+    async def connect(cls) -> KubernetesSliceSource:
+        from kubernetes_asyncio import client, config
+
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            await config.load_kube_config()
+        return cls(client.ApiClient())
+
+    async def close(self) -> None:
+        await self._api_client.close()
+
+    async def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
+        result = await self._api.list_namespaced_endpoint_slice(namespace, label_selector=selector)
+        slices = [self._api_client.sanitize_for_serialization(item) for item in result.items]
+        return slices, result.metadata.resource_version
+
+    async def watch(
+        self, namespace: str, selector: str, resource_version: str
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        from kubernetes_asyncio import watch
+
+        async with watch.Watch() as w:
+            async for event in w.stream(
+                self._api.list_namespaced_endpoint_slice,
+                namespace,
+                label_selector=selector,
+                resource_version=resource_version,
+                timeout_seconds=WATCH_TIMEOUT_S,
+                allow_watch_bookmarks=True,
+            ):
+                yield event["type"], event["raw_object"]

@@ -1,0 +1,101 @@
+"""Polls every replica's ``GET /load`` on a fixed interval from one background task."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+
+import httpx
+
+from conveyor.gateway.metrics import GatewayMetrics
+from conveyor.gateway.pool import Registry
+from conveyor.gateway.replica import LoadReport, Replica
+
+log = logging.getLogger("conveyor.gateway")
+
+
+class LoadPoller:
+    """One loop; each replica has at most one poll in flight, with its own timeout.
+
+    A replica that joins is polled at once, so it takes traffic as soon as it says ready.
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        client: httpx.AsyncClient,
+        metrics: GatewayMetrics,
+        interval_s: float,
+        timeout_s: float,
+        backend_api_key: str | None,
+    ) -> None:
+        self._registry = registry
+        self._client = client
+        self._metrics = metrics
+        self._interval = interval_s
+        self._timeout = timeout_s
+        self._headers = {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._polls: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        registry.listeners.append(self._on_change)
+
+    def _on_change(self, added: list[Replica], removed: list[Replica]) -> None:
+        for replica in removed:
+            task = self._polls.pop(replica.url, None)
+            if task is not None:
+                task.cancel()
+            self._metrics.forget_backend(replica.url, set(self._registry.pools) | {""})
+        if added:
+            self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                for url, replica in self._registry.replicas.items():
+                    if url not in self._polls:
+                        task = asyncio.create_task(self._poll(replica), name=f"poll {url}")
+                        self._polls[url] = task
+                        task.add_done_callback(lambda _t, url=url: self._polls.pop(url, None))
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):  # the interval passed: poll again
+                    await asyncio.wait_for(self._wake.wait(), self._interval)
+        finally:
+            for task in list(self._polls.values()):
+                task.cancel()
+            await asyncio.gather(*self._polls.values(), return_exceptions=True)
+
+    async def _poll(self, replica: Replica) -> None:
+        loop = asyncio.get_running_loop()
+        sent_at = loop.time()
+        in_flight = replica.in_flight
+        try:
+            response = await self._client.get(
+                f"{replica.url}/load", headers=self._headers, timeout=self._timeout
+            )
+            response.raise_for_status()
+            report = LoadReport.from_json(json.loads(response.content))
+        except (httpx.HTTPError, ValueError) as exc:
+            was_admitted = replica.admitted(loop.time())
+            replica.record_poll_failure()
+            if was_admitted:
+                log.warning("replica %s stopped answering /load: %s", replica.url, _describe(exc))
+                for model in replica.pools:
+                    self._metrics.ejections.labels(model, replica.url).inc()
+            return
+        was_admitted = replica.admitted(loop.time())
+        replica.record_poll(report, sent_at, in_flight)
+        if replica.admitted(loop.time()) and not was_admitted:
+            log.info("replica %s is ready", replica.url)
+        for model in replica.pools:
+            self._metrics.load.labels(model, replica.url, "running").set(report.running)
+            self._metrics.load.labels(model, replica.url, "waiting").set(report.waiting)
+            self._metrics.load.labels(model, replica.url, "kv_cache_usage").set(
+                report.kv_cache_usage
+            )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

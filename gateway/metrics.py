@@ -1,0 +1,81 @@
+"""The gateway's Prometheus metrics (names and labels as ARCHITECTURE.md lists them).
+
+Each :class:`GatewayMetrics` owns its own registry, so tests and several apps in one
+process never share counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REQUESTS_TOTAL = "conveyor_gateway_requests_total"
+REQUEST_DURATION = "conveyor_gateway_request_duration_seconds"
+TIME_TO_FIRST_TOKEN = "conveyor_gateway_time_to_first_token_seconds"
+RETRIES_TOTAL = "conveyor_gateway_retries_total"
+EJECTIONS_TOTAL = "conveyor_gateway_ejections_total"
+BACKEND_IN_FLIGHT = "conveyor_gateway_backend_in_flight"
+BACKEND_LOAD = "conveyor_gateway_backend_load"
+ROUTING_DECISIONS_TOTAL = "conveyor_gateway_routing_decisions_total"
+PENDING_REQUESTS = "conveyor_gateway_pending_requests"
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)  # fmt: skip
+"""Milliseconds for the gateway's own overhead up to minutes for long generations."""
+
+LOAD_SIGNALS = ("running", "waiting", "kv_cache_usage")
+
+
+def _name(full: str, suffix: str = "") -> str:
+    # prometheus_client appends _total to counters itself
+    return full.removesuffix(suffix) if suffix else full
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            _name(REQUESTS_TOTAL, "_total"), "Requests by model, backend and status code.",
+            ["model", "backend", "code"], registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            REQUEST_DURATION, "Arrival at the gateway to last byte sent.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            TIME_TO_FIRST_TOKEN, "Arrival at the gateway to first token sent (streamed requests).",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            _name(RETRIES_TOTAL, "_total"), "Attempts retried on another replica before the first byte.",
+            ["model", "backend"], registry=r,
+        )  # fmt: skip
+        self.ejections = Counter(
+            _name(EJECTIONS_TOTAL, "_total"), "Replicas taken out of routing after a failure.",
+            ["model", "backend"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(
+            BACKEND_IN_FLIGHT, "The gateway's own in-flight requests per backend.",
+            ["model", "backend"], registry=r,
+        )  # fmt: skip
+        self.load = Gauge(
+            BACKEND_LOAD, "Last /load seen per backend.", ["model", "backend", "signal"], registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            _name(ROUTING_DECISIONS_TOTAL, "_total"), "Routing decisions by policy and reason.",
+            ["model", "policy", "reason"], registry=r,
+        )  # fmt: skip
+        self.pending = Gauge(
+            PENDING_REQUESTS, "Requests held while their model has no ready replica.", ["model"],
+            registry=r,
+        )  # fmt: skip
+
+    def forget_backend(self, backend: str, models: set[str]) -> None:
+        """Drop a removed replica's per-backend series so dashboards do not show ghosts."""
+        for model in models:
+            for gauge, extra in ((self.in_flight, ()), *((self.load, (s,)) for s in LOAD_SIGNALS)):
+                with contextlib.suppress(KeyError):  # the series was never written
+                    gauge.remove(model, backend, *extra)

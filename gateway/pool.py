@@ -1,0 +1,106 @@
+"""Pools and the registry of replicas.
+
+A pool is what a model name routes to: (model, routing policy, replicas). Discovery sources
+(static backends, a Kubernetes EndpointSlice watch, later one watch per LLMService) each
+report the full membership they know, ``model -> set of URLs``; the registry takes the
+union over sources. A replica is one object per URL however many pools list it, so its load
+and in-flight count are shared.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+from conveyor.gateway.replica import Replica
+from conveyor.gateway.routing import RoutingPolicy
+
+log = logging.getLogger("conveyor.gateway")
+
+
+class Pool:
+    def __init__(self, model: str, policy: RoutingPolicy) -> None:
+        self.model = model
+        self.policy = policy
+        self.replicas: dict[str, Replica] = {}
+        """Members in the order they joined (round-robin walks this order)."""
+
+    def set_replicas(self, replicas: list[Replica]) -> None:
+        self.replicas = {replica.url: replica for replica in replicas}
+        set_members = getattr(self.policy, "set_members", None)
+        if set_members is not None:
+            set_members(frozenset(self.replicas))
+
+
+class Registry:
+    """Every pool and replica the gateway knows; changed only by discovery, on the event loop."""
+
+    def __init__(self, policy_factory: Callable[[str | None], RoutingPolicy]) -> None:
+        self._policy_factory = policy_factory
+        self.pools: dict[str, Pool] = {}
+        self.replicas: dict[str, Replica] = {}
+        self._sources: dict[str, dict[str, set[str]]] = {}
+        self._policies: dict[str, str | None] = {}
+        self.listeners: list[Callable[[list[Replica], list[Replica]], None]] = []
+        """Called with (added, removed) replicas after every change."""
+
+    def sync(
+        self,
+        source: str,
+        members: Mapping[str, set[str]],
+        policies: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """Replace everything ``source`` knows with ``members`` (model -> replica URLs).
+
+        A model listed with no URLs keeps its pool (known model, no replica: 503, not 404).
+        ``policies`` names a pool's routing policy; None means the gateway's default.
+        """
+        self._sources[source] = {model: set(urls) for model, urls in members.items()}
+        for model, policy in (policies or {}).items():
+            if self._policies.get(model) != policy and model in self.pools:
+                self.pools[model].policy = self._policy_factory(policy)
+            self._policies[model] = policy
+        self._rebuild()
+
+    def forget(self, source: str) -> None:
+        self._sources.pop(source, None)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        wanted: dict[str, set[str]] = {}
+        for members in self._sources.values():
+            for model, urls in members.items():
+                wanted.setdefault(model, set()).update(urls)
+
+        all_urls = set().union(*wanted.values()) if wanted else set()
+        added = [Replica(url) for url in sorted(all_urls - self.replicas.keys())]
+        for replica in added:
+            self.replicas[replica.url] = replica
+        removed = [self.replicas.pop(url) for url in sorted(self.replicas.keys() - all_urls)]
+
+        for model in self.pools.keys() - wanted.keys():
+            del self.pools[model]
+            log.info("pool %s removed", model)
+        for model, urls in wanted.items():
+            pool = self.pools.get(model)
+            if pool is None:
+                pool = self.pools[model] = Pool(
+                    model, self._policy_factory(self._policies.get(model))
+                )
+                log.info("pool %s added (routing %s)", model, pool.policy.name)
+            kept = [r for url, r in pool.replicas.items() if url in urls]
+            new = [self.replicas[url] for url in sorted(urls - pool.replicas.keys())]
+            if new or len(kept) != len(pool.replicas):
+                pool.set_replicas(kept + new)
+                log.info("pool %s: %d replicas %s", model, len(urls), sorted(urls))
+
+        for url, replica in self.replicas.items():
+            replica.pools = {model for model, urls in wanted.items() if url in urls}
+        for replica in removed:
+            replica.pools = set()
+        if added or removed:
+            for listener in self.listeners:
+                listener(added, removed)
+
+    def served_models(self) -> list[str]:
+        return sorted(self.pools)

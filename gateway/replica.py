@@ -1,0 +1,112 @@
+"""One runtime replica as the gateway sees it: its last /load report and its own in-flight count."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A replica's ``GET /load`` document (ARCHITECTURE.md); extra fields are ignored."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    max_running_requests: int
+    max_queued_requests: int | None
+    ready: bool
+
+    @classmethod
+    def from_json(cls, doc: Any) -> LoadReport:
+        """Validate a /load document; raises ValueError naming the field that is wrong."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"/load must return a JSON object, got {type(doc).__name__}")
+
+        def number(name: str, kind: type) -> Any:
+            value = doc.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"/load field {name!r} must be a number, got {value!r}")
+            return kind(value)
+
+        max_queued = doc.get("max_queued_requests")
+        if max_queued is not None:
+            max_queued = number("max_queued_requests", int)
+        ready = doc.get("ready")
+        if not isinstance(ready, bool):
+            raise ValueError(f"/load field 'ready' must be true or false, got {ready!r}")
+        return cls(
+            running=number("running", int),
+            waiting=number("waiting", int),
+            kv_cache_usage=number("kv_cache_usage", float),
+            max_running_requests=max(1, number("max_running_requests", int)),
+            max_queued_requests=max_queued,
+            ready=ready,
+        )
+
+
+@dataclass(eq=False)
+class Replica:
+    """Mutable routing state of one replica, owned by the event loop (no locks needed)."""
+
+    url: str
+    """Base URL without a trailing slash, e.g. ``http://10.0.0.7:8000``."""
+    load: LoadReport | None = None
+    load_time: float = -math.inf
+    """Monotonic time the last successful /load poll was sent."""
+    in_flight: int = 0
+    """Requests this gateway has open on the replica right now."""
+    in_flight_at_poll: int = 0
+    """``in_flight`` when the last successful poll was sent: the part of it the replica already reported."""
+    ejected_at: float = -math.inf
+    ejected_until: float = -math.inf
+    pools: set[str] = field(default_factory=set)
+    """Models of the pools this replica belongs to."""
+
+    def admitted(self, now: float) -> bool:
+        """Answered its last poll as ready and is not ejected."""
+        return self.load is not None and self.load.ready and now >= self.ejected_until
+
+    def load_known(self, now: float, stale_after: float) -> bool:
+        return self.load is not None and now - self.load_time <= stale_after
+
+    def outstanding(self, now: float, stale_after: float) -> float:
+        """Requests queued or running on the replica, as best the gateway knows.
+
+        The last report plus what this gateway sent since (a burst must not all land on the
+        replica that looked idle); only the gateway's own count when the report is stale.
+        """
+        if self.load is None or not self.load_known(now, stale_after):
+            return float(self.in_flight)
+        sent_since = self.in_flight - self.in_flight_at_poll
+        return float(max(0, self.load.running + self.load.waiting + sent_since))
+
+    def queue_full(self, now: float, stale_after: float) -> bool:
+        """The replica said its queue is at its bound (it would answer 429)."""
+        if self.load is None or self.load.max_queued_requests is None:
+            return False
+        if not self.load_known(now, stale_after):
+            return False
+        return self.load.waiting >= self.load.max_queued_requests
+
+    def eject(self, now: float, duration: float) -> bool:
+        """Skip this replica for ``duration`` seconds; returns True if it was admitted before."""
+        was_admitted = self.admitted(now)
+        self.ejected_at = now
+        self.ejected_until = now + duration
+        return was_admitted
+
+    def record_poll(self, report: LoadReport, sent_at: float, in_flight_at_send: int) -> None:
+        """A /load poll sent at ``sent_at`` succeeded; one sent after the last ejection re-admits."""
+        if sent_at < self.load_time:
+            return  # an older poll finished after a newer one
+        self.load = report
+        self.load_time = sent_at
+        self.in_flight_at_poll = in_flight_at_send
+        if sent_at > self.ejected_at:
+            self.ejected_until = -math.inf
+
+    def record_poll_failure(self) -> None:
+        """The replica did not answer /load: unknown and not routable until it answers again."""
+        self.load = None

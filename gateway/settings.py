@@ -1,0 +1,114 @@
+"""The gateway's settings: one dataclass, parsed once from the command line in ``cli.main``."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "0.0.0.0"
+    """Address to listen on; all interfaces, as a pod behind a Service needs."""
+
+    port: int = 8080
+    """Port to listen on; 8080 is the gateway's port everywhere (ARCHITECTURE.md)."""
+
+    routing: str = "prefix-aware"
+    """Default routing policy of every pool: prefix-aware, least-load or round-robin."""
+
+    backends: tuple[str, ...] = ()
+    """Static replicas, ``URL`` or ``MODEL=URL``; without MODEL the names come from the replica's /v1/models."""
+
+    backends_file: str | None = None
+    """File with one backend per line (same syntax as --backend, ``#`` comments), re-read when it changes."""
+
+    discovery_interval_s: float = 1.0
+    """Seconds between checks of the backends file and of replicas whose model names are not known yet."""
+
+    k8s_namespace: str | None = None
+    """Namespace whose EndpointSlices are watched; turns Kubernetes discovery on."""
+
+    k8s_service: str | None = None
+    """Service whose EndpointSlices are the replicas (label kubernetes.io/service-name)."""
+
+    k8s_selector: str | None = None
+    """Label selector for EndpointSlices, instead of --k8s-service."""
+
+    k8s_model: str | None = None
+    """Model name the Kubernetes pool serves; without it, read from the replicas' /v1/models."""
+
+    k8s_port_name: str | None = None
+    """EndpointSlice port name to use; without it, the slice's first port."""
+
+    load_poll_interval_s: float = 0.2
+    """Seconds between /load polls of one replica; 200 ms keeps the picture fresh at negligible cost."""
+
+    load_poll_timeout_s: float = 1.0
+    """Per-replica /load timeout in seconds; a replica slower than this is treated as failed."""
+
+    load_stale_after_s: float = 1.0
+    """Age in seconds after which a replica's load is unknown (ranked behind known ones), not idle."""
+
+    connect_timeout_s: float = 2.0
+    """Seconds to connect to a replica before trying another; short, as a pod is local to the cluster."""
+
+    upstream_timeout_s: float = 600.0
+    """Longest silence in seconds from a replica (first token of a long queue included) before giving up."""
+
+    max_attempts: int = 3
+    """Replicas tried for one request before the error goes to the client (retries happen before the first byte)."""
+
+    retry_backoff_s: float = 0.02
+    """Base backoff in seconds between attempts, doubled each time; short because the next try is another replica."""
+
+    ejection_s: float = 5.0
+    """Seconds a replica that failed a request is skipped, unless a /load poll started after the failure succeeds."""
+
+    bounded_load_factor: float = 1.25
+    """prefix-aware: a replica takes at most this factor above the mean load (1.25 as in the bounded-loads paper)."""
+
+    prefix_block_chars: int = 128
+    """prefix-aware: characters per hashed block of the prompt, roughly 32 tokens."""
+
+    prefix_max_blocks: int = 32
+    """prefix-aware: leading blocks that make the routing key (4 KiB of text by default)."""
+
+    ring_vnodes: int = 100
+    """prefix-aware: points per replica on the hash ring; 100 keeps shares within a few percent."""
+
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Accepted bearer tokens; empty means no authentication. Never logged."""
+
+    backend_api_key: str | None = field(default=None, repr=False)
+    """Bearer token sent to replicas started with --api-key. Never logged."""
+
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest request body accepted (413 above); 8 MiB fits a long context in JSON with room to spare."""
+
+    retry_after_s: int = 1
+    """Retry-After in seconds on 503 (no ready replica) and 429 (every replica's queue full)."""
+
+    log_level: str = "info"
+    """Log level of the gateway and uvicorn."""
+
+
+def setting_docs() -> dict[str, str]:
+    """Each setting's docstring, for ``--help``: one place says what a setting means."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(GatewaySettings))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in itertools.pairwise(body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(after.value.value)
+    return docs

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The README's test command (and CI's: .ci/run calls exactly this).
+#
+#   scripts/test.sh [pytest args...]
+#
+# Phases, each timed:
+#   1. the Go build of the cluster's tools starts in the background (cold:
+#      ~15 minutes on 2 cores; cached by a hash of the pins afterwards),
+#   2. the virtual environment is created or refreshed alongside it,
+#   3. lint (ruff),
+#   4. unit and integration tests (tests/),
+#   5. the Go build is waited for, then the end-to-end tests (e2e/) run on one
+#      cluster for the whole session.
+# pytest's "no tests collected" (exit 5) fails the run: a suite that runs
+# nothing must not pass.
+set -uo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${CONVEYOR_VENV:-$root/.venv}"
+logs="${CONVEYOR_TEST_LOGS:-$root/.test-logs}"
+mkdir -p "$logs"
+t_start=$SECONDS
+phases=()
+say() { printf '\n[test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+phase_done() { phases+=("$(printf '%-28s %5ds' "$1" "$(( SECONDS - $2 ))")"); }
+summary() {
+    echo
+    echo "== phase times =="
+    printf '  %s\n' "${phases[@]}"
+    printf '  %-28s %5ds\n' "total" "$(( SECONDS - t_start ))"
+}
+
+build_pid=""
+if [[ -x cluster/build-tools.sh && -z "${KUBECONFIG:-}" ]]; then
+    say "phase 1: building the cluster's tools in the background (log: $logs/build-tools.log)"
+    t_build=$SECONDS
+    cluster/build-tools.sh > "$logs/build-tools.log" 2>&1 &
+    build_pid=$!
+fi
+
+say "phase 2: virtual environment"
+t=$SECONDS
+if ! scripts/bootstrap.sh; then
+    echo "bootstrap failed"; exit 1
+fi
+phase_done "python install" $t
+
+say "phase 3: lint"
+t=$SECONDS
+"$venv/bin/ruff" check . || { phase_done "lint" $t; summary; exit 1; }
+phase_done "lint" $t
+
+run_pytest() {  # name, then pytest args; exit 5 (no tests) is a failure
+    local name=$1; shift
+    local t=$SECONDS
+    "$venv/bin/pytest" "$@"
+    local rc=$?
+    phase_done "$name" $t
+    if [[ $rc -eq 5 ]]; then
+        echo "pytest collected no tests for '$name': that is a failure, not a pass"
+        return 1
+    fi
+    return $rc
+}
+
+say "phase 4: unit and integration tests"
+run_pytest "unit + integration tests" tests -p no:cacheprovider "$@"
+rc_tests=$?
+
+rc_e2e=0
+if [[ -d e2e ]] && ls e2e/test_*.py >/dev/null 2>&1; then
+    if [[ -n "$build_pid" ]]; then
+        say "phase 5a: waiting for the cluster's tools (tail of $logs/build-tools.log follows)"
+        t=$SECONDS
+        if ! wait "$build_pid"; then
+            tail -n 40 "$logs/build-tools.log"
+            echo "building the cluster's tools failed"
+            phase_done "go build (waited)" $t
+            summary
+            exit 1
+        fi
+        tail -n 3 "$logs/build-tools.log"
+        phase_done "go build (waited)" $t
+        phases+=("$(printf '%-28s %5ds' "go build (wall, overlapped)" "$(( SECONDS - t_build ))")")
+    fi
+    say "phase 5b: end-to-end tests on the one-machine cluster"
+    run_pytest "e2e tests" e2e -p no:cacheprovider "$@"
+    rc_e2e=$?
+elif [[ -n "$build_pid" ]]; then
+    wait "$build_pid" || true
+fi
+
+summary
+if [[ $rc_tests -ne 0 || $rc_e2e -ne 0 ]]; then
+    echo "FAILED (tests rc=$rc_tests, e2e rc=$rc_e2e)"
+    exit 1
+fi
+echo "all phases passed"

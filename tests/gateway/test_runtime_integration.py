@@ -1,0 +1,188 @@
+"""The gateway in front of real runtime replicas (``conveyor serve``, built-in model) on loopback.
+
+Driven by the official ``openai`` client: streaming passthrough, model routing, auth, a
+replica killed under load and brought back, replicas joining and leaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from gateway_helpers import PYTHON, Process, Processes, free_port, gateway, wait_for
+
+MODEL = "conveyor-tiny"
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None
+    or importlib.util.find_spec("conveyor.runtime.server.cli") is None,
+    reason="needs the runtime server (`conveyor serve`) and torch",
+)
+
+
+def runtime(port: int | None = None, *extra: str) -> Process:
+    port = port or free_port()
+    argv = [PYTHON, "-m", "conveyor.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--num-threads", "1", "--max-total-tokens", "8192", *extra]  # fmt: skip
+    return Process(f"runtime-{port}", argv, port)
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[tuple[Processes, list[Process]]]:
+    owner = Processes()
+    try:
+        started = [owner.start(runtime()) for _ in range(3)]
+        for replica in started:
+            replica.wait_http("/ready", timeout=180)
+        yield owner, started
+    finally:
+        owner.stop_all()
+        for p in owner.all:
+            p.log_path.unlink(missing_ok=True)
+
+
+def admitted(gw: Process, model: str, key: str | None = None) -> int:
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    try:
+        pool = httpx.get(gw.url + "/debug/pools", headers=headers, timeout=5).json().get(model)
+    except httpx.HTTPError:
+        return -1
+    return -1 if pool is None else sum(r["admitted"] for r in pool["replicas"])
+
+
+def start_gateway(processes: Processes, *args: str) -> Process:
+    gw = processes.start(gateway(*args))
+    gw.wait_http("/health")
+    return gw
+
+
+async def test_streaming_passes_through_chunk_by_chunk(replicas, processes: Processes) -> None:
+    _, (replica, *_) = replicas
+    gw = start_gateway(processes, "--backend", replica.url)
+    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
+    messages = [{"role": "user", "content": "Tell me a story about a conveyor belt."}]
+
+    async def deltas(base_url: str) -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused") as client:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=messages, stream=True, max_tokens=24, temperature=0.0
+            )
+            return [c.choices[0].delta.content async for c in stream if c.choices]
+
+    direct = await deltas(replica.url)
+    through = await deltas(gw.url)
+    assert through == direct  # same chunks, one for one, as the replica sent them
+    assert len(through) > 2
+
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused") as client:
+        out = await client.completions.create(model=MODEL, prompt="hello", max_tokens=5)
+        assert out.usage is not None and out.usage.completion_tokens == 5
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
+        assert MODEL in str(err.value)
+        assert [m.id for m in (await client.models.list()).data] == [MODEL]
+
+
+async def test_api_keys_on_the_gateway_and_on_the_replicas(processes: Processes) -> None:
+    replica = processes.start(runtime(None, "--api-key", "replica-key"))
+    replica.wait_http("/ready", timeout=180)
+    gw = start_gateway(
+        processes,
+        "--backend",
+        replica.url,
+        "--api-key",
+        "user-key",
+        "--backend-api-key",
+        "replica-key",
+    )
+    wait_for(lambda: admitted(gw, MODEL, "user-key") == 1, 30, "the replica to be admitted")
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="replica-key") as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="user-key") as client:
+        out = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        assert out.choices[0].finish_reason in ("length", "stop")
+    assert "user-key" not in gw.log() and "replica-key" not in gw.log()
+
+
+async def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(
+    replicas, processes: Processes
+) -> None:
+    owner, started = replicas
+    gw = start_gateway(
+        processes, *[a for r in started for a in ("--backend", r.url)], "--routing", "least-load"
+    )
+    wait_for(lambda: admitted(gw, MODEL) == 3, 30, "three admitted replicas")
+    victim = started[0]
+    on_victim = asyncio.Event()
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, bool, BaseException | None]:
+        received = 0
+        try:
+            raw = await client.completions.with_raw_response.create(
+                model=MODEL, prompt=f"request {i}: " + "words " * 30, stream=True, max_tokens=48,
+                temperature=0.0,
+            )  # fmt: skip
+            if raw.headers.get("x-conveyor-backend") == victim.url:
+                on_victim.set()
+            async for _chunk in raw.parse():
+                received += 1
+            return received, True, None
+        except openai.APIError as exc:
+            return received, False, exc
+
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+        first = [asyncio.create_task(one(client, i)) for i in range(12)]
+        async with asyncio.timeout(60):
+            await on_victim.wait()
+        victim.kill()
+        second = [asyncio.create_task(one(client, 100 + i)) for i in range(12)]
+        results = await asyncio.gather(*first, *second)
+
+    for received, ok, error in results:
+        assert ok or received > 0, f"request lost before it started streaming: {error!r}"
+    assert all(ok for _, ok, _ in results[12:]), [e for _, _, e in results[12:]]
+
+    # The replica comes back on the same address and is admitted again by its next /load poll.
+    revived = owner.start(runtime(victim.port))
+    started[0] = revived
+    revived.wait_http("/ready", timeout=180)
+    wait_for(lambda: admitted(gw, MODEL) == 3, 30, "the restarted replica to be re-admitted")
+
+
+async def test_replicas_join_and_leave(replicas, processes: Processes, tmp_path) -> None:
+    _, started = replicas
+    a, b = started[1], started[2]
+    backends = tmp_path / "backends"
+
+    def write(*urls: str) -> None:
+        staged = tmp_path / "staged"
+        staged.write_text("".join(f"{u}\n" for u in urls))
+        os.replace(staged, backends)
+
+    def served_by(n: int) -> set[str]:
+        body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+        return {
+            httpx.post(gw.url + "/v1/completions", json=body, timeout=30).headers[
+                "x-conveyor-backend"
+            ]
+            for _ in range(n)
+        }
+
+    write(a.url)
+    gw = start_gateway(processes, "--backends-file", str(backends), "--routing", "round-robin")
+    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "one replica")
+    assert served_by(3) == {a.url}
+    write(a.url, b.url)
+    wait_for(lambda: admitted(gw, MODEL) == 2, 30, "the second replica to join")
+    assert served_by(4) == {a.url, b.url}
+    write(b.url)
+    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the first replica to leave")
+    assert served_by(4) == {b.url}

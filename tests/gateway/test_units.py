@@ -1,0 +1,145 @@
+"""Small pieces: prefix keys, /load parsing, ejection, the registry, auth, flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from conveyor.gateway.auth import ApiKeyAuth, load_api_keys
+from conveyor.gateway.cli import parse_settings
+from conveyor.gateway.hash_ring import HashRing
+from conveyor.gateway.pool import Registry
+from conveyor.gateway.prefix_key import prefix_key, routing_text, stable_hash
+from conveyor.gateway.replica import LoadReport, Replica
+from conveyor.gateway.routing import make_policy
+from conveyor.gateway.static_discovery import parse_backend, parse_backends
+
+LOAD = {"running": 1, "waiting": 2, "kv_cache_usage": 0.5, "max_running_requests": 8,
+        "max_queued_requests": 4, "ready": True, "extra": "ignored"}  # fmt: skip
+
+
+def test_chat_key_is_the_conversations_opening() -> None:
+    system = {"role": "system", "content": "be brief"}
+    turn1 = [system, {"role": "user", "content": "hello"}]
+    turn2 = [*turn1, {"role": "assistant", "content": "hi"}, {"role": "user", "content": "more"}]
+    path = "/v1/chat/completions"
+    assert routing_text(path, {"messages": turn1}) == routing_text(path, {"messages": turn2})
+    other = [system, {"role": "user", "content": [{"type": "text", "text": "bye"}]}]
+    assert routing_text(path, {"messages": other}) != routing_text(path, {"messages": turn1})
+
+
+def test_completion_key_is_leading_whole_blocks() -> None:
+    assert routing_text("/v1/completions", {"prompt": ["a", "b"]}) == "a"
+    assert routing_text("/v1/completions", {"prompt": [1, 2, 3]}) == "1,2,3"
+    assert routing_text("/v1/completions", {"prompt": None}) == ""
+    base = "x" * 40
+    assert prefix_key(base + "abc", 8, 4) == prefix_key(base + "xyz", 8, 4)  # past 4 blocks
+    assert prefix_key("abcdefgh1", 8, 4) == prefix_key("abcdefgh2", 8, 4)  # partial block ignored
+    assert prefix_key("short", 8, 4) != prefix_key("shorT", 8, 4)  # under one block: all of it
+    assert stable_hash(b"x") == stable_hash(b"x")
+
+
+def test_hash_ring_walks_each_member_once_and_moves_few_keys() -> None:
+    ring = HashRing([f"r{i}" for i in range(5)], vnodes=50)
+    assert sorted(ring.walk(123)) == [f"r{i}" for i in range(5)]
+    smaller = HashRing([f"r{i}" for i in range(4)], vnodes=50)
+    keys = [stable_hash(str(k).encode()) for k in range(2000)]
+    moved = sum(
+        next(ring.walk(k)) != next(smaller.walk(k)) and next(ring.walk(k)) != "r4" for k in keys
+    )
+    assert moved == 0  # only keys of the removed member move
+
+
+def test_load_report_validation() -> None:
+    assert LoadReport.from_json(LOAD) == LoadReport(1, 2, 0.5, 8, 4, True)
+    assert LoadReport.from_json({**LOAD, "max_queued_requests": None}).max_queued_requests is None
+    with pytest.raises(ValueError, match="'running'"):
+        LoadReport.from_json({**LOAD, "running": "1"})
+    with pytest.raises(ValueError, match="'ready'"):
+        LoadReport.from_json({**LOAD, "ready": 1})
+    with pytest.raises(ValueError, match="object"):
+        LoadReport.from_json([])
+
+
+def test_ejection_lasts_until_a_poll_sent_after_it_succeeds() -> None:
+    replica = Replica("http://r:1")
+    report = LoadReport.from_json(LOAD)
+    replica.record_poll(report, sent_at=1.0, in_flight_at_send=0)
+    assert replica.admitted(1.5)
+    assert replica.eject(now=2.0, duration=5.0)
+    assert not replica.admitted(2.5)
+    replica.record_poll(report, sent_at=1.9, in_flight_at_send=0)  # sent before the failure
+    assert not replica.admitted(2.5)
+    replica.record_poll(report, sent_at=2.1, in_flight_at_send=0)
+    assert replica.admitted(2.5)
+    replica.record_poll_failure()
+    assert not replica.admitted(2.5)
+    assert replica.queue_full(2.5, 1.0) is False
+
+
+def test_queue_full_and_outstanding() -> None:
+    replica = Replica("http://r:1")
+    replica.record_poll(
+        LoadReport.from_json({**LOAD, "waiting": 4}), sent_at=1.0, in_flight_at_send=2
+    )
+    replica.in_flight = 5  # three sent since the poll
+    assert replica.queue_full(1.5, 1.0)
+    assert replica.outstanding(1.5, 1.0) == 1 + 4 + 3
+    assert replica.outstanding(9.0, 1.0) == 5  # stale: only what the gateway knows
+    assert not replica.queue_full(9.0, 1.0)
+
+
+def test_registry_unions_sources_and_keeps_empty_pools() -> None:
+    changes = []
+    registry = Registry(
+        lambda name: make_policy(name or "round-robin", bounded_load_factor=1.25, ring_vnodes=10)
+    )
+    registry.listeners.append(
+        lambda added, removed: changes.append(([r.url for r in added], [r.url for r in removed]))
+    )
+    registry.sync("a", {"m": {"http://1", "http://2"}})
+    registry.sync("b", {"m": {"http://2", "http://3"}, "n": set()}, {"n": "least-load"})
+    assert registry.served_models() == ["m", "n"]
+    assert list(registry.pools["m"].replicas) == ["http://1", "http://2", "http://3"]
+    assert registry.pools["n"].policy.name == "least-load"
+    assert registry.pools["m"].policy.name == "round-robin"
+    registry.sync("a", {})
+    assert list(registry.pools["m"].replicas) == ["http://2", "http://3"]
+    registry.forget("b")
+    assert registry.served_models() == [] and registry.replicas == {}
+    assert changes[-1] == ([], ["http://2", "http://3"])
+
+
+def test_api_keys_are_checked_against_every_key() -> None:
+    auth = ApiKeyAuth(("k1", "k2"))
+    assert auth.allows(b"Bearer k2") and auth.allows(b"bearer k1")
+    assert not auth.allows(b"Bearer k3") and not auth.allows(None) and not auth.allows(b"k1")
+    assert ApiKeyAuth(()).allows(None)
+
+
+def test_api_keys_from_flags_file_and_environment(tmp_path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# comment\nfile-key\n\n")
+    keys = load_api_keys(["flag-key"], str(key_file), {"CONVEYOR_API_KEY": "env1, env2"})
+    assert keys == ("flag-key", "file-key", "env1", "env2")
+
+
+def test_backend_specs() -> None:
+    assert parse_backend("http://h:1/") == (None, "http://h:1")
+    assert parse_backend("tiny=http://h:1") == ("tiny", "http://h:1")
+    assert parse_backends(["# x", "", "http://a:1  # trailing"]) == [(None, "http://a:1")]
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        parse_backend("h:1")
+
+
+def test_flags_that_cannot_work_say_what_to_change() -> None:
+    assert parse_settings(["--backend", "http://h:1"]).routing == "prefix-aware"
+    with pytest.raises(ValueError, match="--backend URL"):
+        parse_settings([])
+    with pytest.raises(ValueError, match="--k8s-service"):
+        parse_settings(["--k8s-namespace", "ns"])
+    with pytest.raises(ValueError, match=r"at least 1\.0"):
+        parse_settings(["--backend", "http://h:1", "--bounded-load-factor", "0.5"])
+    with pytest.raises(ValueError, match="not a URL"):
+        parse_settings(["--backend", "localhost:8000"])
+    settings = parse_settings(["--backend", "http://h:1", "--api-key", "secret"])
+    assert "secret" not in repr(settings)
