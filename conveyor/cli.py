@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("conveyor.cluster.stack", "bring the whole stack up on one machine"),
     "down": ("conveyor.cluster.stack", "tear the whole stack down"),
     "bench": ("conveyor.bench_cli", "benchmarks: offline | serve | autoscale | gpu"),
-    "dashboard": ("conveyor.operator.dashboards.cli", "dashboards: render"),
+    "dashboard": ("conveyor.observability.cli", "dashboards: render"),
 }
 
 
