@@ -1,0 +1,243 @@
+"""The FastAPI app of one runtime replica: routes, admission, and the lifespan that builds
+the engine client, the metrics and the tokenizer pool and hands them to the handlers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from conveyor.runtime.server.context import Drain, ServerContext
+from conveyor.runtime.server.engine_client import EngineClient
+from conveyor.runtime.server.errors import (
+    UNAUTHORIZED,
+    UNAVAILABLE,
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    validation_error_handler,
+)
+from conveyor.runtime.server.metrics import ServerMetrics
+from conveyor.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.runtime.server.serving_chat import create_chat_completion
+from conveyor.runtime.server.serving_completions import create_completion
+from conveyor.runtime.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from conveyor.runtime.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("conveyor.runtime.server")
+
+TOKENIZER_THREADS = 2
+"""Tokenising threads: the fast tokenizer releases the GIL, and two keep one long prompt
+from delaying every short one behind it."""
+
+
+def default_engine_factory(settings: ServerSettings) -> Callable[[], LLMEngine]:
+    def build() -> LLMEngine:
+        from conveyor.runtime.engine.llm_engine import LLMEngine
+
+        return LLMEngine(settings.engine, on_progress=logging.getLogger("conveyor.runtime").info)
+
+    return build
+
+
+def build_app(
+    settings: ServerSettings,
+    *,
+    drain: Drain | None = None,
+    engine_factory: Callable[[], LLMEngine] | None = None,
+) -> FastAPI:
+    """The app; ``drain`` is shared with whoever handles SIGTERM (``cli.serve``)."""
+    drain = drain or Drain()
+    factory = engine_factory or default_engine_factory(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
+        metrics = ServerMetrics(settings.model_name)
+        client = EngineClient(factory, metrics)
+        metrics.track_engine(client.snapshot)
+        pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="conveyor-tokenize")
+        ctx = ServerContext(
+            settings=settings, client=client, metrics=metrics, drain=drain, tokenize_pool=pool
+        )
+        client.start()
+        stats_log = (
+            asyncio.create_task(log_stats(client, settings.log_stats_interval))
+            if settings.log_stats_interval
+            else None
+        )
+        try:
+            yield {"ctx": ctx}
+        finally:
+            if stats_log is not None:
+                stats_log.cancel()
+            await client.shutdown()
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="Conveyor runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_middleware(AdmissionMiddleware, settings=settings, drain=drain)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(request.state.ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(request.state.ctx, body, request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        ctx: ServerContext = request.state.ctx
+        engine = ctx.client.engine
+        card: dict[str, Any] = {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "conveyor",
+            "root": settings.engine.model,
+        }
+        if engine is not None:
+            card["max_model_len"] = engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ctx: ServerContext = request.state.ctx
+        if ctx.client.alive:
+            return JSONResponse({"status": "ok", "loaded": ctx.client.loaded})
+        return APIError(
+            UNAVAILABLE, f"the engine loop is not running: {ctx.client.error!r}", code="engine_dead"
+        ).response()
+
+    @app.get("/ready")
+    async def ready(request: Request) -> Response:
+        ctx: ServerContext = request.state.ctx
+        if ctx.ready:
+            return JSONResponse({"status": "ready"})
+        reason = (
+            "draining"
+            if ctx.drain.draining
+            else "engine failed"
+            if ctx.client.error is not None
+            else "loading"
+        )
+        return APIError(
+            UNAVAILABLE,
+            f"not ready: {reason}",
+            code=reason.replace(" ", "_"),
+            headers={"Retry-After": str(settings.retry_after)},
+        ).response()
+
+    @app.get("/load")
+    async def load(request: Request) -> dict[str, Any]:
+        ctx: ServerContext = request.state.ctx
+        snap = ctx.client.snapshot()
+        return {
+            "running": snap.num_running,
+            "waiting": snap.num_waiting,
+            "kv_cache_usage": snap.kv_cache_usage,
+            "max_running_requests": snap.max_running_requests
+            or settings.engine.max_running_requests,
+            "max_queued_requests": settings.max_queued_requests,
+            "ready": ctx.ready,
+            "model": ctx.model_name,
+            "in_flight": ctx.drain.in_flight,
+        }
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        ctx: ServerContext = request.state.ctx
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def log_stats(client: EngineClient, interval: float) -> None:
+    """Every ``interval`` seconds while anything happens: one line on what the engine did."""
+    last = client.snapshot()
+    while True:
+        await asyncio.sleep(interval)  # a periodic report, not synchronisation
+        snap = client.snapshot()
+        busy = snap.num_running or snap.num_waiting
+        if not busy and snap.generation_tokens == last.generation_tokens:
+            continue
+        queries = snap.prefix_cache_queries - last.prefix_cache_queries
+        hits = snap.prefix_cache_hits - last.prefix_cache_hits
+        logger.info(
+            "running %d, waiting %d, KV cache %.1f%%, prompt %.1f tok/s, generation %.1f tok/s, "
+            "prefix-cache hits %.1f%%, preemptions %d",
+            snap.num_running,
+            snap.num_waiting,
+            100 * snap.kv_cache_usage,
+            (snap.prompt_tokens - last.prompt_tokens) / interval,
+            (snap.generation_tokens - last.generation_tokens) / interval,
+            100 * hits / queries if queries else 0.0,
+            snap.preemptions - last.preemptions,
+        )
+        last = snap
+
+
+class AdmissionMiddleware:
+    """Before any body is read on ``/v1/*``: the API key (401), and while draining 503.
+
+    Also counts in-flight API requests for the drain; a streamed response counts until
+    its last byte. Plain ASGI: no per-request wrapping of the body, no added latency.
+    """
+
+    def __init__(self, app: ASGIApp, *, settings: ServerSettings, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+        self.retry_after = str(settings.retry_after)
+        self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        if self.expected is not None and not self._authorized(scope):
+            err = APIError(
+                UNAUTHORIZED,
+                "missing or wrong API key; send `Authorization: Bearer KEY` "
+                "with the key this server was started with",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await err.response()(scope, receive, send)
+            return
+        if self.drain.draining and scope["method"] == "POST":
+            err = APIError(
+                UNAVAILABLE,
+                "this replica is shutting down; retry on another one",
+                code="draining",
+                headers={"Retry-After": self.retry_after},
+            )
+            await err.response()(scope, receive, send)
+            return
+        self.drain.enter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.exit()
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.expected is not None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                return hmac.compare_digest(value, self.expected)
+        return False

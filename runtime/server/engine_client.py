@@ -1,0 +1,326 @@
+"""The engine on its own thread, behind a narrow asyncio interface: submit, stream, abort.
+
+The asyncio event loop never waits on the model. Requests and aborts enter the engine
+thread through a queue; after each step the thread hands that step's outputs, its stats
+and its timing back to the loop with one ``call_soon_threadsafe``. Tokenising and
+detokenising happen on the asyncio side (``serving_common.py``), never inside a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conveyor.runtime.engine.llm_engine import LLMEngine
+    from conveyor.runtime.engine.outputs import RequestOutput
+    from conveyor.runtime.sampling_params import SamplingParams
+    from conveyor.runtime.server.metrics import ServerMetrics
+
+logger = logging.getLogger("conveyor.runtime.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a failed load or an exception in a step)."""
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What the engine looked like after its latest step (read by /load and /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    """Queue depth: the engine's waiting requests plus those submitted but not yet seen by it."""
+    kv_cache_usage: float = 0.0
+    max_running_requests: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class _Request:
+    """Asyncio-side state of one engine request."""
+
+    outputs: asyncio.Queue[RequestOutput | BaseException]
+    """Shared by the requests of one API call (its ``n`` choices)."""
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    """Set when the server ends the request itself (a stop string): reported instead of abort."""
+    aborted: bool = False
+
+
+# Messages to the engine thread.
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request for the engine: already tokenised and checked."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    """``time.monotonic()`` when the API call arrived, so queue time and TTFT include tokenising."""
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class EngineClient:
+    """Owns the engine thread. Build it, ``start()`` it inside the event loop, ``shutdown()``."""
+
+    def __init__(
+        self, engine_factory: Callable[[], LLMEngine], metrics: ServerMetrics | None = None
+    ) -> None:
+        self._factory = engine_factory
+        self._metrics = metrics
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stats: Any = None
+        self._loaded = asyncio.Event()
+        self._dead = asyncio.Event()
+        self.engine: LLMEngine | None = None
+        """Set once loaded; only its constants (tokenizer, limits, check_request) are used here."""
+        self.error: BaseException | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread, which loads the model and then runs the step loop."""
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="conveyor-engine", daemon=True)
+        self._thread.start()
+
+    async def wait_loaded(self) -> None:
+        await self._loaded.wait()
+        if self.error is not None:
+            raise EngineDeadError(f"engine failed: {self.error!r}") from self.error
+
+    async def wait_dead(self) -> BaseException | None:
+        """Return once the engine thread has failed (its error)."""
+        await self._dead.wait()
+        return self.error
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None and self.error is None
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (loading or stepping) and has not failed."""
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after the current step and fail whatever is still in flight."""
+        if self._thread is None:
+            return
+        self._inbox.put(_STOP)
+        await asyncio.to_thread(self._thread.join, timeout)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    # -- requests ----------------------------------------------------------------------
+
+    @property
+    def num_requests(self) -> int:
+        """Requests submitted and not yet finished by the engine."""
+        return len(self._requests)
+
+    def snapshot(self) -> EngineSnapshot:
+        s = self._stats
+        if s is None:
+            return EngineSnapshot(num_waiting=len(self._requests))
+        return EngineSnapshot(
+            num_running=s.num_running,
+            # Requests not yet seen by the engine count as waiting at once, so a burst
+            # between two steps is visible to /load and to --max-queued-requests.
+            num_waiting=max(s.num_waiting, len(self._requests) - s.num_running),
+            kv_cache_usage=s.kv_cache_usage,
+            max_running_requests=s.max_running_requests,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens,
+            preemptions=s.preemptions,
+        )
+
+    def submit(self, requests: list[EngineRequest]) -> OutputStream:
+        """Submit requests (the choices of one API call) now; iterate the returned stream
+        for their outputs. Synchronous on purpose: admission control counts a request the
+        moment it is admitted, with no ``await`` in between.
+        """
+        if self.error is not None or self._thread is None:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        for r in requests:
+            if r.request_id in self._requests:
+                raise ValueError(f"request id {r.request_id!r} is already in flight")
+        outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        for r in requests:
+            self._requests[r.request_id] = _Request(outputs)
+            self._inbox.put(r)
+        return OutputStream(self, outputs, {r.request_id for r in requests})
+
+    def abort(self, request_id: str, finish_reason: str | None = None) -> None:
+        """Ask the engine to drop a request; ``finish_reason`` is what metrics record for it."""
+        state = self._requests.get(request_id)
+        if state is None or state.aborted:
+            return
+        state.aborted = True
+        state.finish_reason = finish_reason
+        self._inbox.put(_Abort(request_id))
+
+    # -- the asyncio side of a step ----------------------------------------------------
+
+    def _on_step(self, outputs: list[RequestOutput], stats: Any, start: float, end: float) -> None:
+        self._stats = stats
+        m = self._metrics
+        if m is not None:
+            m.step_duration.observe(end - start)
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is None:
+                continue
+            if m is not None and out.new_token_ids:
+                if state.last_token_time is not None:
+                    m.itl.observe(end - state.last_token_time)
+                state.last_token_time = end
+            state.outputs.put_nowait(out)
+            if out.finished:
+                del self._requests[out.request_id]
+                if m is not None:
+                    self._observe_finished(
+                        m, out, state.finish_reason or out.finish_reason or "abort"
+                    )
+
+    @staticmethod
+    def _observe_finished(m: ServerMetrics, out: RequestOutput, reason: str) -> None:
+        m.request_finished(reason)
+        if out.finish_time is None:
+            return
+        m.e2e.observe(out.finish_time - out.arrival_time)
+        if out.first_scheduled_time is not None:
+            m.queue_time.observe(out.first_scheduled_time - out.arrival_time)
+        if out.first_token_time is not None:
+            m.ttft.observe(out.first_token_time - out.arrival_time)
+            n = len(out.output_token_ids)
+            if n > 1:
+                m.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
+
+    def _on_loaded(self, engine: LLMEngine, stats: Any) -> None:
+        self.engine = engine
+        self._stats = stats
+        self._loaded.set()
+
+    def _on_request_error(self, request_id: str, error: BaseException) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            state.outputs.put_nowait(error)
+
+    def _on_dead(self, error: BaseException) -> None:
+        self.error = error
+        self._loaded.set()
+        self._dead.set()
+        self._fail_all(EngineDeadError(f"engine failed: {error!r}"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in self._requests.values():
+            state.outputs.put_nowait(error)
+        self._requests.clear()
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        # A closed loop means the process is exiting: nobody is left to tell.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- the engine thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            engine = self._factory()
+            self._post(self._on_loaded, engine, engine.stats())
+            self._loop_steps(engine)
+        except BaseException as exc:
+            logger.exception("engine thread failed")
+            self._post(self._on_dead, exc)
+
+    def _loop_steps(self, engine: LLMEngine) -> None:
+        inbox = self._inbox
+        while True:
+            # Idle: block until something arrives. Busy: take whatever is there, then step.
+            msgs = [inbox.get()] if not engine.has_unfinished_requests() else []
+            while True:
+                try:
+                    msgs.append(inbox.get_nowait())
+                except queue.Empty:
+                    break
+            aborted = False
+            for msg in msgs:
+                if msg is _STOP:
+                    return
+                if isinstance(msg, _Abort):
+                    engine.abort_request(msg.request_id)
+                    aborted = True
+                    continue
+                try:
+                    engine.add_request(
+                        msg.request_id,
+                        msg.prompt_token_ids,
+                        msg.params,
+                        arrival_time=msg.arrival_time,
+                    )
+                except (
+                    ValueError
+                ) as exc:  # checked before submit; kept so one bad request cannot kill the loop
+                    self._post(self._on_request_error, msg.request_id, exc)
+            if not (engine.has_unfinished_requests() or aborted):
+                continue
+            start = time.monotonic()
+            outputs = engine.step()
+            end = time.monotonic()
+            self._post(self._on_step, outputs, engine.stats(), start, end)
+
+
+class OutputStream:
+    """The outputs of submitted requests, interleaved as steps produce them, until every one
+    has finished. ``close()`` (idempotent) aborts whatever is still running: call it in a
+    ``finally`` so a client that goes away frees its KV blocks at the next step.
+    """
+
+    def __init__(self, client: EngineClient, outputs: asyncio.Queue[Any], live: set[str]) -> None:
+        self._client = client
+        self._outputs = outputs
+        self._live = live
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._live:
+            raise StopAsyncIteration
+        out = await self._outputs.get()
+        if isinstance(out, BaseException):
+            self._live.clear()
+            raise out
+        if out.finished:
+            self._live.discard(out.request_id)
+        return out
+
+    def close(self) -> None:
+        for request_id in self._live:
+            self._client.abort(request_id)
+        self._live.clear()

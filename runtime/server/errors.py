@@ -1,0 +1,115 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+
+Every message says what to change. Bad input never becomes a 500.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# (status, OpenAI error type)
+INVALID_REQUEST = (400, "invalid_request_error")
+UNAUTHORIZED = (401, "authentication_error")
+NOT_FOUND = (404, "not_found_error")
+TOO_MANY_REQUESTS = (429, "rate_limit_error")
+INTERNAL = (500, "internal_server_error")
+UNAVAILABLE = (503, "service_unavailable_error")
+
+
+class APIError(Exception):
+    """Raised anywhere in a handler; rendered as the OpenAI error body."""
+
+    def __init__(
+        self,
+        kind: tuple[int, str],
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.type = kind
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(INVALID_REQUEST, message, param=param, code=code)
+
+
+def from_value_error(exc: ValueError, known_params: set[str] | None = None) -> APIError:
+    """A ``ValueError`` from ``SamplingParams`` or the engine names its parameter first."""
+    message = str(exc)
+    first = message.split(" ", 1)[0]
+    param = first if known_params is None or first in known_params else None
+    return bad_request(message, param=param)
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "the request body is not valid", None
+    e = errors[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if e.get("type") == "json_invalid":
+        ctx = e.get("ctx") or {}
+        return (
+            f"the request body is not valid JSON ({ctx.get('error', e.get('msg'))}); "
+            "send a JSON object with Content-Type: application/json"
+        ), None
+    if e.get("type") == "missing":
+        return f"missing required field {param!r}", param
+    if e.get("type") == "extra_forbidden":
+        return f"unknown field {param!r}; remove it", param
+    msg = e.get("msg", "invalid value")
+    got = e.get("input")
+    got_text = (
+        repr(got) if not isinstance(got, (dict, list)) or len(str(got)) < 80 else type(got).__name__
+    )
+    where = f"field {param!r}" if param else "the request body"
+    extra = f" ({len(errors) - 1} more problem(s) after this one)" if len(errors) > 1 else ""
+    return f"{where}: {msg}, got {got_text}{extra}", param
+
+
+async def validation_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    message, param = _describe_validation(exc)
+    return bad_request(message, param=param).response()
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kinds = {404: NOT_FOUND, 405: (405, "invalid_request_error"), 401: UNAUTHORIZED}
+    kind = kinds.get(exc.status_code, (exc.status_code, "invalid_request_error"))
+    message = str(exc.detail)
+    if exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; see GET /v1/models and POST /v1/chat/completions"
+    elif exc.status_code == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    return APIError(kind, message).response()

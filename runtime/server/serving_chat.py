@@ -1,0 +1,232 @@
+"""``POST /v1/chat/completions``: messages through the tokenizer's chat template."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from jinja2 import TemplateError
+
+from conveyor.runtime.server.context import ServerContext
+from conveyor.runtime.server.engine_client import OutputStream
+from conveyor.runtime.server.errors import bad_request
+from conveyor.runtime.server.protocol import ChatCompletionRequest
+from conveyor.runtime.server.serving_common import (
+    Choice,
+    EngineStreamingResponse,
+    check_engine,
+    check_model,
+    check_prompt,
+    choice_params,
+    finite,
+    new_id,
+    run_choices,
+    sampling_params,
+    sse,
+    sse_stream,
+    submit,
+    token_text,
+    tokenize,
+    unless_disconnected,
+    usage,
+)
+
+MAX_TOP_LOGPROBS = 20
+
+
+async def create_chat_completion(
+    ctx: ServerContext, req: ChatCompletionRequest, request: Request
+) -> Response:
+    arrival = time.monotonic()
+    check_model(ctx, req.model)
+    check_engine(ctx)
+    _check_unsupported(req)
+    engine = ctx.client.engine
+    assert engine is not None
+
+    prompt_ids = await tokenize(ctx, lambda: _render(engine.tokenizer, req))
+    max_tokens_param = (
+        "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    )
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(
+        req,
+        max_tokens=req.max_completion_tokens
+        if req.max_completion_tokens is not None
+        else req.max_tokens,
+        default_max_tokens=engine.max_model_len,  # chat's default: whatever the context leaves
+        prompt_len=len(prompt_ids),
+        max_model_len=engine.max_model_len,
+        logprobs=logprobs,
+        max_tokens_param=max_tokens_param,
+    )
+    check_prompt(ctx, prompt_ids, params, "messages")
+    request_id = new_id("chatcmpl")
+    choices = [
+        Choice(ctx, i, f"{request_id}-{i}", prompt_ids, choice_params(params, i))
+        for i in range(req.n)
+    ]
+    stream = submit(ctx, choices, arrival)
+
+    created = int(time.time())
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        events = _stream(ctx, request_id, created, choices, include_usage, stream)
+        return EngineStreamingResponse(sse_stream(events), stream)
+    body = await unless_disconnected(
+        request, _collect(ctx, request_id, created, choices, stream), stream
+    )
+    return JSONResponse(body)
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools and req.tool_choice != "none":
+        raise bad_request(
+            "tool calling is not supported by this server; remove tools", param="tools"
+        )
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request(
+            f"response_format {req.response_format.get('type')!r} is not supported; "
+            'use {"type": "text"} or omit it',
+            param="response_format",
+        )
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
+                param="top_logprobs",
+            )
+
+
+def _render(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+    """Chat template, then token ids (the template brings its own special tokens)."""
+    messages = []
+    for m in req.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        messages.append(msg)
+    if tokenizer.chat_template is None:
+        raise bad_request(
+            "this model's tokenizer has no chat template; use /v1/completions", param="messages"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
+            continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}),
+        )
+    except (
+        TemplateError,
+        ValueError,
+        TypeError,
+    ) as exc:  # raise_exception in the template, bad roles
+        raise bad_request(
+            f"the chat template rejected these messages: {exc}", param="messages"
+        ) from exc
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _logprobs_content(ctx: ServerContext, logprobs: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for lp in logprobs:
+        text = token_text(ctx, lp.token_id)
+        top = []
+        for token_id, logprob in lp.top:
+            t = token_text(ctx, token_id)
+            top.append({"token": t, "logprob": finite(logprob), "bytes": list(t.encode())})
+        out.append(
+            {
+                "token": text,
+                "logprob": finite(lp.logprob),
+                "bytes": list(text.encode()),
+                "top_logprobs": top,
+            }
+        )
+    return out
+
+
+async def _collect(
+    ctx: ServerContext, request_id: str, created: int, choices: list[Choice], stream: OutputStream
+) -> dict[str, Any]:
+    async for _ in run_choices(ctx, choices, stream):
+        pass
+    out = []
+    for c in choices:
+        lp = {"content": _logprobs_content(ctx, c.logprobs)} if c.want_logprobs else None
+        out.append(
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": lp,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": ctx.model_name,
+        "choices": out,
+        "usage": usage(choices),
+    }
+
+
+async def _stream(
+    ctx: ServerContext,
+    request_id: str,
+    created: int,
+    choices: list[Choice],
+    include_usage: bool,
+    stream: OutputStream,
+) -> AsyncIterator[str]:
+    head = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": ctx.model_name,
+    }
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        logprobs: list[Any] | None,
+        finish: str | None,
+        stop_reason: str | int | None = None,
+    ) -> str:
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        if logprobs:
+            choice["logprobs"] = {"content": _logprobs_content(ctx, logprobs)}
+        if finish is not None:
+            choice["stop_reason"] = stop_reason
+        return sse({**head, "choices": [choice], **extra})
+
+    for c in choices:
+        yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
+    async for choice, delta in run_choices(ctx, choices, stream):
+        yield chunk(
+            choice.index,
+            {"content": delta.text} if delta.text or delta.num_tokens else {},
+            delta.logprobs,
+            delta.finish_reason,
+            choice.stop_reason if delta.finish_reason else None,
+        )
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(choices)})

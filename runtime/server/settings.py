@@ -1,0 +1,130 @@
+"""Settings of one runtime replica's HTTP server, parsed once from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from conveyor.runtime.config import EngineSettings
+
+API_KEY_ENV = "CONVEYOR_API_KEY"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the OpenAI-compatible server of one replica listens, admits and drains."""
+
+    host: str = "0.0.0.0"
+    """Interface to bind; all of them by default, as a pod must be reachable on its IP."""
+
+    port: int = 8000
+    """TCP port; 8000 is the runtime's port in ARCHITECTURE.md (and vLLM's default)."""
+
+    served_model_name: str | None = None
+    """Name clients put in ``model``; defaults to ``--model`` as given."""
+
+    max_queued_requests: int | None = None
+    """Waiting requests (not yet running) above which new ones get 429; unset = unbounded."""
+
+    api_key: str | None = field(default=None, repr=False)
+    """Bearer token required on ``/v1/*`` when set (also read from $CONVEYOR_API_KEY)."""
+
+    drain_timeout: float = 30.0
+    """Seconds SIGTERM waits for in-flight requests before exiting; Kubernetes' default
+    grace period is 30 s."""
+
+    retry_after: int = 1
+    """Seconds sent in ``Retry-After`` with 429 and 503: about one short request's length."""
+
+    log_level: str = "info"
+    """Log level of the ``conveyor`` and ``uvicorn`` loggers."""
+
+    access_log: bool = False
+    """Log one line per HTTP request (off: at thousands of requests per second it is noise)."""
+
+    log_stats_interval: float = 10.0
+    """Seconds between one-line engine summaries in the log while busy (0 = never); vLLM's 10 s."""
+
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    """The engine this server drives."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(
+                f"max_queued_requests must be >= 0 (or unset for no bound), got {self.max_queued_requests}"
+            )
+        if self.log_stats_interval < 0:
+            raise ValueError(
+                f"log_stats_interval must be >= 0 seconds, got {self.log_stats_interval}"
+            )
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty; leave it unset to disable authentication")
+
+    @property
+    def model_name(self) -> str:
+        """The name this replica serves under."""
+        return self.served_model_name or self.engine.model
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add the server's flags and the engine's (vLLM / SGLang names)."""
+        d = ServerSettings()
+        g = parser.add_argument_group("server")
+        g.add_argument("--host", default=d.host, help=f"interface to bind (default {d.host})")
+        g.add_argument("--port", type=int, default=d.port, help=f"TCP port (default {d.port})")
+        g.add_argument(
+            "--served-model-name",
+            default=None,
+            help="name clients use in `model` (default: --model as given)",
+        )
+        g.add_argument(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="waiting requests above which new ones get 429 with Retry-After (default: unbounded)",
+        )
+        g.add_argument(
+            "--api-key",
+            default=None,
+            help=f"require `Authorization: Bearer KEY` on /v1/* (or set ${API_KEY_ENV})",
+        )
+        g.add_argument(
+            "--drain-timeout",
+            type=float,
+            default=d.drain_timeout,
+            help=f"seconds SIGTERM waits for in-flight requests (default {d.drain_timeout:g})",
+        )
+        g.add_argument(
+            "--log-level",
+            default=d.log_level,
+            choices=["critical", "error", "warning", "info", "debug"],
+            help=f"log level (default {d.log_level})",
+        )
+        g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+        g.add_argument(
+            "--log-stats-interval",
+            type=float,
+            default=d.log_stats_interval,
+            help=f"seconds between engine summaries in the log while busy; 0 = never (default {d.log_stats_interval:g})",
+        )
+        EngineSettings.add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerSettings:
+        return cls(
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            max_queued_requests=args.max_queued_requests,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            drain_timeout=args.drain_timeout,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            log_stats_interval=args.log_stats_interval,
+            engine=EngineSettings.from_cli_args(args),
+        )

@@ -1,0 +1,149 @@
+"""Bad input gets a 4xx with an OpenAI-style body that says what to change; never a 500,
+never a stuck engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from conveyor.runtime.server.process import ServerProcess
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+def assert_error(
+    r: httpx.Response, status: int, param: str | None = None, says: str = ""
+) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert says.lower() in err["message"].lower(), err
+    return err
+
+
+def test_malformed_json(http: httpx.Client) -> None:
+    r = http.post(CHAT, content=b'{"messages": [', headers={"content-type": "application/json"})
+    assert_error(r, 400, says="not valid JSON")
+
+
+def test_missing_messages_and_prompt(http: httpx.Client) -> None:
+    assert_error(http.post(CHAT, json={"model": "conveyor-tiny"}), 400, "messages", "missing")
+    assert_error(http.post(COMPLETIONS, json={"max_tokens": 3}), 400, "prompt", "missing")
+    assert_error(http.post(CHAT, json={"messages": []}), 400, "messages")
+
+
+def test_wrong_field_types(http: httpx.Client) -> None:
+    assert_error(
+        http.post(CHAT, json={"messages": MESSAGES, "max_tokens": "lots"}), 400, "max_tokens"
+    )
+    assert_error(
+        http.post(CHAT, json={"messages": MESSAGES, "temperature": "hot"}), 400, "temperature"
+    )
+    assert_error(http.post(CHAT, json={"messages": "hi"}), 400, "messages")
+    assert_error(http.post(COMPLETIONS, json={"prompt": {"text": "x"}}), 400)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "param", "says"),
+    [
+        ("temperature", -1, "temperature", ">= 0"),
+        ("top_p", 0, "top_p", "(0, 1]"),
+        ("top_p", 1.5, "top_p", "(0, 1]"),
+        ("max_tokens", 0, "max_tokens", ">= 1"),
+        ("max_completion_tokens", 0, "max_completion_tokens", ">= 1"),
+        ("presence_penalty", 3, "presence_penalty", "[-2, 2]"),
+        ("top_logprobs", 50, "top_logprobs", "logprobs"),
+        ("n", 0, "n", ""),
+        ("logit_bias", {"1": 5}, "logit_bias", "not supported"),
+    ],
+)
+def test_invalid_parameter_values(
+    http: httpx.Client, field: str, value: Any, param: str, says: str
+) -> None:
+    body: dict[str, Any] = {"messages": MESSAGES, field: value}
+    if field == "top_logprobs":
+        body["logprobs"] = True
+    assert_error(http.post(CHAT, json=body), 400, param, says)
+
+
+def test_completion_logprobs_out_of_range(http: httpx.Client) -> None:
+    assert_error(
+        http.post(COMPLETIONS, json={"prompt": "x", "logprobs": 99}), 400, "logprobs", "[0, 20]"
+    )
+
+
+def test_prompt_longer_than_context(http: httpx.Client) -> None:
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    err = assert_error(
+        http.post(COMPLETIONS, json={"prompt": [5] * (max_len + 10), "max_tokens": 1}),
+        400,
+        says="context length",
+    )
+    assert err["code"] == "context_length_exceeded"
+    assert_error(
+        http.post(CHAT, json={"messages": [{"role": "user", "content": "x" * (max_len + 10)}]}),
+        400,
+        "messages",
+        "context length",
+    )
+
+
+def test_max_tokens_beyond_context(http: httpx.Client) -> None:
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    assert_error(
+        http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": max_len}),
+        400,
+        "max_tokens",
+        "lower max_tokens",
+    )
+
+
+def test_token_ids_outside_vocabulary(http: httpx.Client) -> None:
+    assert_error(http.post(COMPLETIONS, json={"prompt": [1, 10**9]}), 400, "prompt", "token ids")
+
+
+def test_unknown_model(http: httpx.Client) -> None:
+    err = assert_error(
+        http.post(CHAT, json={"model": "gpt-17", "messages": MESSAGES}),
+        404,
+        "model",
+        "conveyor-tiny",
+    )
+    assert err["code"] == "model_not_found"
+
+
+def test_unknown_route(http: httpx.Client) -> None:
+    assert_error(http.post("/v1/embeddings", json={}), 404)
+
+
+def test_openai_client_raises_bad_request(server: ServerProcess) -> None:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="conveyor-tiny", messages=MESSAGES, temperature=-2)
+        assert "temperature" in str(info.value)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="nope", prompt="x")
+
+
+def test_engine_still_serves_after_bad_input(http: httpx.Client) -> None:
+    for body in ({"prompt": ""}, {"prompt": [], "max_tokens": 2}, {"prompt": "x", "stop": [""]}):
+        r = http.post(COMPLETIONS, json=body)
+        assert 400 <= r.status_code < 500, r.text
+    r = http.post(COMPLETIONS, json={"prompt": "still alive", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200
+    assert r.json()["usage"]["completion_tokens"] == 3
