@@ -23,6 +23,7 @@ from starlette.routing import Route
 from conveyor.gateway.auth import ApiKeyAuth
 from conveyor.gateway.errors import error_body
 from conveyor.gateway.k8s_discovery import K8sPoolSpec, KubernetesDiscovery, KubernetesSliceSource
+from conveyor.gateway.llmservice_discovery import KubernetesLLMServiceSource, LLMServiceWatcher
 from conveyor.gateway.load_poller import LoadPoller
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
@@ -136,16 +137,27 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
                 backend_api_key=settings.backend_api_key,
             )
             stack.push_async_callback(k8s.close)
-            selector = settings.k8s_selector or f"kubernetes.io/service-name={settings.k8s_service}"
-            k8s.add_pool(
-                K8sPoolSpec(
-                    namespace=settings.k8s_namespace,
-                    label_selector=selector,
-                    model=settings.k8s_model,
-                    port_name=settings.k8s_port_name,
+            if settings.k8s_service or settings.k8s_selector:
+                selector = (
+                    settings.k8s_selector or f"kubernetes.io/service-name={settings.k8s_service}"
                 )
-            )
-            gateway.synced.append(k8s.synced)
+                k8s.add_pool(
+                    K8sPoolSpec(
+                        namespace=settings.k8s_namespace,
+                        label_selector=selector,
+                        model=settings.k8s_model,
+                        port_name=settings.k8s_port_name,
+                    )
+                )
+                gateway.synced.append(k8s.synced)
+            if settings.k8s_llmservices:
+                watcher = LLMServiceWatcher(
+                    namespace=settings.k8s_namespace,
+                    source=KubernetesLLMServiceSource(source.api_client),
+                    discovery=k8s,
+                )
+                gateway.synced.append(watcher.synced)
+                tasks.append(asyncio.create_task(watcher.run(), name="LLMService discovery"))
         try:
             yield gateway
         finally:

@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=docs["api_keys"] + f" Also from ${API_KEY_ENV}.",
     )
     parser.add_argument("--api-key-file", help="File with accepted API keys, one per line.")
+    parser.add_argument("--k8s-llmservices", action="store_true", help=docs["k8s_llmservices"])
     for flag, name in FLAGS.items():
         default = getattr(defaults, name)
         kind = type(default) if default is not None and not isinstance(default, str) else str
@@ -82,6 +83,7 @@ def parse_settings(argv: list[str]) -> GatewaySettings:
     settings = GatewaySettings(
         **values,
         backends=tuple(args.backend),
+        k8s_llmservices=args.k8s_llmservices,
         api_keys=load_api_keys(args.api_key, args.api_key_file),
     )
     if not (settings.backends or settings.backends_file or settings.k8s_namespace):
@@ -89,8 +91,14 @@ def parse_settings(argv: list[str]) -> GatewaySettings:
             "no replicas to route to: give --backend URL (repeatable), --backends-file FILE, "
             "or --k8s-namespace NS with --k8s-service NAME"
         )
-    if settings.k8s_namespace and not (settings.k8s_service or settings.k8s_selector):
-        raise ValueError("--k8s-namespace needs --k8s-service NAME or --k8s-selector LABELS")
+    if settings.k8s_namespace and not (
+        settings.k8s_service or settings.k8s_selector or settings.k8s_llmservices
+    ):
+        raise ValueError(
+            "--k8s-namespace needs --k8s-service NAME, --k8s-selector LABELS or --k8s-llmservices"
+        )
+    if settings.k8s_llmservices and not settings.k8s_namespace:
+        raise ValueError("--k8s-llmservices needs --k8s-namespace NS")
     if settings.bounded_load_factor < 1.0:
         raise ValueError(
             f"--bounded-load-factor must be at least 1.0 (got {settings.bounded_load_factor})"

@@ -1,8 +1,9 @@
 """Kubernetes discovery: a pool's replicas are the ready endpoints of EndpointSlices picked by label.
 
-A pool is (model name, routing policy, EndpointSlice label selector in a namespace). Today
-the command line gives one (``--k8s-service`` or ``--k8s-selector``); the operator adds one
-per LLMService through :meth:`KubernetesDiscovery.add_pool` / :meth:`remove_pool`.
+A pool is (model name, routing policy, EndpointSlice label selector in a namespace). The
+command line gives one (``--k8s-service`` or ``--k8s-selector``), or, with
+``--k8s-llmservices``, ``llmservice_discovery.py`` adds one per LLMService of the namespace
+through :meth:`KubernetesDiscovery.add_pool` / :meth:`remove_pool`.
 
 Each pool has one task: list, then watch from the list's resourceVersion; on any error (the
 watch dropping, 410 Gone, the apiserver away) list and watch again after a backoff. The
@@ -213,6 +214,11 @@ class KubernetesSliceSource:
         except config.ConfigException:
             await config.load_kube_config()
         return cls(client.ApiClient())
+
+    @property
+    def api_client(self) -> Any:
+        """The kubernetes_asyncio client (shared with the LLMService watch)."""
+        return self._api_client
 
     async def close(self) -> None:
         await self._api_client.close()

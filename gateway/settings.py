@@ -37,6 +37,10 @@ class GatewaySettings:
     k8s_selector: str | None = None
     """Label selector for EndpointSlices, instead of --k8s-service."""
 
+    k8s_llmservices: bool = False
+    """One pool per LLMService in --k8s-namespace (model and routing from each, replicas from its
+    EndpointSlices): how the operator runs the namespace's shared gateway."""
+
     k8s_model: str | None = None
     """Model name the Kubernetes pool serves; without it, read from the replicas' /v1/models."""
 
