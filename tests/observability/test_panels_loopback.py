@@ -1,0 +1,301 @@
+"""Every dashboard panel checked the way Grafana would use it, after a real run.
+
+Real runtime replicas (``conveyor serve``, the built-in model) behind a real gateway on
+loopback, scraped by a real Prometheus. The run injects what the quiet panels show: a
+replica with a tiny KV cache (preemptions), streams cut by the client (aborts, 499), a burst
+over the replicas' queue bound (429), a replica killed under load (retries, ejections). Then
+each panel query, with its variables resolved from ``label_values`` and ``$__rate_interval``
+substituted as Grafana does, is evaluated over the run's range and must return series with
+the labels its legend uses.
+
+This tier has no Kubernetes: Prometheus scrapes static targets carrying the labels that
+Kubernetes discovery gives on a cluster (e2e/test_dashboards_cluster.py does the same with
+discovery through the apiserver), and no operator, so the Autoscaler dashboard is checked
+there, not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conveyor.observability import dashboards, grafana, names
+from conveyor.observability.chart import CHART
+from conveyor.observability.prometheus import Prometheus, PrometheusSettings, StaticTarget
+from conveyor.observability.render import render_dashboard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
+from gateway_helpers import PYTHON, Process, Processes, free_port, wait_for
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None,
+        reason="needs the runtime server (`conveyor serve`) and torch",
+    ),
+]
+
+MODEL = "conveyor-tiny"
+NAMESPACE = "loopback"
+LLMSERVICE = "tiny"
+SCRAPE_S = 1.0
+RENDER_DIR = Path(__file__).resolve().parents[2] / "build" / "dashboards"
+"""Where the test leaves its renders (build/ is ignored by git), to be looked at."""
+
+ALLOWED_EMPTY: dict[tuple[str, str], str] = {
+    ("Time to first token", names.AS_TARGET): "the TTFT target comes from the operator's "
+    "autoscaler, which this tier does not run (checked in e2e with the operator)",
+    ("Requests held for a replica", names.GW_PENDING): "requests are held only while a model "
+    "has no ready replica (scale from zero, issue 9); this run always has replicas",
+}
+"""(panel title, metric) -> why that query may return nothing here."""
+
+NEEDS_OPERATOR = {"autoscaler.json": "its series come from the operator's autoscaler"}
+"""Dashboards this tier cannot check, and why (e2e checks them with the operator running)."""
+
+
+def runtime(port: int, *extra: str) -> Process:
+    argv = [PYTHON, "-m", "conveyor.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
+            "--port", str(port), "--num-threads", "1", *extra]  # fmt: skip
+    return Process(f"runtime-{port}", argv, port)
+
+
+def gateway(port: int, backends: list[str]) -> Process:
+    argv = [PYTHON, "-m", "conveyor.cli", "gateway", "--host", "127.0.0.1", "--port", str(port),
+            "--load-poll-interval", "0.1", "--routing", "least-load",
+            *[a for b in backends for a in ("--backend", b)]]  # fmt: skip
+    return Process(f"gateway-{port}", argv, port)
+
+
+@pytest.fixture(scope="module")
+def stack(prometheus_binary: Path) -> Iterator[dict]:
+    owner = Processes()
+    normal = (
+        "--max-total-tokens",
+        "4096",
+        "--max-running-requests",
+        "4",
+        "--max-queued-requests",
+        "3",
+    )
+    tiny_kv = ("--max-total-tokens", "256", "--max-model-len", "256", "--max-running-requests", "8")
+    pods = {
+        f"{LLMSERVICE}-0": runtime(free_port(), *normal),
+        f"{LLMSERVICE}-1": runtime(free_port(), *normal),
+        f"{LLMSERVICE}-tiny-kv": runtime(free_port(), *tiny_kv),
+        f"{LLMSERVICE}-doomed": runtime(free_port(), *normal),
+    }
+    gw = gateway(free_port(), [p.url for p in pods.values()])
+    targets = [
+        StaticTarget(f"127.0.0.1:{p.port}", NAMESPACE, name, "runtime", LLMSERVICE)
+        for name, p in pods.items()
+    ] + [StaticTarget(f"127.0.0.1:{gw.port}", NAMESPACE, "conveyor-gateway-0", "gateway")]
+    settings = PrometheusSettings(
+        binary=prometheus_binary,
+        scrape_interval_s=SCRAPE_S,
+        evaluation_interval_s=SCRAPE_S,
+        static_targets=tuple(targets),
+    )
+    try:
+        with Prometheus(settings) as prom:
+            for p in pods.values():
+                owner.start(p)
+            for p in pods.values():
+                p.wait_http("/ready", timeout=300)
+            owner.start(gw).wait_http("/health")
+            yield {"pods": pods, "gateway": gw, "prometheus": prom, "owner": owner}
+    finally:
+        owner.stop_all()
+        for p in owner.all:
+            p.log_path.unlink(missing_ok=True)
+
+
+async def _run_load(stack: dict) -> None:
+    gw: Process = stack["gateway"]
+    pods: dict[str, Process] = stack["pods"]
+
+    def admitted() -> int:
+        try:
+            pools = httpx.get(gw.url + "/debug/pools", timeout=5).json()
+        except httpx.HTTPError:
+            return -1
+        return sum(r["admitted"] for r in pools.get(MODEL, {}).get("replicas", []))
+
+    wait_for(lambda: admitted() == len(pods), 60, "every replica admitted by the gateway")
+    shared = "You are a helpful assistant of the conveyor belt factory. " * 3
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0
+    ) as client:
+
+        async def one(i: int, stream: bool, max_tokens: int = 24) -> None:
+            with contextlib.suppress(openai.APIError):
+                if stream:
+                    chunks = await client.chat.completions.create(
+                        model=MODEL, stream=True, max_tokens=max_tokens,
+                        messages=[{"role": "user", "content": f"{shared} question {i}"}],
+                    )  # fmt: skip
+                    async for _ in chunks:
+                        pass
+                else:
+                    await client.completions.create(
+                        model=MODEL, prompt=f"{shared} item {i}", max_tokens=max_tokens
+                    )
+
+        async def cut(i: int) -> None:
+            # the client reads two chunks and goes away: an abort on the replica, 499 at the gateway
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"story {i}", stream=True, max_tokens=100
+            )
+            received = 0
+            async for _ in stream:
+                received += 1
+                if received == 2:
+                    break
+            await stream.close()
+
+        # steady traffic with shared prefixes (prefix-cache hits), streamed and not
+        for start in range(0, 32, 8):
+            await asyncio.gather(*(one(i, stream=i % 2 == 0) for i in range(start, start + 8)))
+        await asyncio.gather(*(cut(i) for i in range(4)))
+        # the tiny-KV replica alone gets long concurrent generations: preemptions
+        async with openai.AsyncOpenAI(
+            base_url=pods[f"{LLMSERVICE}-tiny-kv"].url + "/v1", api_key="unused", max_retries=0
+        ) as direct:
+
+            async def long(i: int) -> None:
+                await direct.completions.create(model=MODEL, prompt=f"long {i} " * 4, max_tokens=60)
+
+            await asyncio.gather(*(long(i) for i in range(6)))
+        # a burst over the queue bounds: 429s
+        await asyncio.gather(*(one(100 + i, stream=False, max_tokens=48) for i in range(96)))
+        # a replica killed under load: retries before the first byte, an ejection
+        doomed = pods[f"{LLMSERVICE}-doomed"]
+        load = asyncio.gather(*(one(200 + i, stream=True, max_tokens=32) for i in range(24)))
+        async with httpx.AsyncClient() as poll:
+            deadline = time.monotonic() + 60
+            while (await poll.get(doomed.url + "/load")).json()["running"] == 0:
+                assert time.monotonic() < deadline, "no request reached the replica to kill"
+        doomed.kill()
+        await load
+        await asyncio.gather(*(one(300 + i, stream=i % 2 == 0) for i in range(8)))
+
+
+def _scraped_after(prom: Prometheus, moment: float) -> bool:
+    samples = prom.api().query(f'timestamp(up{{namespace="{NAMESPACE}"}}) and up == 1')
+    return len(samples) >= 4 and all(float(s["value"][1]) > moment for s in samples)
+
+
+@pytest.fixture(scope="module")
+def run(stack: dict) -> dict:
+    start = time.time() - 5
+    asyncio.run(_run_load(stack))
+    end_of_load = time.time()
+    prom: Prometheus = stack["prometheus"]
+    # every live target scraped after the last request (the killed one is down)
+    wait_for(lambda: _scraped_after(prom, end_of_load + SCRAPE_S), 60, "a scrape after the load")
+    return {"start": start, "end": time.time(), "prometheus": prom}
+
+
+def _shows(value: str) -> bool:
+    number = float(value)
+    return math.isfinite(number) and number != 0
+
+
+def _committed(name: str) -> dict:
+    return json.loads((CHART / "dashboards" / name).read_text())
+
+
+def _check_dashboard(name: str, run: dict) -> tuple[int, list[str]]:
+    api = run["prometheus"].api()
+    model = _committed(name)
+    start, end = run["start"], run["end"]
+    failures: list[str] = []
+    checked = 0
+    for all_as in ("all-value", "each"):
+        values, listed = grafana.resolve_variables(model, api, start, end, all_as=all_as)
+        for variable, found in listed.items():
+            if not found:
+                failures.append(f"{name}: variable ${variable} lists no value")
+        for query in grafana.panel_queries(model):
+            expr = query.resolved(values, start, end, SCRAPE_S)
+            allowed = next(
+                (why for (title, metric), why in ALLOWED_EMPTY.items()
+                 if title == query.panel_title and metric in query.expr),
+                None,
+            )  # fmt: skip
+            series = api.query_range(expr, start, end, grafana.interval_s(start, end, SCRAPE_S))
+            checked += 1
+            labelled = [
+                s for s in series if all(s["metric"].get(label) for label in query.legend_labels)
+            ]
+            if labelled:
+                if not any(_shows(v) for s in labelled for _, v in s["values"]):
+                    failures.append(
+                        f"{name} panel {query.panel_title!r} query {query.ref_id} ({all_as}) is "
+                        f"zero all along: the run did not show what it draws: {expr}"
+                    )
+                continue
+            if allowed is not None:
+                metric = next(m for m in (names.AS_TARGET, names.GW_PENDING) if m in query.expr)
+                if metric == names.GW_PENDING and not api.metadata(metric):
+                    failures.append(f"{query.panel_title}: {metric} is not even exported")
+                continue
+            failures.append(
+                f"{name} panel {query.panel_title!r} query {query.ref_id} ({all_as}) returned "
+                f"{len(series)} series, none with labels {query.legend_labels}: {expr}"
+            )
+    return checked, failures
+
+
+def test_the_run_showed_the_injected_events(run: dict) -> None:
+    api = run["prometheus"].api()
+    codes = {
+        s["metric"].get("code")
+        for s in api.query_range(
+            f"sum by (code) ({names.GW_REQUESTS})", run["start"], run["end"], SCRAPE_S
+        )
+    }
+    assert {"200", "429", "499"} <= codes, codes
+    for metric in (names.PREEMPTIONS, names.GW_RETRIES, names.GW_EJECTIONS):
+        assert api.query(f"sum({metric}) > 0", run["end"]), f"the run shows no {metric}"
+
+
+@pytest.mark.parametrize("name", ["llmservice-overview.json", "gateway.json"])
+def test_every_panel_query_returns_labelled_series(run: dict, name: str) -> None:
+    checked, failures = _check_dashboard(name, run)
+    print(
+        f"\n{name}: {checked} panel queries checked ({len(dashboards.panels(_committed(name)))} panels)"
+    )
+    assert not failures, "\n".join(failures)
+
+
+def test_autoscaler_dashboard_is_left_to_the_operator_tier() -> None:
+    # listed, not forgotten: e2e/test_dashboards_cluster.py checks it with the operator
+    assert set(NEEDS_OPERATOR) == set(dashboards.all_json()) - {
+        "llmservice-overview.json",
+        "gateway.json",
+    }
+
+
+def test_render_draws_every_panel(run: dict) -> None:
+    api = run["prometheus"].api()
+    for name in ("llmservice-overview.json", "gateway.json"):
+        out = RENDER_DIR / name.replace(".json", ".png")
+        rendered = render_dashboard(
+            _committed(name), api, run["start"], run["end"], out, scrape_interval_s=SCRAPE_S
+        )
+        assert out.stat().st_size > 10_000
+        empty = {p.title for p in rendered if not p.series}
+        assert empty <= {title for title, _ in ALLOWED_EMPTY}, f"{name}: no data in {empty}"
+        print(f"\nrendered {out}")
