@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install the Debian packages the one-machine cluster needs, only if missing:
+#   nft (nftables)   kube-proxy's nftables mode, and the cluster's forward rule
+#   iptables         kube-proxy clears leftovers of its iptables mode at start
+#   ip, bridge (iproute2)  the bridge, veth pairs, network namespaces, routes
+# Idempotent and quick when everything is there; needs root (apt-get).
+set -euo pipefail
+
+need=()
+command -v nft >/dev/null 2>&1 || need+=(nftables)
+command -v iptables >/dev/null 2>&1 || need+=(iptables)
+{ command -v ip >/dev/null 2>&1 && command -v bridge >/dev/null 2>&1; } || need+=(iproute2)
+command -v flock >/dev/null 2>&1 || need+=(util-linux)
+
+if [[ ${#need[@]} -eq 0 ]]; then
+    echo "[install-system-deps] nothing to install"
+    exit 0
+fi
+echo "[install-system-deps] installing: ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}"

@@ -1,0 +1,75 @@
+"""What a cluster may leave on the host, listed by reading it (for tests and ``status``).
+
+``find_leftovers`` names every process, network namespace, link, route, nftables table and
+cgroup of the cluster's making that exists now; after ``stop`` each list must be empty.
+``rulesets`` snapshots the whole nftables and iptables state, to compare with one taken
+before the cluster started.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from conveyor.cluster.cgroups import ClusterCgroup
+from conveyor.cluster.network import KUBE_PROXY_TABLES, NFT_TABLE, NetworkPlan, nft_tables, run
+from conveyor.cluster.podnet import NETNS_DIR, NETNS_PREFIX, VETH_PREFIX
+
+
+def _processes_of(tools_dir: Path | None) -> list[str]:
+    """Processes whose executable is one of the built tools."""
+    if tools_dir is None:
+        return []
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            exe = (proc / "exe").resolve()
+        except OSError:
+            continue
+        if exe.parent == tools_dir.resolve():
+            found.append(f"{exe.name} (pid {proc.name})")
+    return found
+
+
+def find_leftovers(
+    plan: NetworkPlan, *, cluster_name: str, tools_dir: Path | None
+) -> dict[str, list[str]]:
+    """Everything of the cluster's making that is on the host now, by kind."""
+    links = json.loads(run("ip", "-j", "link", "show").stdout or "[]")
+    guarded = []
+    for table in ("main", "local"):
+        for r in json.loads(run("ip", "-j", "route", "show", "table", table).stdout or "[]"):
+            dst = r.get("dst", "")
+            if dst.startswith(("198.18.", "198.19.")) or r.get("dev") == plan.bridge:
+                guarded.append(f"{table}: {dst} {r.get('type', '')} {r.get('dev', '')}".strip())
+    ours = {("inet", NFT_TABLE), *KUBE_PROXY_TABLES}
+    return {
+        "processes": _processes_of(tools_dir),
+        "network namespaces": sorted(
+            p.name for p in NETNS_DIR.iterdir() if p.name.startswith(NETNS_PREFIX)
+        )
+        if NETNS_DIR.exists()
+        else [],
+        "links": [
+            link["ifname"]
+            for link in links
+            if link["ifname"] == plan.bridge or link["ifname"].startswith(VETH_PREFIX)
+        ],
+        "routes": guarded,
+        "nftables tables": [f"{f} {n}" for f, n in nft_tables() if (f, n) in ours],
+        "cgroups": [str(d) for d in ClusterCgroup(cluster_name).dirs if d.exists()],
+    }
+
+
+def rulesets() -> dict[str, str]:
+    """The whole nftables ruleset and iptables rules (where the tools exist), as text."""
+    out = {"nft": run("nft", "list", "ruleset").stdout}
+    for tool in ("iptables-save", "ip6tables-save"):
+        if shutil.which(tool):
+            text = run(tool).stdout
+            # Drop the comment lines (they carry timestamps).
+            out[tool] = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    return out

@@ -1,0 +1,170 @@
+"""The simulated nodes: pure builders of the Node objects and of kwok's Node stages.
+
+GPU nodes advertise ``nvidia.com/gpu``, carry the labels GPU feature discovery writes
+(``nvidia.com/gpu.product``, ``.memory``, ``.count``) and the ``nvidia.com/gpu:NoSchedule``
+taint of managed GPU node pools; CPU nodes are untainted. Every node's CPU and memory is
+this machine's, shared out evenly, so requests and limits mean something. kwok keeps the
+nodes Ready (conditions, leases) and, having no pod stages, does nothing to pods.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+GPU_RESOURCE = "nvidia.com/gpu"
+KWOK_ANNOTATION = "kwok.x-k8s.io/node"
+"""Nodes carrying ``kwok.x-k8s.io/node: fake`` are the ones kwok manages."""
+POOL_LABEL = "conveyor.dev/node-pool"
+
+
+@dataclass(frozen=True)
+class MachineShare:
+    """One node's share of this machine."""
+
+    cpu_millis: int
+    memory_bytes: int
+
+    @classmethod
+    def of_this_machine(cls, nodes: int) -> MachineShare:
+        """This machine's CPUs and memory divided evenly among ``nodes``."""
+        cpus = len(os.sched_getaffinity(0))
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return cls(cpu_millis=cpus * 1000 // nodes, memory_bytes=memory // nodes)
+
+
+def node_names(gpu_nodes: int, cpu_nodes: int) -> tuple[list[str], list[str]]:
+    """Names of the GPU nodes and the CPU nodes."""
+    return [f"gpu-node-{i}" for i in range(gpu_nodes)], [f"cpu-node-{i}" for i in range(cpu_nodes)]
+
+
+def node_manifest(
+    name: str,
+    *,
+    share: MachineShare,
+    address: str,
+    kubelet_port: int,
+    max_pods: int,
+    gpus: int = 0,
+    gpu_product: str = "",
+    gpu_memory_mib: int = 0,
+    kubernetes_version: str = "",
+) -> dict:
+    """A Node object with its status (a Node's status is kept on create, as a kubelet registers)."""
+    labels = {
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/arch": "amd64",
+        "type": "kwok",
+        POOL_LABEL: "gpu" if gpus else "cpu",
+    }
+    resources = {
+        "cpu": f"{share.cpu_millis}m",
+        "memory": str(share.memory_bytes),
+        "pods": str(max_pods),
+        "ephemeral-storage": str(100 * 2**30),
+    }
+    taints = []
+    if gpus:
+        labels |= {
+            f"{GPU_RESOURCE}.present": "true",
+            f"{GPU_RESOURCE}.product": gpu_product,
+            f"{GPU_RESOURCE}.memory": str(gpu_memory_mib),
+            f"{GPU_RESOURCE}.count": str(gpus),
+        }
+        resources[GPU_RESOURCE] = str(gpus)
+        taints.append({"key": GPU_RESOURCE, "effect": "NoSchedule"})
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": labels,
+            "annotations": {KWOK_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+        },
+        "spec": {"taints": taints} if taints else {},
+        "status": {
+            "capacity": resources,
+            "allocatable": resources,
+            "addresses": [
+                {"type": "InternalIP", "address": address},
+                {"type": "Hostname", "address": name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
+            "nodeInfo": {
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+                "kubeletVersion": kubernetes_version,
+                "kubeProxyVersion": kubernetes_version,
+                "containerRuntimeVersion": "conveyor://simulated",
+                "kernelVersion": os.uname().release,
+                "osImage": "conveyor one-machine cluster",
+                "bootID": "",
+                "machineID": "",
+                "systemUUID": "",
+            },
+        },
+    }
+
+
+# The conditions of a healthy node, refreshed by both stages.
+_CONDITIONS = """
+{{ $now := Now }}
+conditions:
+- type: Ready
+  status: "True"
+  reason: KubeletReady
+  message: "kwok keeps this simulated node ready"
+  lastHeartbeatTime: {{ $now | Quote }}
+  lastTransitionTime: {{ $now | Quote }}
+{{ range $t := list "MemoryPressure" "DiskPressure" "PIDPressure" "NetworkUnavailable" }}
+- type: {{ $t }}
+  status: "False"
+  reason: {{ printf "No%s" $t | Quote }}
+  message: "simulated"
+  lastHeartbeatTime: {{ $now | Quote }}
+  lastTransitionTime: {{ $now | Quote }}
+{{ end }}
+phase: Running
+"""
+
+
+def kwok_stages(heartbeat_s: int = 30) -> list[dict]:
+    """kwok Stage objects for Nodes only: make a node Ready, then keep its conditions fresh.
+
+    With no Pod stages kwok leaves pods alone (the node agent runs them). Liveness itself
+    comes from the node leases kwok renews (``--node-lease-duration-seconds``).
+    """
+    ready_selector = {
+        "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
+    }
+    return [
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1",
+            "kind": "Stage",
+            "metadata": {"name": "conveyor-node-ready"},
+            "spec": {
+                "resourceRef": {"apiGroup": "v1", "kind": "Node"},
+                "selector": {
+                    "matchExpressions": [ready_selector | {"operator": "NotIn", "values": ["True"]}]
+                },
+                "next": {"statusTemplate": _CONDITIONS},
+            },
+        },
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1",
+            "kind": "Stage",
+            "metadata": {"name": "conveyor-node-heartbeat"},
+            "spec": {
+                "resourceRef": {"apiGroup": "v1", "kind": "Node"},
+                "selector": {
+                    "matchExpressions": [ready_selector | {"operator": "In", "values": ["True"]}]
+                },
+                "delay": {
+                    "durationMilliseconds": heartbeat_s * 1000,
+                    "jitterDurationMilliseconds": heartbeat_s * 1000 + 5000,
+                },
+                "next": {"statusTemplate": _CONDITIONS},
+            },
+        },
+    ]

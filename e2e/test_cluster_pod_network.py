@@ -1,0 +1,123 @@
+"""The pod network: a server in a pod's network namespace, found through its Service.
+
+No node agent yet: the test makes the pod's network with the code the agent will call
+(``PodNetworks``) and reports the pod's status through the real API, as a kubelet does.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.request
+
+from conveyor.cluster import Cluster
+from conveyor.cluster.testing import KubeUnderTest, PodProcesses
+
+TIMEOUT_S = 90
+PORT = 8080
+
+
+def _get(url: str) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=5) as resp:
+        return resp.read().decode()
+
+
+def _pod(name: str, app: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app": app}},
+        "spec": {
+            "containers": [
+                {
+                    "name": "main",
+                    "image": "conveyor",
+                    "ports": [{"name": "http", "containerPort": PORT}],
+                    "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                }
+            ]
+        },
+    }
+
+
+def _scheduled(kube: KubeUnderTest, namespace: str, name: str) -> dict:
+    return kube.api.wait_for(
+        f"pod {name} scheduled",
+        lambda: (
+            (p := kube.api.get(f"/api/v1/namespaces/{namespace}/pods/{name}"))["spec"].get(
+                "nodeName"
+            )
+            and p
+        ),
+        timeout_s=TIMEOUT_S,
+    )
+
+
+def test_server_in_a_pod_is_reached_at_its_pod_ip_and_cluster_ip(
+    kube: KubeUnderTest, own_cluster: Cluster, namespace: str, pods: PodProcesses
+) -> None:
+    api = kube.api
+    api.create(f"/api/v1/namespaces/{namespace}/pods", _pod("echo", "echo"))
+    api.create(f"/api/v1/namespaces/{namespace}/pods", _pod("client", "client"))
+    service = api.create(
+        f"/api/v1/namespaces/{namespace}/services",
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "echo"},
+            "spec": {"selector": {"app": "echo"}, "ports": [{"port": 80, "targetPort": "http"}]},
+        },
+    )
+    cluster_ip = service["spec"]["clusterIP"]
+    assert ipaddress.ip_address(cluster_ip) in own_cluster.plan.service_cidr
+
+    echo_net = pods.network(namespace, "echo")
+    client_net = pods.network(namespace, "client")
+    pods.serve(echo_net, PORT, "hello from echo")
+    for name, net in (("echo", echo_net), ("client", client_net)):
+        _scheduled(kube, namespace, name)
+        pods.mark_running(namespace, name, net)
+
+    def endpoint_ready() -> list[dict] | None:
+        slices = api.get(
+            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            labelSelector="kubernetes.io/service-name=echo",
+        )["items"]
+        endpoints = [e for s in slices for e in s.get("endpoints") or []]
+        ready = [e for e in endpoints if e["conditions"].get("ready")]
+        return ready or None
+
+    endpoints = api.wait_for(
+        "the echo pod in its Service's EndpointSlice", endpoint_ready, timeout_s=TIMEOUT_S
+    )
+    assert endpoints[0]["addresses"] == [str(echo_net.address)]
+    assert endpoints[0]["targetRef"]["name"] == "echo"
+
+    # From the host: the pod IP directly, then the ClusterIP through kube-proxy's rules.
+    assert _get(f"http://{echo_net.address}:{PORT}/") == "hello from echo"
+
+    def through_cluster_ip() -> str | None:
+        try:
+            return _get(f"http://{cluster_ip}:80/")
+        except OSError:
+            return None  # kube-proxy has not written the Service's rules yet
+
+    assert (
+        api.wait_for("the ClusterIP to answer", through_cluster_ip, timeout_s=TIMEOUT_S)
+        == "hello from echo"
+    )
+    # From another pod's network namespace, and from the pod itself (hairpin), at the ClusterIP.
+    assert pods.fetch_from(client_net, f"http://{cluster_ip}:80/") == "hello from echo"
+    assert pods.fetch_from(echo_net, f"http://{cluster_ip}:80/") == "hello from echo"
+
+
+def test_pod_networks_get_distinct_addresses_from_the_slice(
+    own_cluster: Cluster, pods: PodProcesses
+) -> None:
+    a = pods.network("addr-test", "a")
+    b = pods.network("addr-test", "b")
+    assert a.address != b.address
+    for net in (a, b):
+        assert net.address in own_cluster.plan.pod_cidr
+        assert net.gateway == own_cluster.plan.host_address
+    assert {a.netns, b.netns} <= set(own_cluster.pod_networks.list_netns())
