@@ -70,6 +70,9 @@ class PrometheusSettings:
     """Rule files to load; the project's recording and alerting rules by default."""
     retention: str = "2d"
     """How long samples are kept; a local stack needs hours, not weeks."""
+    work_dir: Path | None = None
+    """Config, log and data live here and outlive ``stop()`` (``conveyor up``); unset: a
+    temporary directory that ``stop()`` removes (tests)."""
 
 
 SCRAPE_ANNOTATION = "__meta_kubernetes_pod_annotation_prometheus_io_scrape"
@@ -209,7 +212,11 @@ class Prometheus:
             raise PrometheusError(
                 f"no prometheus binary at {self.settings.binary}: build it with cluster/build-tools.sh"
             )
-        self._workdir = Path(tempfile.mkdtemp(prefix="conveyor-prometheus-"))
+        if self.settings.work_dir is not None:
+            self.settings.work_dir.mkdir(parents=True, exist_ok=True)
+            self._workdir = self.settings.work_dir
+        else:
+            self._workdir = Path(tempfile.mkdtemp(prefix="conveyor-prometheus-"))
         self.port = self.settings.port or _free_port(self.settings.host)
         config = self._workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(prometheus_config(self.settings), sort_keys=False))
@@ -265,9 +272,13 @@ class Prometheus:
                 self._process.kill()
                 self._process.wait()
         self._process = None
-        if self._workdir is not None:
+        if self._workdir is not None and self.settings.work_dir is None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
 
     def __enter__(self) -> Prometheus:
         return self.start()

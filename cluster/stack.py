@@ -1,0 +1,427 @@
+"""``conveyor up`` / ``conveyor down``: the whole stack on one machine.
+
+up:   build (or reuse) the cluster's tools -> start the cluster -> ``helm install``
+      the chart (the operator runs as a pod) -> ``kubectl apply`` the example
+      LLMService -> start Prometheus -> wait until a request through the gateway
+      is answered -> print what a user needs.
+down: stop Prometheus, stop the cluster (which removes every process, network
+      namespace, route, rule and cgroup it made), remove the stack's files.
+
+Running ``up`` twice is harmless: it reports what is already up and fills in
+what is missing. Ctrl-C during ``up`` stops what this run started.
+``--kubeconfig`` installs into an existing cluster instead (kind, k3d, a real
+one) and starts nothing on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from conveyor.cluster.cluster import Cluster
+from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "charts" / "conveyor"
+EXAMPLE = ROOT / "examples" / "llmservice.yaml"
+STACK_FILE = "stack.json"
+FIRST_BUILD_BYTES = 6 << 30  # Go module and build caches of a cold build
+
+
+@dataclass(frozen=True)
+class StackSettings:
+    """What ``conveyor up`` brings up."""
+
+    gpu_nodes: int = 2
+    """Simulated GPU nodes of the local cluster."""
+    model: str = "conveyor-tiny"
+    """The built-in model the example LLMService serves."""
+    namespace: str = "default"
+    """Where the example LLMService (and so its gateway) goes."""
+    release_namespace: str = "conveyor-system"
+    """Where the chart (the operator) is installed."""
+    kubeconfig: Path | None = None
+    """Install into this existing cluster instead of starting one here."""
+    wait_s: float = 600.0
+    """How long to wait for the first answered request (model generation included)."""
+    prometheus_port: int = 9090
+    """Port of the local Prometheus on 127.0.0.1 (a free one is picked if it is taken)."""
+
+
+def say(message: str) -> None:
+    print(f"[conveyor up {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- preflight ---------------------------------------------------------------------------
+
+
+def preflight(settings: StackSettings) -> None:
+    """Refuse early, with what to do, on the mistakes newcomers make."""
+    if settings.kubeconfig is None and os.geteuid() != 0:
+        raise SystemExit(
+            "conveyor up needs root on this machine: the cluster's pods get network namespaces, "
+            "a bridge and cgroups. Run it with sudo, or use --kubeconfig for an existing cluster."
+        )
+    try:
+        directory = tools_directory()
+    except (subprocess.CalledProcessError, FileNotFoundError) as exc:
+        raise SystemExit(
+            f"cannot locate the cluster's tools ({exc}); is Go 1.26+ installed?"
+        ) from exc
+    if Tools(directory).missing():
+        cache = Path(os.environ.get("GOMODCACHE") or Path.home() / "go")
+        cache.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(cache).free
+        if free < FIRST_BUILD_BYTES:
+            raise SystemExit(
+                f"the first build of the cluster's tools needs about 6 GB of Go caches; "
+                f"{free / 2**30:.1f} GB is free under {cache}. Free some space and run again."
+            )
+        say(
+            "first run: building Kubernetes, etcd, kwok, helm and Prometheus from pinned Go modules "
+            "(about 15 minutes on 2 cores; cached afterwards)"
+        )
+
+
+# -- the steps ---------------------------------------------------------------------------
+
+
+def _run(
+    argv: list[str], *, check: bool = True, input_: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, input=input_)
+    if check and proc.returncode != 0:
+        raise RuntimeError(
+            f"{Path(argv[0]).name} {' '.join(argv[1:3])} failed:\n{proc.stderr.strip()}"
+        )
+    return proc
+
+
+class Stack:
+    """One ``conveyor up``: what it started, so a Ctrl-C or ``down`` can stop exactly that."""
+
+    def __init__(self, settings: StackSettings):
+        self.settings = settings
+        self.cluster: Cluster | None = None
+        self.started_cluster = False
+        self.tools: Tools | None = None
+        self.kubeconfig: Path | None = settings.kubeconfig
+        self.prometheus_url: str | None = None
+
+    # helpers bound to the kubeconfig in use
+    def kubectl(self, *args: str, check: bool = True, input_: str | None = None):
+        assert self.tools is not None and self.kubeconfig is not None
+        return _run(
+            [str(self.tools.path("kubectl")), f"--kubeconfig={self.kubeconfig}", *args],
+            check=check,
+            input_=input_,
+        )
+
+    def helm(self, *args: str, check: bool = True):
+        assert self.tools is not None and self.kubeconfig is not None
+        return _run(
+            [str(self.tools.path("helm")), f"--kubeconfig={self.kubeconfig}", *args], check=check
+        )
+
+    @property
+    def state_file(self) -> Path | None:
+        return None if self.cluster is None else self.cluster.work_dir / STACK_FILE
+
+    def up(self) -> dict:
+        s = self.settings
+        started = time.monotonic()
+        self.tools = build_tools(BINARIES)
+        if s.kubeconfig is None:
+            self.cluster = Cluster.attach()
+            if self.cluster is not None:
+                say(f"cluster {self.cluster.settings.name!r} is already up: reusing it")
+            else:
+                say(f"starting the cluster ({s.gpu_nodes} GPU nodes)")
+                self.cluster = Cluster(
+                    ClusterSettings(gpu_nodes=s.gpu_nodes, tools_dir=self.tools.directory)
+                )
+                self.started_cluster = True
+                self.cluster.start()
+            self.kubeconfig = self.cluster.kubeconfig_path
+        self.install_chart()
+        self.apply_example()
+        if self.cluster is not None:
+            self.start_prometheus()
+        endpoint = self.wait_for_answer()
+        info = {
+            "kubeconfig": str(self.kubeconfig),
+            "base_url": endpoint["base_url"],
+            "model": endpoint["model"],
+            "prometheus": self.prometheus_url,
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        if self.state_file is not None:
+            previous = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
+            self.state_file.write_text(json.dumps({**previous, **info}, indent=2))
+        return info
+
+    def install_chart(self) -> None:
+        s = self.settings
+        listed = self.helm("status", "conveyor", "-n", s.release_namespace, check=False)
+        verb = "upgrade" if listed.returncode == 0 else "install"
+        say(f"helm {verb} conveyor (the operator runs as a pod in {s.release_namespace})")
+        self.helm(
+            "upgrade",
+            "--install",
+            "conveyor",
+            str(CHART),
+            "-n",
+            s.release_namespace,
+            "--create-namespace",
+            "--wait",
+            "--timeout",
+            "10m",
+        )
+
+    def apply_example(self) -> None:
+        s = self.settings
+        text = EXAMPLE.read_text()
+        if s.model != "conveyor-tiny":
+            text = text.replace("builtin: conveyor-tiny", f"builtin: {s.model}")
+        say(f"kubectl apply -f {EXAMPLE.relative_to(ROOT)} (namespace {s.namespace})")
+        self.kubectl("apply", "-n", s.namespace, "-f", "-", input_=text)
+
+    def start_prometheus(self) -> None:
+        from conveyor.observability.prometheus import Prometheus, PrometheusSettings
+
+        assert self.cluster is not None and self.tools is not None
+        state = (
+            json.loads(self.state_file.read_text())
+            if self.state_file and self.state_file.exists()
+            else {}
+        )
+        pid = state.get("prometheus_pid")
+        if pid and _alive(pid):
+            self.prometheus_url = state.get("prometheus")
+            say(f"Prometheus is already up at {self.prometheus_url}")
+            return
+        port = self.settings.prometheus_port if _port_free(self.settings.prometheus_port) else 0
+        prom = Prometheus(
+            PrometheusSettings(
+                binary=self.tools.path("prometheus"),
+                port=port,
+                kubeconfig=self.kubeconfig,
+                work_dir=self.cluster.work_dir / "prometheus",
+                scrape_interval_s=5,
+                evaluation_interval_s=5,
+            )
+        ).start()
+        self.prometheus_url = prom.url
+        assert self.state_file is not None
+        self.state_file.write_text(
+            json.dumps({**state, "prometheus_pid": prom.pid, "prometheus": prom.url}, indent=2)
+        )
+        say(f"Prometheus at {prom.url} (discovers pods through the apiserver)")
+
+    def wait_for_answer(self) -> dict:
+        import httpx
+
+        s = self.settings
+        say(
+            "waiting for the LLMService to be Ready and answer through its gateway "
+            "(the first start generates the built-in model)"
+        )
+        deadline = time.monotonic() + s.wait_s
+        last = "no status yet"
+        while time.monotonic() < deadline:
+            out = self.kubectl(
+                "get", "llmservice", "tiny", "-n", s.namespace, "-o", "json", check=False
+            )
+            status = json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}
+            endpoint = status.get("endpoint") or {}
+            if endpoint.get("clusterIP") and status.get("readyReplicas"):
+                base = f"http://{endpoint['clusterIP']}:8080/v1"
+                if self.cluster is None:  # an existing cluster: reach it through a port-forward
+                    return {"base_url": base, "model": endpoint.get("model", "tiny")}
+                try:
+                    reply = httpx.post(
+                        f"{base}/completions",
+                        timeout=30,
+                        json={
+                            "model": endpoint.get("model", "tiny"),
+                            "prompt": "Hello",
+                            "max_tokens": 4,
+                        },
+                    )
+                    if reply.status_code == 200:
+                        return {"base_url": base, "model": endpoint.get("model", "tiny")}
+                    last = f"gateway answered {reply.status_code}: {reply.text[:200]}"
+                except httpx.HTTPError as exc:
+                    last = f"gateway not answering yet ({type(exc).__name__})"
+            else:
+                last = f"phase {status.get('phase', '?')}, ready {status.get('readyReplicas', 0)}"
+            time.sleep(2)
+        raise RuntimeError(
+            f"no answer through the gateway after {s.wait_s:.0f}s ({last}); "
+            f"see kubectl get pods -A and kubectl describe llmservice tiny"
+        )
+
+    def abort(self) -> None:
+        """Undo what this run started (Ctrl-C or a failure): nothing half-started stays."""
+        if self.started_cluster and self.cluster is not None:
+            stop_prometheus(self.cluster.work_dir)
+            say("stopping the cluster this run started")
+            self.cluster.stop()
+            shutil.rmtree(self.cluster.work_dir / "prometheus", ignore_errors=True)
+
+
+def stop_prometheus(work_dir: Path) -> None:
+    state_file = work_dir / STACK_FILE
+    if not state_file.exists():
+        return
+    pid = json.loads(state_file.read_text()).get("prometheus_pid")
+    if pid and _alive(pid):
+        os.killpg(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+    state_file.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie or a reused pid of another program does not count.
+    try:
+        return "prometheus" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def print_welcome(info: dict, stack: Stack) -> None:
+    base, model, kube = info["base_url"], info["model"], info["kubeconfig"]
+    lines = [
+        "",
+        f"Conveyor is up ({info['seconds']}s). OpenAI-compatible base URL: {base}",
+        "",
+        f"  curl -s {base}/completions -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'',
+        "",
+        "  python -c \"from openai import OpenAI; c = OpenAI(base_url='"
+        + base
+        + "', api_key='none'); "
+        f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
+        "",
+        f"  export KUBECONFIG={kube}",
+        f"  {stack.tools.path('kubectl') if stack.tools else 'kubectl'} get llmservices",
+    ]
+    if stack.cluster is None:
+        lines += [
+            "",
+            "On an existing cluster the gateway's ClusterIP is not reachable from here:",
+            f"  kubectl -n {stack.settings.namespace} port-forward svc/conveyor-gateway 8080:8080",
+            "  then use http://127.0.0.1:8080/v1",
+        ]
+    if info.get("prometheus"):
+        lines += [
+            "",
+            f"Prometheus: {info['prometheus']}",
+            f"  conveyor dashboard render --prometheus {info['prometheus']} --from now-1h --to now "
+            "--out dashboards/",
+        ]
+    lines += ["", "Tear it all down: conveyor down", ""]
+    print("\n".join(lines), flush=True)
+
+
+# -- entry points ------------------------------------------------------------------------
+
+
+def main_up(argv: list[str]) -> int:
+    d = StackSettings()
+    parser = argparse.ArgumentParser(
+        prog="conveyor up",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--gpu-nodes", type=int, default=d.gpu_nodes, help="simulated GPU nodes (default 2)"
+    )
+    parser.add_argument(
+        "--model", default=d.model, help="built-in model to serve (default conveyor-tiny)"
+    )
+    parser.add_argument(
+        "--namespace", default=d.namespace, help="namespace of the example LLMService"
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="install into this existing cluster instead of starting one here",
+    )
+    parser.add_argument(
+        "--wait", type=float, default=d.wait_s, help="seconds to wait for the first answer"
+    )
+    args = parser.parse_args(argv)
+    settings = replace(
+        d,
+        gpu_nodes=args.gpu_nodes,
+        model=args.model,
+        namespace=args.namespace,
+        kubeconfig=args.kubeconfig,
+        wait_s=args.wait,
+    )
+    preflight(settings)
+    stack = Stack(settings)
+    try:
+        info = stack.up()
+    except KeyboardInterrupt:
+        say("interrupted: undoing what this run started")
+        stack.abort()
+        return 130
+    except (RuntimeError, OSError) as exc:
+        say(f"failed: {exc}")
+        stack.abort()
+        return 1
+    print_welcome(info, stack)
+    return 0
+
+
+def main_down(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="conveyor down", description="Stop everything `conveyor up` started."
+    )
+    parser.parse_args(argv)
+    cluster = Cluster.attach()
+    if cluster is None:
+        print("nothing is up (no running cluster on this machine)")
+        return 0
+    stop_prometheus(cluster.work_dir)
+    cluster.stop()
+    shutil.rmtree(cluster.work_dir / "prometheus", ignore_errors=True)
+    print(f"stopped cluster {cluster.settings.name!r}; nothing is left running")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    return main_up(argv)
