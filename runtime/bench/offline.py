@@ -92,8 +92,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_engine(engine: LLMEngine, requests, mode: str) -> ModeResult:
     """Submit every request at once and step until done, recording the schedule."""
-    engine.scheduler.mode = mode  # only admission differs between modes
-    engine.scheduler.max_running = 1 if mode == "none" else engine.settings.max_running_requests
+    # Same engine, model and KV cache for every mode: only admission differs.
+    engine.scheduler.set_mode(mode, engine.settings.max_running_requests)
     engine.block_manager.reset_prefix_cache()
     before = engine.stats()
     start = time.monotonic()
@@ -125,19 +125,13 @@ def run_engine(engine: LLMEngine, requests, mode: str) -> ModeResult:
     tokens = sum(len(o.output_token_ids) for o in finals.values())
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits
-    return ModeResult(
-        mode=mode,
-        duration=duration,
-        num_requests=len(finals),
-        output_tokens=tokens,
-        output_throughput=tokens / duration,
-        request_throughput=len(finals) / duration,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p95=percentile(ttfts, 95),
-        ttft_p99=percentile(ttfts, 99),
-        tpot_p50=percentile(tpots, 50),
-        tpot_p95=percentile(tpots, 95),
-        tpot_p99=percentile(tpots, 99),
+    return summarise(
+        mode,
+        duration,
+        len(finals),
+        tokens,
+        ttfts,
+        tpots,
         mean_running=statistics.fmean(running) if running else 0.0,
         max_running=max(running, default=0),
         occupancy_while_waiting=statistics.fmean(occupancy) if occupancy else None,
@@ -145,6 +139,25 @@ def run_engine(engine: LLMEngine, requests, mode: str) -> ModeResult:
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         steps=len(running),
         step_times=step_times,
+    )
+
+
+def summarise(mode, duration, num_requests, tokens, ttfts, tpots, **rest) -> ModeResult:
+    """Throughput and latency percentiles of one mode's run."""
+    return ModeResult(
+        mode=mode,
+        duration=duration,
+        num_requests=num_requests,
+        output_tokens=tokens,
+        output_throughput=tokens / duration,
+        request_throughput=num_requests / duration,
+        ttft_p50=percentile(ttfts, 50),
+        ttft_p95=percentile(ttfts, 95),
+        ttft_p99=percentile(ttfts, 99),
+        tpot_p50=percentile(tpots, 50),
+        tpot_p95=percentile(tpots, 95),
+        tpot_p99=percentile(tpots, 99),
+        **rest,
     )
 
 
@@ -198,19 +211,13 @@ def run_hf(model_path: str, requests, batch_size: int, device: str, threads: int
             tokens += n  # only the tokens the request asked for are useful
         batches += 1
     duration = time.monotonic() - start
-    return ModeResult(
-        mode="hf-generate",
-        duration=duration,
-        num_requests=len(requests),
-        output_tokens=tokens,
-        output_throughput=tokens / duration,
-        request_throughput=len(requests) / duration,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p95=percentile(ttfts, 95),
-        ttft_p99=percentile(ttfts, 99),
-        tpot_p50=percentile(tpots, 50),
-        tpot_p95=percentile(tpots, 95),
-        tpot_p99=percentile(tpots, 99),
+    return summarise(
+        "hf-generate",
+        duration,
+        len(requests),
+        tokens,
+        ttfts,
+        tpots,
         mean_running=float(batch_size),
         max_running=batch_size,
         occupancy_while_waiting=None,
@@ -226,7 +233,7 @@ def step_time_by_batch(engine: LLMEngine, sizes: list[int], prompt_len: int = 64
     rng = random.Random(1)
     vocab = engine.runner.vocab_size
     for size in sizes:
-        engine.scheduler.mode, engine.scheduler.max_running = "continuous", max(sizes)
+        engine.scheduler.set_mode("continuous", max(sizes))
         for i in range(size):
             prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
             engine.add_request(

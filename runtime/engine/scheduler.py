@@ -74,6 +74,16 @@ class Scheduler:
         self._batch: set[str] = set()  # static/none: the current batch's request ids
         self._step = 0
 
+    def set_mode(self, mode: str, max_running: int) -> None:
+        """Switch admission between runs (the offline benchmark compares modes on one engine)."""
+        if self.has_unfinished():
+            raise RuntimeError("change the scheduling mode only while the engine is idle")
+        if mode not in ("continuous", "static", "none"):
+            raise ValueError(f"scheduler must be continuous, static or none; got {mode!r}")
+        self.mode = mode
+        self.max_running = 1 if mode == "none" else max_running
+        self._batch.clear()
+
     # -- requests in and out -----------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
