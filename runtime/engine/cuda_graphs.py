@@ -22,9 +22,10 @@ from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to ``max_batch`` rounded up to a multiple of 8."""
-    top = -(-max_batch // 8) * 8
-    return sorted({s for s in (1, 2, 4) if s <= max_batch} | set(range(8, top + 1, 8)))
+    """1, 2, 4, then multiples of 8, up to the first of them that holds ``max_batch``."""
+    candidates = [1, 2, 4, *range(8, max_batch + 8, 8)]
+    top = next(s for s in candidates if s >= max_batch)
+    return [s for s in candidates if s <= top]
 
 
 def padded_size(batch: int, sizes: list[int]) -> int | None:
@@ -51,7 +52,8 @@ class DecodeCudaGraphs:
     def can_run(self, num_decodes: int, num_tokens: int) -> bool:
         return bool(self.graphs) and num_decodes == num_tokens and num_decodes <= self.sizes[-1]
 
-    def _meta(self, batch: int) -> AttentionMetadata:
+    def static_meta(self, batch: int) -> AttentionMetadata:
+        """The metadata a graph of ``batch`` sequences is captured with: views of the buffers."""
         empty = torch.zeros(0, dtype=torch.int32, device=self.device)
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
@@ -70,7 +72,12 @@ class DecodeCudaGraphs:
         self.graphs.clear()
         pool = None
         for batch in sorted(sizes or self.sizes, reverse=True):
-            args = (self.input_ids[:batch], self.positions[:batch], kv_cache, self._meta(batch))
+            args = (
+                self.input_ids[:batch],
+                self.positions[:batch],
+                kv_cache,
+                self.static_meta(batch),
+            )
             self.model(*args)  # warm-up: compiles the kernels, settles allocator state
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
@@ -95,9 +102,20 @@ class DecodeCudaGraphs:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """Replay the graph for a decode-only batch of ``n`` sequences -> hidden (n, hidden)."""
+        batch = self.stage(input_ids, positions, meta)
+        graph, hidden = self.graphs[batch]
+        graph.replay()
+        return hidden[: input_ids.shape[0]]
+
+    def stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> int:
+        """Copy a decode batch of ``n`` into the static inputs, padded up to the next captured
+        size, and return that size: padded slots write nothing (slot -1) and attend to nothing
+        (context length 0)."""
         n = input_ids.shape[0]
         batch = padded_size(n, self.sizes)
-        assert batch is not None and batch in self.graphs
+        assert batch is not None
         width = meta.decode_block_tables.shape[1]
         assert width <= self.max_blocks_per_seq
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
@@ -107,6 +125,4 @@ class DecodeCudaGraphs:
         self.context_lens[:n].copy_(meta.decode_context_lens, non_blocking=True)
         self.context_lens[n:batch].zero_()
         self.block_tables[:n, :width].copy_(meta.decode_block_tables, non_blocking=True)
-        graph, hidden = self.graphs[batch]
-        graph.replay()
-        return hidden[:n]
+        return batch

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The GPU benchmark (`conveyor bench gpu`) on a machine that has its own python3 with torch,
+# triton and transformers but no pip: runs from this checkout, nothing is installed.
+# Results (gpu_bench.json, offline.json, decode_mbu.png) go to $OUT, or ./gpu-bench-out.
+#   bash bench/gpu.sh [--stages kernels,decode,offline,plot] [--context-len 1024] ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export CONVEYOR_CACHE="${CONVEYOR_CACHE:-$(mktemp -d)}"  # the built-in model, made on the spot
+"${PYTHON:-python3}" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
+exec "${PYTHON:-python3}" -m conveyor bench gpu --out "${OUT:-gpu-bench-out}" "$@"

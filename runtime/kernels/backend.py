@@ -1,0 +1,82 @@
+"""The Triton attention backend: the engine's ``AttentionBackend`` on GPU kernels.
+
+Same interface as ``TorchAttentionBackend`` (the reference): write the step's
+K/V into the paged cache with one kernel, then run the decode kernel over the
+leading decode tokens and the prefill kernel over the chunks after them. It
+reads no host copy of the batch's lengths on the decode path, so a decode step
+can be captured in a CUDA graph and replayed with new lengths.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from conveyor.runtime.kernels.decode_attention import paged_decode_attention
+from conveyor.runtime.kernels.prefill_attention import paged_prefill_attention
+from conveyor.runtime.kernels.store_kv import store_kv_cache
+from conveyor.runtime.layers.activation import SiluAndMul
+from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+from conveyor.runtime.layers.layernorm import RMSNorm
+from conveyor.runtime.layers.rotary import RotaryEmbedding
+
+
+def check_triton_device(device: torch.device) -> None:
+    """Triton runs on CUDA; on CPU only under its interpreter (``TRITON_INTERPRET=1``, tests)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"the triton attention backend needs a CUDA device (got {device.type}); use "
+            "--attention-backend torch, or set TRITON_INTERPRET=1 to run the kernels in "
+            "Triton's interpreter (slow: for tests)"
+        )
+
+
+def use_fused_layers(model: nn.Module) -> None:
+    """Switch the model's RMSNorm, rotary and SiLU-and-mul layers to their Triton kernels."""
+    for module in model.modules():
+        if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul):
+            module.use_triton = True
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
+        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D), contiguous
+        nd = meta.num_decode_tokens
+        if nd:
+            paged_decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_context_lens,
+                scale,
+                out=out[:nd],
+            )
+        if meta.num_prefills:
+            paged_prefill_attention(
+                q[nd:],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_query_start_loc,
+                meta.prefill_context_lens,
+                meta.max_prefill_query_len,
+                scale,
+                out=out[nd:],
+            )
+        return out
