@@ -10,7 +10,8 @@
 #   3. lint (ruff),
 #   4. unit and integration tests (tests/),
 #   5. the Go build is waited for, then the end-to-end tests (e2e/) run on one
-#      cluster for the whole session.
+#      cluster for the whole session,
+#   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`).
 # pytest's "no tests collected" (exit 5) fails the run: a suite that runs
 # nothing must not pass. CONVEYOR_E2E=0 skips phases 1 and 5 (no cluster).
 set -uo pipefail
@@ -86,8 +87,12 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         phases+=("$(printf '%-28s %5ds' "go build (wall, overlapped)" "$(( SECONDS - t_build ))")")
     fi
     say "phase 5b: end-to-end tests on the one-machine cluster"
-    run_pytest "e2e tests" e2e -p no:cacheprovider "$@"
+    run_pytest "e2e tests" e2e --ignore=e2e/walkthrough -p no:cacheprovider "$@"
     rc_e2e=$?
+    say "phase 6: the README walk-through, as written, on a cluster of its own"
+    run_pytest "README walk-through" e2e/walkthrough -p no:cacheprovider "$@"
+    rc_walk=$?
+    [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_walk
 elif [[ -n "$build_pid" ]]; then
     wait "$build_pid" || true
 fi

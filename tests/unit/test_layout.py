@@ -55,3 +55,16 @@ def test_scheduler_block_manager_and_sequence_import_no_torch():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT / "tests")
+
+
+def test_test_module_names_are_unique():
+    # Test folders have no __init__.py, so pytest imports modules by basename: two
+    # test_x.py in different folders collide when the whole suite runs in one session.
+    names: dict[str, Path] = {}
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "e2e").rglob("*.py")]):
+        if path.name == "conftest.py" or "__pycache__" in path.parts:
+            continue
+        assert path.name not in names, (
+            f"{path} and {names[path.name]} share a module name: rename one"
+        )
+        names[path.name] = path
