@@ -89,7 +89,12 @@ def stack(prometheus_binary: Path) -> Iterator[dict]:
         "--max-queued-requests",
         "3",
     )
-    tiny_kv = ("--max-total-tokens", "256", "--max-model-len", "256", "--max-running-requests", "8")
+    # Every replica has a queue bound, so a burst larger than all of them together gets 429s
+    # whichever way the gateway spreads it.
+    tiny_kv = (
+        "--max-total-tokens", "256", "--max-model-len", "256", "--max-running-requests", "8",
+        "--max-queued-requests", "3",
+    )  # fmt: skip
     pods = {
         f"{LLMSERVICE}-0": runtime(free_port(), *normal),
         f"{LLMSERVICE}-1": runtime(free_port(), *normal),
