@@ -180,7 +180,8 @@ class OperatorProcess:
         return self.proc.poll() is None and self.metric("conveyor_operator_leader") == 1.0
 
     def logs(self) -> str:
-        self._log.flush()
+        if not self._log.closed:  # still running; stop() closes it
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-20000:]
 
     def kill(self) -> None:

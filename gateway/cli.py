@@ -37,6 +37,7 @@ FLAGS: dict[str, str] = {
     "--backend-api-key": "backend_api_key",
     "--max-body-bytes": "max_body_bytes",
     "--retry-after": "retry_after_s",
+    "--hold-timeout": "hold_timeout_s",
     "--log-level": "log_level",
 }
 

@@ -86,9 +86,12 @@ class LoadPoller:
                     self._metrics.ejections.labels(model, replica.url).inc()
             return
         was_admitted = replica.admitted(loop.time())
+        was_ready = replica.load is not None and replica.load.ready
         replica.record_poll(report, sent_at, in_flight)
         if replica.admitted(loop.time()) and not was_admitted:
             log.info("replica %s is ready", replica.url)
+        if report.ready and not was_ready:
+            self._registry.notify()  # requests held for this replica's model go now
         for model in replica.pools:
             self._metrics.load.labels(model, replica.url, "running").set(report.running)
             self._metrics.load.labels(model, replica.url, "waiting").set(report.waiting)

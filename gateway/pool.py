@@ -9,6 +9,7 @@ and in-flight count are shared.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 
@@ -24,6 +25,11 @@ class Pool:
         self.policy = policy
         self.replicas: dict[str, Replica] = {}
         """Members in the order they joined (round-robin walks this order)."""
+
+    def has_ready(self) -> bool:
+        """Whether any replica said ready in its last /load poll (ejected ones included: the
+        proxy's panic mode tries those rather than refuse)."""
+        return any(r.load is not None and r.load.ready for r in self.replicas.values())
 
     def set_replicas(self, replicas: list[Replica]) -> None:
         self.replicas = {replica.url: replica for replica in replicas}
@@ -43,6 +49,17 @@ class Registry:
         self._policies: dict[str, str | None] = {}
         self.listeners: list[Callable[[list[Replica], list[Replica]], None]] = []
         """Called with (added, removed) replicas after every change."""
+        self._changed = asyncio.Event()
+
+    def changed(self) -> asyncio.Event:
+        """An event set at the next change of membership or readiness: take it, check what you
+        wait for, then wait on it (no wake-up is lost in between)."""
+        return self._changed
+
+    def notify(self) -> None:
+        """A replica became ready, or pools changed: wake everything waiting on ``changed()``."""
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
 
     def sync(
         self,
@@ -101,6 +118,7 @@ class Registry:
         if added or removed:
             for listener in self.listeners:
                 listener(added, removed)
+        self.notify()
 
     def served_models(self) -> list[str]:
         return sorted(self.pools)

@@ -167,7 +167,14 @@ class Proxy:
         tried: set[str] = set()
         last_url = ""
         failure: Failure | None = None
-        for attempt in range(self._s.max_attempts):
+        if not pool.has_ready() and not await self._hold(pool, arrival):
+            failure = Failure(
+                503,
+                f"no ready replica for model {pool.model!r} after waiting "
+                f"{self._s.hold_timeout_s:g} s; retry later",
+                str(self._s.retry_after_s).encode(),
+            )
+        for attempt in range(self._s.max_attempts if failure is None else 0):
             now = loop.time()
             admitted = [r for r in pool.replicas.values() if r.admitted(now) and r.url not in tried]
             if not admitted:
@@ -220,6 +227,29 @@ class Proxy:
         await _respond(send, failure.status, error_body(failure.status, failure.message), extra)
         self._metrics.requests.labels(pool.model, "", str(failure.status)).inc()
         self._metrics.duration.labels(pool.model).observe(loop.time() - arrival)
+
+    async def _hold(self, pool: Pool, arrival: float) -> bool:
+        """Hold a request while its model has no ready replica (scale from zero), counted in
+        ``conveyor_gateway_pending_requests`` for the operator to see; True once a replica is
+        ready, False when ``--hold-timeout`` passed or the model went away."""
+        loop = asyncio.get_running_loop()
+        deadline = arrival + self._s.hold_timeout_s
+        pending = self._metrics.pending.labels(pool.model)
+        pending.inc()
+        try:
+            while True:
+                changed = self._registry.changed()
+                if pool.has_ready():
+                    return True
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self._registry.pools.get(pool.model) is not pool:
+                    return False
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except TimeoutError:
+                    return pool.has_ready()
+        finally:
+            pending.dec()
 
     async def _attempt(
         self,

@@ -95,6 +95,10 @@ class GatewaySettings:
     retry_after_s: int = 1
     """Retry-After in seconds on 503 (no ready replica) and 429 (every replica's queue full)."""
 
+    hold_timeout_s: float = 120.0
+    """Seconds a request waits while its model has no ready replica (scale from zero: a pod
+    starts and loads its model) before a 503 with Retry-After; 0 refuses at once."""
+
     log_level: str = "info"
     """Log level of the gateway and uvicorn."""
 

@@ -194,7 +194,7 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     if lo == 0 and not obs.busy:
         idle_for = now - (history.last_busy or history.first_seen)
         if idle_for >= policy.scale_to_zero_idle:
-            return Decision(0, "down", f"idle-for-{int(idle_for)}s", up)
+            return Decision(0, "down", "idle", up)
 
     if obs.num_ready == 0:
         return Decision(current, "none", "no-ready-replica", up)

@@ -37,6 +37,8 @@ FLAGS: dict[str, str] = {
     "--gateway-cpu": "gateway_cpu",
     "--gateway-memory": "gateway_memory",
     "--resync-interval": "resync_interval_s",
+    "--autoscale-interval": "autoscale_interval_s",
+    "--autoscale-scrape-timeout": "autoscale_scrape_timeout_s",
     "--lease-name": "lease_name",
     "--lease-namespace": "lease_namespace",
     "--lease-duration": "lease_duration_s",
@@ -108,6 +110,7 @@ async def run(settings: OperatorSettings) -> int:
     """The operator's life; its exit code."""
     import kopf
 
+    from conveyor.operator.autoscaler_timer import AutoscalerTimer, HttpScraper
     from conveyor.operator.handlers import register
     from conveyor.operator.health import HealthServer
     from conveyor.operator.kube import Kube
@@ -126,6 +129,7 @@ async def run(settings: OperatorSettings) -> int:
     for sig in ("SIGINT", "SIGTERM"):
         loop.add_signal_handler(getattr(__import__("signal"), sig), stop.set)
     elector = None
+    scraper = None
     try:
         await health.start()
         log.info("health and metrics on %s:%d", settings.host, health.port)
@@ -155,8 +159,12 @@ async def run(settings: OperatorSettings) -> int:
         reconciler = Reconciler(
             kube=kube, settings=settings, metrics=metrics, post_event=post_event
         )
+        scraper = HttpScraper(settings.autoscale_scrape_timeout_s)
+        autoscaler = AutoscalerTimer(
+            kube=kube, scraper=scraper, metrics=metrics, post_event=post_event
+        )
         registry = kopf.OperatorRegistry()
-        register(registry, reconciler=reconciler, settings=settings)
+        register(registry, reconciler=reconciler, settings=settings, autoscaler=autoscaler)
         _register_login(registry, settings)
         kopf_settings = kopf_operator_settings(settings)
         kopf_stop: asyncio.Future[None] = loop.create_future()
@@ -194,6 +202,8 @@ async def run(settings: OperatorSettings) -> int:
         if elector is not None:
             with contextlib.suppress(Exception):  # best effort; the Lease expires anyway
                 await elector.release()
+        if scraper is not None:
+            await scraper.close()
         await health.stop()
         await kube.close()
 

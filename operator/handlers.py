@@ -5,7 +5,8 @@ run, after the Degraded condition is written).
 Registered on a registry passed in (no module-level kopf registry). Triggers of a reconcile:
 the LLMService created, changed or found at start (resume); one of its children changed or
 deleted by someone else (watches of Deployments, Services and PDBs the operator manages); and
-a resync timer per LLMService. The autoscaler's timer (issue 9) registers here too.
+a resync timer per LLMService. The autoscaler's timer (``autoscaler_timer.py``) runs per
+LLMService every ``--autoscale-interval`` and acts only while spec.autoscaling.enabled is set.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import kopf
 
+from conveyor.operator.autoscaler_timer import AutoscalerTimer
 from conveyor.operator.kube import ApiError
 from conveyor.operator.names import (
     APP,
@@ -43,7 +45,11 @@ CHILD_KINDS = (
 
 
 def register(
-    registry: kopf.OperatorRegistry, *, reconciler: Reconciler, settings: OperatorSettings
+    registry: kopf.OperatorRegistry,
+    *,
+    reconciler: Reconciler,
+    settings: OperatorSettings,
+    autoscaler: AutoscalerTimer | None = None,
 ) -> None:
     resource = (GROUP, VERSION, PLURAL)
 
@@ -65,6 +71,8 @@ def register(
     async def llmservice_deleted(namespace: str, name: str, **_: Any) -> None:
         # Children go with their owner (garbage collector); the gateway loses this owner.
         reconciler.forget(namespace, name)
+        if autoscaler is not None:
+            autoscaler.forget(namespace, name)
         try:
             await reconciler.reconcile_gateway(namespace)
         except ApiError as exc:
@@ -90,6 +98,30 @@ def register(
                 exc,
                 settings.resync_interval_s,
             )
+
+    if autoscaler is not None:
+
+        @kopf.timer(
+            *resource,
+            registry=registry,
+            id="autoscale",
+            interval=settings.autoscale_interval_s,
+            initial_delay=settings.autoscale_interval_s,
+        )
+        async def autoscale(namespace: str, name: str, spec: Any, **_: Any) -> None:
+            if not (spec.get("autoscaling") or {}).get("enabled"):
+                autoscaler.forget(namespace, name)  # turned off: the user owns spec.replicas
+                return
+            try:
+                await autoscaler.tick(namespace, name)
+            except ApiError as exc:
+                log.warning(
+                    "%s/%s: autoscaler tick failed (%s); next in %.0f s",
+                    namespace,
+                    name,
+                    exc,
+                    settings.autoscale_interval_s,
+                )
 
     managed = {APP_LABEL: APP, MANAGED_BY_LABEL: MANAGED_BY}
     for group, version, plural in CHILD_KINDS:

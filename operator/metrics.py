@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -32,3 +34,61 @@ class OperatorMetrics:
             "LLMServices this replica has reconciled and not seen deleted",
             registry=self.registry,
         )
+        per_service = ["namespace", "llmservice"]
+        self.autoscaler_desired = Gauge(
+            "conveyor_autoscaler_desired_replicas",
+            "Replicas the autoscaler's last decision asked for",
+            per_service,
+            registry=self.registry,
+        )
+        self.autoscaler_ready = Gauge(
+            "conveyor_autoscaler_ready_replicas",
+            "Replicas that were ready and answered the autoscaler's last scrape",
+            per_service,
+            registry=self.registry,
+        )
+        self.autoscaler_min = Gauge(
+            "conveyor_autoscaler_min_replicas",
+            "spec.autoscaling.minReplicas",
+            per_service,
+            registry=self.registry,
+        )
+        self.autoscaler_max = Gauge(
+            "conveyor_autoscaler_max_replicas",
+            "spec.autoscaling.maxReplicas",
+            per_service,
+            registry=self.registry,
+        )
+        self.autoscaler_signal = Gauge(
+            "conveyor_autoscaler_signal",
+            "Last observed signal (queue_depth_per_replica, ttft_p95_seconds, kv_cache_usage)",
+            [*per_service, "signal"],
+            registry=self.registry,
+        )
+        self.autoscaler_target = Gauge(
+            "conveyor_autoscaler_target",
+            "Target of each signal, from spec.autoscaling",
+            [*per_service, "signal"],
+            registry=self.registry,
+        )
+        self.autoscaler_decisions = Counter(
+            "conveyor_autoscaler_decisions",
+            "Autoscaler decisions by direction (up, down, none) and reason",
+            [*per_service, "direction", "reason"],
+            registry=self.registry,
+        )
+
+    def forget_llmservice(self, namespace: str, name: str) -> None:
+        """Drop a deleted (or no longer autoscaled) LLMService's autoscaler series."""
+        for gauge in (
+            self.autoscaler_desired,
+            self.autoscaler_ready,
+            self.autoscaler_min,
+            self.autoscaler_max,
+        ):
+            with contextlib.suppress(KeyError):  # never written
+                gauge.remove(namespace, name)
+        for family in (self.autoscaler_signal, self.autoscaler_target, self.autoscaler_decisions):
+            for labels in list(family._metrics):  # no public lister of label sets
+                if labels[:2] == (namespace, name):
+                    family.remove(*labels)

@@ -50,6 +50,14 @@ class OperatorSettings:
     resync_interval_s: float = 60.0
     """Seconds between full reconciles of each LLMService, the safety net behind the child watches."""
 
+    autoscale_interval_s: float = 2.0
+    """Seconds between autoscaler decisions of each LLMService with autoscaling on; 2 s keeps the
+    step-to-decision time well under the 10 s target while costing two small GETs per replica."""
+
+    autoscale_scrape_timeout_s: float = 1.0
+    """Per-replica timeout in seconds of the autoscaler's /load and /metrics scrapes; a replica
+    slower than this is left out of that decision (neither capacity nor idle)."""
+
     leader_election: bool = True
     """Hold a coordination.k8s.io Lease before acting, so that one of several replicas acts."""
 
@@ -82,6 +90,14 @@ class OperatorSettings:
             raise ValueError(
                 "--lease-renew-interval must be shorter than --lease-duration "
                 f"(got {self.lease_renew_interval_s} >= {self.lease_duration_s})"
+            )
+        if self.autoscale_interval_s <= 0:
+            raise ValueError(
+                f"--autoscale-interval must be positive (got {self.autoscale_interval_s})"
+            )
+        if self.autoscale_scrape_timeout_s <= 0:
+            raise ValueError(
+                f"--autoscale-scrape-timeout must be positive (got {self.autoscale_scrape_timeout_s})"
             )
         if self.resync_interval_s <= 0:
             raise ValueError(f"--resync-interval must be positive (got {self.resync_interval_s})")

@@ -121,7 +121,10 @@ async def test_no_ready_replica_is_503_and_full_queues_are_429(processes: Proces
     full = processes.start(stub(model="busy", max_queued_requests=4, report_waiting=4))
     full.wait_http("/load")
     nowhere = f"http://127.0.0.1:{free_port()}"
-    gw = start_gateway(processes, "--backend", f"ghost={nowhere}", "--backend", full.url)
+    gw = start_gateway(
+        processes,
+        "--backend", f"ghost={nowhere}", "--backend", full.url, "--hold-timeout", "0.2",
+    )  # fmt: skip
     wait_admitted(gw, "busy", 1)
 
     response = httpx.post(
@@ -130,6 +133,10 @@ async def test_no_ready_replica_is_503_and_full_queues_are_429(processes: Proces
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
     assert "no ready replica for model 'ghost'" in response.json()["error"]["message"]
+    assert (
+        'conveyor_gateway_pending_requests{model="ghost"} 0.0'
+        in httpx.get(gw.url + "/metrics").text
+    )
 
     response = httpx.post(
         gw.url + "/v1/completions", json={"model": "busy", "prompt": "x"}, timeout=5

@@ -135,7 +135,7 @@ def test_idle_service_scales_to_zero_and_wakes_on_pending_requests():
         loop.tick(waiting=0, running=0)
         if loop.current == 0:
             break
-    assert loop.current == 0 and loop.decisions[-1].reason.startswith("idle-for-")
+    assert loop.current == 0 and loop.decisions[-1].reason == "idle"
     d = loop.tick(ready=0)
     assert (d.desired, d.reason) == (0, "scaled-to-zero")
     d = loop.tick(ready=0, pending=3)

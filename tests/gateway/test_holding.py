@@ -1,0 +1,102 @@
+"""Scale from zero at the gateway: a request for a model with no ready replica is held.
+
+Held requests are counted in ``conveyor_gateway_pending_requests{model}`` (what the operator's
+autoscaler scrapes to scale from zero), released to a replica as soon as one says ready, and
+answered with 503 and Retry-After only after ``--hold-timeout``. Real gateway processes, with
+the stub replicas of ``bench_stub`` started on a port the gateway already knows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+from gateway_helpers import Processes, free_port, gateway, stub, wait_for
+from prometheus_client.parser import text_string_to_metric_families
+
+PENDING = "conveyor_gateway_pending_requests"
+
+
+def pending(gw, model: str) -> float:
+    text = httpx.get(gw.url + "/metrics", timeout=5).text
+    for family in text_string_to_metric_families(text):
+        if family.name == PENDING:
+            for sample in family.samples:
+                if sample.labels.get("model") == model:
+                    return sample.value
+    return 0.0
+
+
+def wait_pending(gw, model: str, count: int) -> None:
+    def check() -> bool:
+        if not gw.alive():
+            raise AssertionError(f"gateway exited:\n{gw.log()[-4000:]}")
+        return pending(gw, model) == count
+
+    wait_for(check, 30, f"{count} requests held for {model}")
+
+
+def start_gateway(processes: Processes, *args: str):
+    gw = processes.start(gateway(*args))
+    gw.wait_http("/health")
+    return gw
+
+
+async def test_held_requests_are_released_when_a_replica_becomes_ready(
+    processes: Processes,
+) -> None:
+    port = free_port()
+    gw = start_gateway(processes, "--backend", f"tiny=http://127.0.0.1:{port}")
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60
+    ) as client:
+        plain = [
+            asyncio.create_task(client.completions.create(model="tiny", prompt="x", max_tokens=2))
+            for _ in range(3)
+        ]
+        streamed = asyncio.create_task(
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+        )
+        await asyncio.to_thread(wait_pending, gw, "tiny", 4)
+        assert not any(t.done() for t in (*plain, streamed))  # held, not refused
+
+        replica = processes.start(stub(port=port, model="tiny", tokens=3))
+        answers = await asyncio.gather(*plain)
+        assert [a.choices[0].text for a in answers] == [f"127.0.0.1:{port} 127.0.0.1:{port}"] * 3
+        chunks = [c.choices[0].delta.content async for c in await streamed]
+        assert chunks == [f"127.0.0.1:{port} "] * 3
+    assert pending(gw, "tiny") == 0
+    assert replica.alive()
+
+
+async def test_a_request_held_too_long_is_503_with_retry_after(processes: Processes) -> None:
+    gw = start_gateway(
+        processes, "--backend", f"tiny=http://127.0.0.1:{free_port()}", "--hold-timeout", "1"
+    )
+    async with httpx.AsyncClient(timeout=30) as client:
+        request = asyncio.create_task(
+            client.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        )
+        await asyncio.to_thread(wait_pending, gw, "tiny", 1)
+        response = await request
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
+    assert "after waiting 1 s" in response.json()["error"]["message"]
+    assert pending(gw, "tiny") == 0
+
+
+async def test_a_client_that_gives_up_while_held_is_no_longer_pending(
+    processes: Processes,
+) -> None:
+    gw = start_gateway(processes, "--backend", f"tiny=http://127.0.0.1:{free_port()}")
+    async with httpx.AsyncClient(timeout=30) as client:
+        request = asyncio.create_task(
+            client.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        )
+        await asyncio.to_thread(wait_pending, gw, "tiny", 1)
+        request.cancel()  # the connection closes: the gateway stops holding it
+        await asyncio.gather(request, return_exceptions=True)
+    await asyncio.to_thread(wait_pending, gw, "tiny", 0)
