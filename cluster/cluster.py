@@ -2,9 +2,10 @@
 
 Order of ``start``: the pod network (guard route first), the cluster's cgroup, certificates,
 etcd, kube-apiserver on the bridge's host address, kube-controller-manager, kube-scheduler,
-the simulated nodes and kwok (nodes Ready before any pod), kube-proxy (ClusterIPs route).
-``stop`` ends them in reverse, SIGTERM then SIGKILL, and removes every network namespace,
-link, route, rule and cgroup the cluster made. What was done is written to ``state.json``
+the simulated nodes and kwok (nodes Ready before any pod), kube-proxy (ClusterIPs route),
+the node agent (pods run). ``stop`` ends them in reverse, SIGTERM then SIGKILL (the agent's
+SIGTERM stops every pod first), and removes every network namespace, link, route, rule,
+mount and cgroup the cluster made. What was done is written to ``state.json``
 in the work directory as it happens, so ``conveyor cluster down`` (another process) can stop
 a cluster, and a later start can clean up after a crashed one, never touching a cluster
 whose processes still run.
@@ -31,7 +32,9 @@ import yaml
 from conveyor.cluster.api import ApiClient, kubeconfig, wait_for, write_kubeconfig
 from conveyor.cluster.certs import ClientIdentity, Pki, generate_pki
 from conveyor.cluster.cgroups import ClusterCgroup
+from conveyor.cluster.kwok_logs import KWOK_CRDS, install_crds
 from conveyor.cluster.network import HostNetwork, NetworkPlan, NetworkState, nft_tables, run
+from conveyor.cluster.node_agent import AGENT_NAME, agent_argv, agent_ready, sweep_node_agent
 from conveyor.cluster.nodes import MachineShare, kwok_stages, node_manifest, node_names
 from conveyor.cluster.podnet import PodNetworks
 from conveyor.cluster.process import ManagedProcess, ProcessRecord, tail
@@ -338,12 +341,29 @@ class Cluster:
         self._start_nodes(ports, kubeconfigs["kwok"], config_dir)
         self.timings["start_to_nodes_ready_s"] = time.monotonic() - t0
         self._start_kube_proxy(ports, kubeconfigs["kube-proxy"], config_dir)
+        self._start_node_agent()
         self.api.wait_for(
             "the default ServiceAccount",
             lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
             timeout_s=s.start_timeout_s,
         )
         self.timings["start_to_ready_s"] = time.monotonic() - t0
+
+    def _start_node_agent(self) -> None:
+        """The node agent (``node_agent.py``): runs the pods bound to the simulated nodes."""
+        assert self.state is not None
+        proc = ManagedProcess(
+            AGENT_NAME,
+            agent_argv(self.work_dir),
+            self.logs_dir / f"{AGENT_NAME}.log",
+            env=self._env(),
+            cgroup_procs=self.cgroup.procs_files(),
+        )
+        self.processes[AGENT_NAME] = proc
+        record = proc.start()
+        self.state.processes.append(record)
+        self._save_state()
+        self._wait(AGENT_NAME, "the node agent", lambda: agent_ready(self.work_dir, record.pid))
 
     def _write_kubeconfigs(self, config_dir: Path) -> dict[str, Path]:
         assert self.pki is not None and self.state is not None
@@ -457,6 +477,9 @@ class Cluster:
                 f"--kubelet-client-certificate={kubelet.cert}",
                 f"--kubelet-client-key={kubelet.key}",
                 "--authorization-mode=Node,RBAC",
+                # Reach the simulated nodes' kubelet API (kwok: logs, port-forward) at their
+                # InternalIP, the bridge's host address; their hostnames resolve nowhere.
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
                 f"--requestheader-client-ca-file={self.pki.ca.cert}",
                 "--requestheader-allowed-names=front-proxy-client",
                 "--requestheader-username-headers=X-Remote-User",
@@ -485,6 +508,7 @@ class Cluster:
         s = self.settings
         stages = config_dir / "kwok-stages.yaml"
         stages.write_text(yaml.safe_dump_all(kwok_stages(), sort_keys=False))
+        install_crds(self.api)  # kwok serves `kubectl logs`/`port-forward` from these (node agent)
         self._run(
             "kwok",
             [
@@ -500,6 +524,7 @@ class Cluster:
                 f"--tls-cert-file={self.pki.apiserver.cert}",
                 f"--tls-private-key-file={self.pki.apiserver.key}",
                 "--node-lease-duration-seconds=40",
+                f"--enable-crds={','.join(KWOK_CRDS)}",
             ],
         )
         gpu, cpu = self.node_names()
@@ -651,6 +676,8 @@ def teardown(state: ClusterState, grace_s: float, processes: list[ManagedProcess
         except RuntimeError as exc:
             errors.append(str(exc))
     plan = state.plan()
+    if state.settings:  # the node agent's pods: mounts, cgroups, files
+        sweep_node_agent(ClusterSettings.from_json(state.settings).work_dir(), state.name)
     PodNetworks(plan).sweep()
     ClusterCgroup(state.name).remove()
     HostNetwork(plan, state.network).stop()

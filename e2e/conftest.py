@@ -177,3 +177,12 @@ def pods(own_cluster: Cluster) -> Iterator[PodProcesses]:
         yield handle
     finally:
         handle.close()
+
+
+@pytest.fixture
+def node_agent(own_cluster: Cluster) -> Cluster:
+    """The one-machine cluster with its node agent running (started if the cluster has none)."""
+    from agent_helpers import ensure_node_agent
+
+    ensure_node_agent(own_cluster)
+    return own_cluster

@@ -26,7 +26,12 @@ def _pod(name: str, app: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "labels": {"app": app}},
+        # The test makes this pod's network and status by hand: the node agent leaves it alone.
+        "metadata": {
+            "name": name,
+            "labels": {"app": app},
+            "annotations": {"conveyor.dev/node-agent": "skip"},
+        },
         "spec": {
             "containers": [
                 {

@@ -1,0 +1,64 @@
+"""The node agent's settings: one dataclass, parsed once in ``conveyor.cluster.agent.main``."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def default_images() -> dict[str, tuple[str, ...]]:
+    """Image name (last path component, no tag) -> directories put first on the container's PATH."""
+    venv_bin = str(Path(sys.prefix) / "bin")
+    return {
+        # The project's one image: this checkout's environment, so `conveyor serve` runs.
+        "conveyor": (venv_bin,),
+        # Plain images whose programs this machine has: its own Python and coreutils.
+        "python": (str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"),
+        "busybox": ("/usr/bin", "/bin"),
+    }
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """How the node agent runs the pods of the simulated nodes."""
+
+    work_dir: Path
+    """The cluster's work directory (``state.json``, ``kubeconfig``); the agent keeps its pods under
+    ``agent/`` there, so a restarted agent finds them again."""
+
+    images: dict[str, tuple[str, ...]] = field(default_factory=default_images)
+    """Images the agent can run: name -> directories prepended to PATH. Any registry prefix and
+    tag are ignored (``ghcr.io/x/conveyor:1.2`` is ``conveyor``); others wait with ErrImagePull."""
+
+    entrypoints: dict[str, tuple[str, ...]] = field(
+        default_factory=lambda: {"prometheus": ("prometheus",)}
+    )
+    """Image name -> its ENTRYPOINT, run when a container sets ``args`` but no ``command`` (the
+    ``prometheus`` image maps to the cluster's built tools, added at start from its state)."""
+
+    restart_backoff_initial_s: float = 10.0
+    """First back-off before restarting a container that died again (the kubelet's 10 s)."""
+
+    restart_backoff_max_s: float = 300.0
+    """Longest back-off between restarts (the kubelet's 5 minutes)."""
+
+    backoff_reset_s: float = 600.0
+    """A container that ran this long starts again with no back-off (the kubelet's 10 minutes)."""
+
+    shutdown_grace_s: float = 5.0
+    """Longest grace a pod gets when the agent itself stops all pods (cluster stop); short so
+    that ``conveyor cluster down`` stays quick."""
+
+    token_refresh_fraction: float = 0.8
+    """Projected ServiceAccount tokens are renewed after this part of their lifetime (kubelet: 80%)."""
+
+    watch_timeout_s: int = 300
+    """Seconds a pod watch stays open before it is renewed (the apiserver closes longer ones)."""
+
+    config_retry_s: float = 2.0
+    """Seconds between tries for a pod whose Secret or ConfigMap is missing."""
+
+    def agent_dir(self) -> Path:
+        """The agent's own directory inside the cluster's work directory."""
+        return self.work_dir / "agent"

@@ -1,0 +1,103 @@
+"""The node agent as one of the cluster's processes: its command line, and what its stop leaves.
+
+The cluster starts it (after kwok, once the nodes are Ready) as a ``ManagedProcess`` named
+``node-agent`` and stops it first: its SIGTERM stops every pod and removes what they had.
+``sweep_node_agent`` removes what an agent killed outright left (mounts, cgroups, files);
+the cluster's network sweep removes the pods' network namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conveyor.cluster.podcgroups import sweep_pod_cgroups
+
+AGENT_NAME = "node-agent"
+
+SKIP_ANNOTATION = "conveyor.dev/node-agent"
+"""A pod annotated ``conveyor.dev/node-agent: skip`` is left alone by the agent (tests that make a
+pod's network and status by hand, as before the agent existed)."""
+
+
+def agent_argv(work_dir: Path) -> list[str]:
+    """The agent's command line (this Python, this checkout)."""
+    return [sys.executable, "-m", "conveyor.cluster.agent", str(work_dir)]
+
+
+def agent_ready(work_dir: Path, pid: int) -> bool:
+    """True once the agent with ``pid`` has listed the pods and adopted its own."""
+    try:
+        return (work_dir / "agent" / "ready").read_text().strip() == str(pid)
+    except FileNotFoundError:
+        return False
+
+
+def sweep_node_agent(work_dir: Path, cluster_name: str) -> None:
+    """Remove the pods' leftovers after the agent and its pods' processes have ended."""
+    sweep_pod_cgroups(cluster_name)
+    pods = work_dir / "agent" / "pods"
+    if not pods.exists():
+        return
+    for mount in _mounts_below(pods):
+        subprocess.run(["umount", "-l", mount], check=False, capture_output=True)
+    for pod_dir in pods.iterdir():
+        for path in sorted(pod_dir.rglob("*"), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(FileNotFoundError):
+                if path.is_dir() and not path.is_symlink():
+                    path.rmdir()
+                else:
+                    path.unlink()
+        pod_dir.rmdir()
+
+
+def _mounts_below(directory: Path) -> list[str]:
+    """Mount points under ``directory`` in the host's mount namespace, deepest first."""
+    prefix = str(directory) + "/"
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4]
+        if point.startswith(prefix):
+            found.append(point)
+    return sorted(found, key=lambda p: -p.count("/"))
+
+
+def pod_log_files(work_dir: Path, namespace: str, name: str) -> dict[str, Path]:
+    """Container name -> current log file of a pod the agent runs (for ``conveyor cluster logs``)."""
+    out: dict[str, Path] = {}
+    pods = work_dir / "agent" / "pods"
+    for meta_file in pods.glob("*/pod.json"):
+        meta = json.loads(meta_file.read_text())
+        if meta["namespace"] == namespace and meta["name"] == name:
+            for log in sorted((meta_file.parent / "logs").glob("*/current.log")):
+                out[log.parent.name] = log
+    return out
+
+
+def cri_lines_to_text(text: str) -> str:
+    """The output in a CRI log file (``<time> <stream> <F|P> <text>``) as the process wrote it."""
+    out = []
+    for line in text.splitlines():
+        parts = line.split(" ", 3)
+        if len(parts) < 3:
+            continue
+        body = parts[3] if len(parts) == 4 else ""
+        out.append(body + ("\n" if parts[2] == "F" else ""))
+    return "".join(out)
+
+
+def print_pod_logs(work_dir: Path, namespace: str, name: str) -> int:
+    """``conveyor cluster logs POD``: print each container's output; 1 when the pod is not here."""
+    logs = pod_log_files(work_dir, namespace, name)
+    if not logs:
+        print(f"no pod {namespace}/{name} runs on this cluster's node agent", file=sys.stderr)
+        return 1
+    for container, path in logs.items():
+        if len(logs) > 1:
+            print(f"==> {container} <==")
+        with contextlib.suppress(FileNotFoundError):
+            sys.stdout.write(cri_lines_to_text(path.read_text(errors="replace")))
+    return 0
