@@ -328,7 +328,7 @@ def print_welcome(info: dict, stack: Stack) -> None:
         f"  curl -s {base}/completions -H 'Content-Type: application/json' \\",
         f'    -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'',
         "",
-        "  python -c \"from openai import OpenAI; c = OpenAI(base_url='"
+        f"  {sys.executable} -c \"from openai import OpenAI; c = OpenAI(base_url='"
         + base
         + "', api_key='none'); "
         f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import yaml
 
 from conveyor.cluster.api import ApiClient, ApiError
@@ -47,7 +48,8 @@ def wait_for(
     while True:
         try:
             last = check()
-        except (ApiError, OSError, KeyError) as exc:
+        except (ApiError, OSError, KeyError, openai.APIError) as exc:
+            # openai: a ClusterIP answers a moment after its endpoints appear (kube-proxy)
             last = exc
         else:
             if last:
@@ -208,6 +210,8 @@ def operators(
     started: list[OperatorProcess] = []
 
     def start(name: str = "op-a", extra: tuple[str, ...] = ()) -> OperatorProcess:
+        # Gateways of several test namespaces must fit the one CPU node (666m on 2 cores).
+        extra = ("--gateway-cpu", "200m", *extra)
         process = OperatorProcess(identity, log_dir, name=name, extra=extra)
         started.append(process)
         return process

@@ -176,6 +176,9 @@ async def run(settings: OperatorSettings) -> int:
                 clusterwide=not settings.namespaces,
                 namespaces=list(settings.namespaces),
                 stop_flag=kopf_stop,
+                # Our own identity: kopf would otherwise ask getpass for a user name, which
+                # fails for a uid with no /etc/passwd entry (the chart's non-root 10001).
+                identity=settings.identity,
             ),
             name="kopf",
         )

@@ -41,8 +41,9 @@ class OperatorSettings:
     gateway_api_key_secret: str | None = None
     """Secret (in each namespace, key ``api-key``) whose value the gateway requires as bearer token; unset: no auth."""
 
-    gateway_cpu: str = "1"
-    """CPU request and limit of a gateway pod; one core proxies thousands of streams."""
+    gateway_cpu: str = "500m"
+    """CPU request and limit of a gateway pod. Half a core proxies hundreds of streams and fits
+    the one-machine cluster's CPU node (666m); raise it for thousands."""
 
     gateway_memory: str = "512Mi"
     """Memory request and limit of a gateway pod."""
