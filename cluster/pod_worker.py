@@ -731,6 +731,7 @@ class PodWorker:
             "supplemental_groups": groups,
             "netns": str(NETNS_DIR / netns),
             "traversable": closed_ancestors(env["PATH"]) if uid else [],
+            "image_paths": image_paths(env["PATH"]),
             "rootfs": str(self.dir / "rootfs"),
             "mounts": mounts,
             "cgroup_procs": runner.cgroup.procs_files(),
@@ -847,6 +848,22 @@ class PodWorker:
         except ApiError as exc:
             if exc.status not in (404, 409):
                 raise
+
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def image_paths(path_env: str) -> list[str]:
+    """What the image's programs are made of here: the virtual environments on PATH and this
+    checkout (an editable install). A real image carries them in its root filesystem, where a
+    volume over ``/tmp`` cannot hide them; here they stay visible even when the checkout or its
+    environment lies under a pod's volume (a clone in /tmp, and the runtime's /tmp emptyDir)."""
+    paths = {str(CHECKOUT)}
+    for d in path_env.split(":"):
+        prefix = Path(d).parent
+        if (prefix / "pyvenv.cfg").exists():
+            paths |= {str(prefix), str(prefix.resolve())}
+    return sorted(paths)
 
 
 def closed_ancestors(path_env: str) -> list[str]:

@@ -182,6 +182,11 @@ def child(spec: dict, stdout_w: int, stderr_w: int) -> None:
             root.make_writable(root.resolve(directory, directory=True))
         for m in spec["mounts"]:
             root.bind(m["source"], m["target"], readonly=m.get("readonly", False))
+        targets = [m["target"].rstrip("/") + "/" for m in spec["mounts"]]
+        for path in spec.get("image_paths", []):
+            # The image's own files win over a volume mounted above them (see image_paths).
+            if any((path + "/").startswith(t) for t in targets):
+                root.bind(path, path, readonly=True)
         os.chroot(spec["rootfs"])
         os.chdir(spec.get("working_dir") or "/")
         null = os.open("/dev/null", os.O_RDONLY)
