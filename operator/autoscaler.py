@@ -128,7 +128,7 @@ class History:
     recommendations: deque[tuple[float, int, int]] = field(default_factory=deque)
     """(time, recommended replicas for scale-up, for scale-down with the margin)."""
     last_busy: float | None = None
-    """Last time any request was running, waiting or pending."""
+    """Last time any request was running, waiting or pending, or no replica was ready."""
     first_seen: float | None = None
 
     def record(self, time: float, up: int, down: int, keep: float) -> None:
@@ -166,7 +166,9 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     now, current = obs.time, obs.current_replicas
     if history.first_seen is None:
         history.first_seen = now
-    if obs.busy:
+    if obs.busy or obs.num_ready == 0:
+        # Idle time counts only while a replica is ready: a service whose replicas are
+        # still loading (just created, or woken from zero) is not idle.
         history.last_busy = now
     up, up_reason = recommend(obs, policy)
     down, _ = recommend(obs, policy, margin=SCALE_DOWN_MARGIN)
@@ -192,7 +194,7 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
 
     # Scale to zero: idle for the whole idle time.
     if lo == 0 and not obs.busy:
-        idle_for = now - (history.last_busy or history.first_seen)
+        idle_for = now - (history.first_seen if history.last_busy is None else history.last_busy)
         if idle_for >= policy.scale_to_zero_idle:
             return Decision(0, "down", "idle", up)
 

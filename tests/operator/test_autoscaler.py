@@ -142,6 +142,19 @@ def test_idle_service_scales_to_zero_and_wakes_on_pending_requests():
     assert (d.desired, d.direction, d.reason) == (1, "up", "pending-requests")
 
 
+def test_idle_time_counts_only_once_a_replica_is_ready():
+    policy = AutoscalingPolicy(enabled=True, min_replicas=0, max_replicas=2, scale_to_zero_idle=10)
+    loop = Loop(policy=policy, replicas_now=1, period=5.0)
+    for _ in range(6):  # 30 s loading: longer than the idle time, but not idle
+        d = loop.tick(ready=0)
+        assert (d.desired, d.reason) == (1, "no-ready-replica")
+    # Ready from here on: idle from the last moment it was loading, for the idle time.
+    d = loop.tick(waiting=0, running=0)
+    assert d.desired == 1
+    d = loop.tick(waiting=0, running=0)
+    assert (d.desired, d.reason) == (0, "idle")
+
+
 def test_manual_scale_is_clamped_to_the_bounds():
     loop = Loop(replicas_now=20)
     assert loop.tick().desired == POLICY.max_replicas
