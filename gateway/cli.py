@@ -38,6 +38,7 @@ FLAGS: dict[str, str] = {
     "--max-body-bytes": "max_body_bytes",
     "--retry-after": "retry_after_s",
     "--hold-timeout": "hold_timeout_s",
+    "--max-held-requests": "max_held_requests",
     "--log-level": "log_level",
 }
 

@@ -25,6 +25,8 @@ class Pool:
         self.policy = policy
         self.replicas: dict[str, Replica] = {}
         """Members in the order they joined (round-robin walks this order)."""
+        self.held = 0
+        """Requests waiting for a ready replica (scale from zero)."""
 
     def has_ready(self) -> bool:
         """Whether any replica said ready in its last /load poll (ejected ones included: the

@@ -167,13 +167,8 @@ class Proxy:
         tried: set[str] = set()
         last_url = ""
         failure: Failure | None = None
-        if not pool.has_ready() and not await self._hold(pool, arrival):
-            failure = Failure(
-                503,
-                f"no ready replica for model {pool.model!r} after waiting "
-                f"{self._s.hold_timeout_s:g} s; retry later",
-                str(self._s.retry_after_s).encode(),
-            )
+        if not pool.has_ready():
+            failure = await self._hold(pool, arrival)
         for attempt in range(self._s.max_attempts if failure is None else 0):
             now = loop.time()
             admitted = [r for r in pool.replicas.values() if r.admitted(now) and r.url not in tried]
@@ -228,28 +223,47 @@ class Proxy:
         self._metrics.requests.labels(pool.model, "", str(failure.status)).inc()
         self._metrics.duration.labels(pool.model).observe(loop.time() - arrival)
 
-    async def _hold(self, pool: Pool, arrival: float) -> bool:
+    async def _hold(self, pool: Pool, arrival: float) -> Failure | None:
         """Hold a request while its model has no ready replica (scale from zero), counted in
-        ``conveyor_gateway_pending_requests`` for the operator to see; True once a replica is
-        ready, False when ``--hold-timeout`` passed or the model went away."""
+        ``conveyor_gateway_pending_requests`` for the operator to see; None once a replica is
+        ready, a 503 when ``--hold-timeout`` passed, the model went away, or
+        ``--max-held-requests`` are already held for it."""
+        retry_after = str(self._s.retry_after_s).encode()
+        if pool.held >= self._s.max_held_requests:
+            return Failure(
+                503,
+                f"no ready replica for model {pool.model!r} and {pool.held} requests already "
+                "waiting for one; retry later",
+                retry_after,
+            )
         loop = asyncio.get_running_loop()
         deadline = arrival + self._s.hold_timeout_s
         pending = self._metrics.pending.labels(pool.model)
         pending.inc()
+        pool.held += 1
         try:
             while True:
                 changed = self._registry.changed()
                 if pool.has_ready():
-                    return True
+                    return None
                 remaining = deadline - loop.time()
                 if remaining <= 0 or self._registry.pools.get(pool.model) is not pool:
-                    return False
+                    break
                 try:
                     await asyncio.wait_for(changed.wait(), remaining)
                 except TimeoutError:
-                    return pool.has_ready()
+                    if pool.has_ready():
+                        return None
+                    break
         finally:
             pending.dec()
+            pool.held -= 1
+        return Failure(
+            503,
+            f"no ready replica for model {pool.model!r} after waiting "
+            f"{self._s.hold_timeout_s:g} s; retry later",
+            retry_after,
+        )
 
     async def _attempt(
         self,

@@ -99,6 +99,10 @@ class GatewaySettings:
     """Seconds a request waits while its model has no ready replica (scale from zero: a pod
     starts and loads its model) before a 503 with Retry-After; 0 refuses at once."""
 
+    max_held_requests: int = 1000
+    """Requests held at once per model while it has no ready replica; more get a 503 with
+    Retry-After at once, so a burst against a sleeping model cannot exhaust the gateway."""
+
     log_level: str = "info"
     """Log level of the gateway and uvicorn."""
 

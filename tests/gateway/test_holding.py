@@ -100,3 +100,26 @@ async def test_a_client_that_gives_up_while_held_is_no_longer_pending(
         request.cancel()  # the connection closes: the gateway stops holding it
         await asyncio.gather(request, return_exceptions=True)
     await asyncio.to_thread(wait_pending, gw, "tiny", 0)
+
+
+async def test_requests_over_the_hold_bound_are_refused_at_once(processes: Processes) -> None:
+    gw = start_gateway(
+        processes, "--backend", f"tiny=http://127.0.0.1:{free_port()}", "--max-held-requests", "2"
+    )
+    async with httpx.AsyncClient(timeout=30) as client:
+        held = [
+            asyncio.create_task(
+                client.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+            )
+            for _ in range(2)
+        ]
+        await asyncio.to_thread(wait_pending, gw, "tiny", 2)
+        over = await client.post(gw.url + "/v1/completions", json={"model": "tiny", "prompt": "y"})
+        assert over.status_code == 503
+        assert over.headers["retry-after"] == "1"
+        assert "2 requests already waiting" in over.json()["error"]["message"]
+        assert not any(t.done() for t in held)  # the bound refused the third, not the first two
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+    await asyncio.to_thread(wait_pending, gw, "tiny", 0)
