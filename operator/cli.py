@@ -36,6 +36,7 @@ FLAGS: dict[str, str] = {
     "--gateway-api-key-secret": "gateway_api_key_secret",
     "--gateway-cpu": "gateway_cpu",
     "--gateway-memory": "gateway_memory",
+    "--gateway-hold-timeout": "gateway_hold_timeout_s",
     "--resync-interval": "resync_interval_s",
     "--autoscale-interval": "autoscale_interval_s",
     "--autoscale-scrape-timeout": "autoscale_scrape_timeout_s",

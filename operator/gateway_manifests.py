@@ -87,6 +87,8 @@ def gateway_deployment(
             "--k8s-llmservices",
             "--routing",
             settings.gateway_routing,
+            "--hold-timeout",
+            f"{settings.gateway_hold_timeout_s:g}",
         ],
         "ports": [{"name": PORT_NAME, "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "env": env,

@@ -48,6 +48,10 @@ class OperatorSettings:
     gateway_memory: str = "512Mi"
     """Memory request and limit of a gateway pod."""
 
+    gateway_hold_timeout_s: float = 120.0
+    """Seconds the gateway holds a request for a model with no ready replica (scale from zero:
+    long enough for a pod to start and load its model) before a 503 with Retry-After."""
+
     resync_interval_s: float = 60.0
     """Seconds between full reconciles of each LLMService, the safety net behind the child watches."""
 

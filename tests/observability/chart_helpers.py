@@ -47,7 +47,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
     },
     "with-llmservices": {
-        "llmServices": [{"name": "tiny", "spec": {"model": {"name": "conveyor-tiny"}}}],
+        "llmServices": [{"name": "tiny", "spec": {"model": {"builtin": "conveyor-tiny"}}}],
         "monitoring": {"dashboards": {"namespace": "monitoring"}},
     },
 }

@@ -97,7 +97,7 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path) -> None:
         assert text + "\n" == dashboards.all_json()[name]
     (svc,) = [d for d in docs if d["kind"] == "LLMService"]
     assert svc["metadata"]["namespace"] == "conveyor-system"
-    assert svc["spec"] == {"model": {"name": "conveyor-tiny"}}
+    assert svc["spec"] == {"model": {"builtin": "conveyor-tiny"}}
 
 
 @pytest.mark.parametrize(
