@@ -252,11 +252,6 @@ def test_load_scales_up_then_down_without_a_failed_request(
     assert client.completions.create(model="tiny", prompt="after", max_tokens=4).choices
 
 
-@pytest.mark.skip(
-    reason="open (issue 9): on the e2e cluster the scaled-to-zero model was not woken by the held "
-    "request (the gateway's pending gauge stayed empty while the client retried); the same path "
-    "passes on loopback (tests/gateway/test_autoscaling_loop.py) and in the README walk-through"
-)
 def test_idle_service_scales_to_zero_and_a_held_request_wakes_it(
     kube: KubeUnderTest, namespace: str, operator: OperatorProcess, running_pods: None
 ) -> None:
