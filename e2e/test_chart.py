@@ -2,18 +2,19 @@
 server-side dry run (PodMonitor and PrometheusRule against the Prometheus Operator's CRDs,
 which the test installs), and NOTES.txt rendered by a real `helm install --dry-run`.
 
-`helm install` / `upgrade` / `uninstall` with the operator running as a pod needs the node
-agent (issue 7); that test skips with that reason until pods really run.
+`helm install` / `upgrade` / `uninstall` run with the operator as a pod (run by the node
+agent) serving the example LLMService through its gateway.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from operator_helpers import REPO, llmservice_status, release_llmservices, wait_for
 
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
@@ -67,16 +68,7 @@ def crds_installed(kube: KubeUnderTest) -> None:
         kube.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
 
 
-_OPEN = pytest.mark.skip(
-    reason="open (issue 10): failed in the last full e2e run and could not be investigated "
-    "before the session ended"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=_OPEN) if n == "with-llmservices" else n for n in sorted(VALUE_SETS)],
-)
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
 def test_templates_pass_a_server_side_dry_run(
     kube: KubeUnderTest, helm: Path, crds_installed: None, namespace: str, name: str
 ) -> None:
@@ -108,14 +100,105 @@ def test_helm_install_dry_run_prints_the_notes(
     assert "conveyor dashboard render" in notes
 
 
-@pytest.mark.skip(
-    reason="open (issue 10): failed in the last full e2e run and could not be "
-    "investigated before the session ended"
-)
-def test_helm_install_upgrade_uninstall(kube: KubeUnderTest) -> None:
-    if importlib.util.find_spec("conveyor.cluster.agent") is None:
-        pytest.skip(
-            "needs the node agent (issue 7) to run the operator as a pod: install, upgrade "
-            "and uninstall are tested once pods really run"
+def test_helm_install_upgrade_uninstall(
+    kube: KubeUnderTest, helm: Path, crds_installed: None, node_agent: object, namespace: str
+) -> None:
+    """The chart as users install it: the operator runs as a pod and serves an LLMService;
+    an upgrade rolls the operator; uninstall leaves nothing of the release but the CRD."""
+    import openai
+
+    release = f"cv-{namespace[-6:]}"
+    apps = f"{namespace[:50]}-apps"
+    kube.kubectl("create", "namespace", apps)
+    selector = f"app.kubernetes.io/instance={release}"
+
+    def helm_run(verb: str, *extra: str) -> None:
+        proc = subprocess.run(
+            [str(helm), verb, release, *([str(CHART)] if verb != "uninstall" else []),
+             "--namespace", namespace, "--kubeconfig", str(kube.kubeconfig), *extra],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert proc.returncode == 0, f"helm {verb}: {proc.stderr}"
+
+    def operator_pods() -> list[dict[str, Any]]:
+        return kube.api.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=selector)["items"]
+
+    # Watch only the test's namespace; a gateway small enough for a simulated node's CPU.
+    values = ("--set", f"operator.watchNamespaces={{{apps}}}",
+              "--set", "operator.extraArgs={--gateway-cpu,200m}",
+              "--wait", "--timeout", "5m")  # fmt: skip
+    try:
+        helm_run("install", *values)
+        first = [p["metadata"]["name"] for p in operator_pods()]
+        assert first, "helm install --wait returned without an operator pod"
+
+        kube.kubectl("-n", apps, "apply", "-f", str(REPO / "examples" / "llmservice.yaml"))
+        status = wait_for(
+            "the example LLMService Ready, reconciled by the chart's operator",
+            lambda: (s := llmservice_status(kube.api, apps, "tiny")).get("phase") == "Ready" and s,
+            timeout_s=600,
         )
-    pytest.fail("the node agent exists: write this test (helm install/upgrade/uninstall, issue 10)")
+        client = openai.OpenAI(
+            base_url=f"http://{status['endpoint']['clusterIP']}:8080/v1",
+            api_key="none", max_retries=0, timeout=60,
+        )  # fmt: skip
+        answer = wait_for(
+            "an answer through the gateway",
+            lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=4),
+            timeout_s=120,
+        )
+        assert answer.choices[0].text is not None
+
+        # helm upgrade with a changed value rolls the operator's pod.
+        helm_run("upgrade", *values, "--set", "operator.logLevel=debug")
+        wait_for(
+            "the upgraded operator pod Ready, the old one gone",
+            lambda: (
+                (pods := operator_pods())
+                and all(p["metadata"]["name"] not in first for p in pods)
+                and all(
+                    c.get("ready") for p in pods for c in p["status"].get("containerStatuses", [])
+                )
+            ),
+            timeout_s=300,
+        )
+        args = kube.api.get(
+            f"/apis/apps/v1/namespaces/{namespace}/deployments", labelSelector=selector
+        )["items"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert "--log-level=debug" in args
+        # The new operator still serves: a scale is acted on.
+        kube.kubectl("-n", apps, "scale", "llmservice/tiny", "--replicas=2")
+        wait_for(
+            "the upgraded operator to act on a scale",
+            lambda: (
+                kube.api.get(f"/apis/apps/v1/namespaces/{apps}/deployments/tiny")["spec"][
+                    "replicas"
+                ]
+                == 2
+            ),
+            timeout_s=120,
+        )
+        release_llmservices(kube, apps)
+    finally:
+        helm_run("uninstall", "--wait", "--timeout", "5m")
+        kube.kubectl("delete", "namespace", apps, "--wait=false", check=False)
+
+    left = [
+        f"{kind}/{item['metadata']['name']}"
+        for kind, path in [
+            ("deployment", f"/apis/apps/v1/namespaces/{namespace}/deployments"),
+            ("service", f"/api/v1/namespaces/{namespace}/services"),
+            ("serviceaccount", f"/api/v1/namespaces/{namespace}/serviceaccounts"),
+            ("configmap", f"/api/v1/namespaces/{namespace}/configmaps"),
+            ("pod", f"/api/v1/namespaces/{namespace}/pods"),
+            ("clusterrole", "/apis/rbac.authorization.k8s.io/v1/clusterroles"),
+            ("clusterrolebinding", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings"),
+            ("role", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles"),
+            ("rolebinding", f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/rolebindings"),
+        ]
+        for item in kube.api.get(path, labelSelector=selector)["items"]
+        if not item["metadata"].get("deletionTimestamp")
+    ]  # fmt: skip
+    assert left == [], f"helm uninstall left {left}"
+    # Helm keeps what it installed from crds/.
+    kube.kubectl("get", "crd", "llmservices.conveyor.dev")
