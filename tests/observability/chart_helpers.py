@@ -51,6 +51,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "monitoring": {"dashboards": {"namespace": "monitoring"}},
     },
 }
+VALUE_SETS["examples/values-gpu-cluster.yaml"] = yaml.safe_load(
+    (CHART.parents[1] / "examples" / "values-gpu-cluster.yaml").read_text()
+)
 """Value sets the chart is rendered with (and, in e2e, dry-run applied to the apiserver)."""
 
 
