@@ -5,7 +5,7 @@ Each tick (a kopf timer per LLMService, ``--autoscale-interval``):
 1. the ready replicas from the LLMService's EndpointSlices (ready endpoints, port ``http``);
 2. each scraped directly and concurrently, with a per-replica timeout: ``GET /load`` (queue,
    running, KV usage, still loading?) and ``GET /metrics`` (the TTFT histogram, of which only
-   the change since the previous tick counts);
+   the change over the last ``--autoscale-ttft-window`` seconds counts);
 3. the namespace gateway's replicas (the ``conveyor-gateway`` Service's EndpointSlices),
    ``GET /metrics``, ``conveyor_gateway_pending_requests{model=...}`` summed over gateways:
    requests held because no replica is ready (scale from zero);
@@ -13,7 +13,7 @@ Each tick (a kopf timer per LLMService, ``--autoscale-interval``):
    subresource and posted as an Event; the decision and signals go to ``status.autoscaler``
    and to the ``conveyor_autoscaler_*`` metrics.
 
-What is kept between ticks (decision history, last TTFT histogram per replica) is keyed by
+What is kept between ticks (decision history, recent TTFT histograms per replica) is keyed by
 namespace/name and dropped when the LLMService is deleted or autoscaling is turned off.
 The HTTP client and the Kubernetes client are the two boundaries; both are passed in.
 """
@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -54,6 +55,12 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 """Label the EndpointSlice controller puts on each slice of a Service."""
 
 TTFT_QUANTILE = 0.95
+TTFT_WINDOW_S = 30.0
+"""Default span of the TTFT p95 signal: long enough that one slow request among a handful
+does not read as a breach (which, decided on every tick, made replicas flap), short enough
+to see a step of load within a few ticks."""
+MIN_TTFT_OBSERVATIONS = 10
+"""Fewer first tokens than this in the window give no TTFT signal (a p95 of 3 is noise)."""
 
 
 def endpointslices_path(namespace: str) -> str:
@@ -141,8 +148,8 @@ class ServiceState:
     """What the timer keeps for one LLMService between ticks."""
 
     history: History = field(default_factory=History)
-    ttft_before: dict[str, signals.Buckets] = field(default_factory=dict)
-    """Replica key (pod) -> its TTFT histogram at the previous tick."""
+    ttft_seen: dict[str, deque[tuple[float, signals.Buckets]]] = field(default_factory=dict)
+    """Replica key (pod) -> its TTFT histograms of the last window, oldest first."""
     last_scale_time: str | None = None
 
 
@@ -153,27 +160,37 @@ def build_observation(
     replicas: list[ReplicaScrape],
     pending: int,
     state: ServiceState,
+    ttft_window: float = TTFT_WINDOW_S,
 ) -> Observation:
-    """The Observation for ``decide``; advances ``state.ttft_before`` to this tick's histograms.
+    """The Observation for ``decide``; records this tick's TTFT histograms in ``state``.
 
-    A replica counts when it answered ``/load`` and says it is ready; TTFT p95 is over the
-    observations since the previous tick, merged over every replica that answered ``/metrics``
-    (None when there were none). Replicas gone since the previous tick are forgotten.
+    A replica counts when it answered ``/load`` and says it is ready. TTFT p95 is over the
+    first tokens of the last ``ttft_window`` seconds (each replica's histogram now minus its
+    histogram at the window's start, or at its first scrape if younger), merged over every
+    replica that answered ``/metrics``; None with fewer than ``MIN_TTFT_OBSERVATIONS``.
+    Replicas gone since the previous tick are forgotten.
     """
     ready = tuple(r.load for r in replicas if r.load is not None and r.ready)
     deltas = []
-    seen: dict[str, signals.Buckets] = {}
     for r in replicas:
         if r.ttft is None:
             continue
-        seen[r.endpoint.key] = r.ttft
-        before = state.ttft_before.get(r.endpoint.key)
-        if before is not None:  # a replica's first scrape is its baseline, not a window
-            deltas.append(signals.delta(r.ttft, before))
-    # keep the baseline of a replica that missed one scrape, drop those no longer listed
+        seen = state.ttft_seen.setdefault(r.endpoint.key, deque())
+        if seen and signals.restarted(r.ttft, seen[-1][1]):
+            seen.clear()  # counts went down: a new process, whose counts are all its own
+            deltas.append(r.ttft)
+        # the baseline: the last histogram at or before the window's start, else the oldest
+        while len(seen) > 1 and seen[1][0] <= now - ttft_window:
+            seen.popleft()
+        if seen:
+            deltas.append(signals.delta(r.ttft, seen[0][1]))
+        seen.append((now, r.ttft))
     listed = {r.endpoint.key for r in replicas}
-    state.ttft_before = {k: v for k, v in {**state.ttft_before, **seen}.items() if k in listed}
-    ttft = signals.quantile(TTFT_QUANTILE, signals.merge(deltas))
+    for key in state.ttft_seen.keys() - listed:
+        del state.ttft_seen[key]
+    window = signals.merge(deltas)
+    observed = max(window.values(), default=0.0)
+    ttft = signals.quantile(TTFT_QUANTILE, window) if observed >= MIN_TTFT_OBSERVATIONS else None
     return Observation(
         time=now,
         current_replicas=current_replicas,
@@ -258,8 +275,10 @@ class AutoscalerTimer:
         metrics: OperatorMetrics,
         post_event: PostEvent,
         clock: Callable[[], float] = time.monotonic,
+        ttft_window: float = TTFT_WINDOW_S,
     ) -> None:
         self.kube = kube
+        self.ttft_window = ttft_window
         self.scraper = scraper
         self.metrics = metrics
         self.post_event = post_event
@@ -302,6 +321,7 @@ class AutoscalerTimer:
             replicas=list(replicas),
             pending=pending,
             state=state,
+            ttft_window=self.ttft_window,
         )
         decision = decide(obs, policy, state.history)
         if decision.desired != current:

@@ -40,6 +40,7 @@ FLAGS: dict[str, str] = {
     "--resync-interval": "resync_interval_s",
     "--autoscale-interval": "autoscale_interval_s",
     "--autoscale-scrape-timeout": "autoscale_scrape_timeout_s",
+    "--autoscale-ttft-window": "autoscale_ttft_window_s",
     "--lease-name": "lease_name",
     "--lease-namespace": "lease_namespace",
     "--lease-duration": "lease_duration_s",
@@ -162,7 +163,11 @@ async def run(settings: OperatorSettings) -> int:
         )
         scraper = HttpScraper(settings.autoscale_scrape_timeout_s)
         autoscaler = AutoscalerTimer(
-            kube=kube, scraper=scraper, metrics=metrics, post_event=post_event
+            kube=kube,
+            scraper=scraper,
+            metrics=metrics,
+            post_event=post_event,
+            ttft_window=settings.autoscale_ttft_window_s,
         )
         registry = kopf.OperatorRegistry()
         register(registry, reconciler=reconciler, settings=settings, autoscaler=autoscaler)

@@ -59,6 +59,10 @@ class OperatorSettings:
     """Seconds between autoscaler decisions of each LLMService with autoscaling on; 2 s keeps the
     step-to-decision time well under the 10 s target while costing two small GETs per replica."""
 
+    autoscale_ttft_window_s: float = 30.0
+    """Seconds of first tokens the autoscaler's TTFT p95 is taken over (the change in each
+    replica's histogram over that span); shorter reacts sooner, longer flaps less."""
+
     autoscale_scrape_timeout_s: float = 1.0
     """Per-replica timeout in seconds of the autoscaler's /load and /metrics scrapes; a replica
     slower than this is left out of that decision (neither capacity nor idle)."""
@@ -95,6 +99,10 @@ class OperatorSettings:
             raise ValueError(
                 "--lease-renew-interval must be shorter than --lease-duration "
                 f"(got {self.lease_renew_interval_s} >= {self.lease_duration_s})"
+            )
+        if self.autoscale_ttft_window_s <= 0:
+            raise ValueError(
+                f"--autoscale-ttft-window must be positive (got {self.autoscale_ttft_window_s})"
             )
         if self.autoscale_interval_s <= 0:
             raise ValueError(

@@ -1,7 +1,7 @@
 """Signals for the autoscaler from what replicas expose: ``/load`` and ``/metrics``.
 
 TTFT p95 is taken over the last window only: the change in each replica's
-TTFT histogram since the previous scrape, summed over replicas, then the
+TTFT histogram since the window's start, summed over replicas, then the
 quantile interpolated inside its bucket as Prometheus' ``histogram_quantile``
 does. Lifetime totals would let an hour of good latency hide a bad minute.
 """
@@ -32,9 +32,14 @@ def parse_histogram(text: str, name: str = TIME_TO_FIRST_TOKEN) -> Buckets:
     return buckets
 
 
+def restarted(now: Buckets, before: Buckets) -> bool:
+    """Whether the counts went down between two scrapes: a new process counts from 0."""
+    return any(now.get(le, 0.0) < count for le, count in before.items())
+
+
 def delta(now: Buckets, before: Buckets | None) -> Buckets:
     """Observations between two scrapes; a restarted replica (counts went down) counts from 0."""
-    if not before or any(now.get(le, 0.0) < count for le, count in before.items()):
+    if not before or restarted(now, before):
         return dict(now)
     return {le: count - before.get(le, 0.0) for le, count in now.items()}
 

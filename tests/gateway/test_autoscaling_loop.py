@@ -18,7 +18,11 @@ import openai
 import pytest
 from gateway_helpers import PYTHON, Process, Processes, free_port, gateway, wait_for
 
-from conveyor.operator.autoscaler_timer import AutoscalerTimer, HttpScraper
+from conveyor.operator.autoscaler_timer import (
+    MIN_TTFT_OBSERVATIONS,
+    AutoscalerTimer,
+    HttpScraper,
+)
 from conveyor.operator.metrics import OperatorMetrics
 
 pytestmark = pytest.mark.skipif(
@@ -148,7 +152,7 @@ async def test_the_autoscaler_scales_from_zero_for_a_held_request(processes: Pro
 
             kube.ready(port)
             await timer.tick(NS, "tiny")  # the replica's TTFT histogram: a baseline
-            for _ in range(3):
+            for _ in range(MIN_TTFT_OBSERVATIONS):  # enough first tokens for a TTFT signal
                 await client.completions.create(model="tiny", prompt="again", max_tokens=2)
         decision = await timer.tick(NS, "tiny")
         assert decision is not None and decision.desired == 1 and replica.alive()

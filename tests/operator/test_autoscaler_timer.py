@@ -217,25 +217,36 @@ def test_load_and_pending_parsing():
     assert pending_requests(gateway_metrics(other=5), "tiny") == 0
 
 
-def test_ttft_p95_is_over_the_change_since_the_previous_tick_only():
+def test_ttft_p95_is_over_the_window_not_lifetime_totals():
     state = ServiceState(history=History())
     one = Endpoint("p1", "http://a:8000")
     ok = [ReplicaSignals(0, 1, 8, 0.1)]
+    counts = {"fast": 0, "slow": 0}
 
-    def observe(*ttfts: float):
+    def observe(now: float, fast: int = 0, slow: int = 0):
+        counts["fast"] += fast
+        counts["slow"] += slow
+        ttfts = [0.07] * counts["fast"] + [3.0] * counts["slow"]
         scrape = ReplicaScrape(one, ok[0], True, _buckets(ttft_metrics(*ttfts)))
         return build_observation(
-            now=0, current_replicas=1, replicas=[scrape], pending=0, state=state
+            now=now, current_replicas=1, replicas=[scrape], pending=0, state=state, ttft_window=30
         )
 
-    assert observe(*[0.07] * 100).ttft_p95 is None  # first scrape: a baseline, not a window
-    # 100 more fast ones, then 50 slow: the window holds 150, lifetime 250
-    obs = observe(*[0.07] * 200, *[3.0] * 50)
+    assert observe(0, fast=100).ttft_p95 is None  # first scrape: a baseline, not a window
+    # 100 fast then 50 slow within the window: p95 among 150, not among the lifetime 250
+    assert observe(10, fast=100).ttft_p95 == pytest.approx(0.0975, abs=0.01)
+    obs = observe(20, slow=50)
     assert obs.ttft_p95 is not None and obs.ttft_p95 > 2.5
-    # nothing new since: no TTFT (not the lifetime p95)
-    assert observe(*[0.07] * 200, *[3.0] * 50).ttft_p95 is None
-    # the replica restarted (counts went down): its new counts are the window
-    assert observe(0.07).ttft_p95 == pytest.approx(0.0975, abs=0.01)
+    # one slow first token among few is not a signal
+    assert observe(60, slow=1).ttft_p95 is None
+    # the slow ones age out of the window: only the fast ones since count
+    assert observe(85, fast=40).ttft_p95 == pytest.approx(0.0975, abs=0.01)
+    # nothing new over a whole window: no TTFT (not the lifetime p95)
+    observe(120)
+    assert observe(151).ttft_p95 is None
+    # the replica restarted (counts went down): its new counts are its own window
+    counts.update(fast=0, slow=0)
+    assert observe(152, fast=12).ttft_p95 == pytest.approx(0.0975, abs=0.01)
 
 
 def test_loading_or_silent_replicas_are_not_counted_as_ready():
