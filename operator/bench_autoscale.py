@@ -57,6 +57,8 @@ class BenchSettings:
     """targetTTFTP95Seconds of the benchmark's LLMService."""
     interval_s: float = 1.0
     """The operator's --autoscale-interval."""
+    scale_down_window_s: int = 300
+    """scaleDownStabilizationSeconds of the benchmark's LLMService (the CRD's default)."""
     max_tokens: int = 24
     png: Path = Path("autoscale.png")
     keep: bool = False
@@ -74,6 +76,7 @@ def parse(argv: list[str]) -> BenchSettings:
     p.add_argument("--target-queue", type=float, default=d.target_queue)
     p.add_argument("--target-ttft", type=float, default=d.target_ttft_s)
     p.add_argument("--interval", type=float, default=d.interval_s)
+    p.add_argument("--scale-down-window", type=int, default=d.scale_down_window_s)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--png", type=Path, default=d.png)
     p.add_argument("--keep", action="store_true")
@@ -82,7 +85,7 @@ def parse(argv: list[str]) -> BenchSettings:
         kubeconfig=a.kubeconfig, minutes=a.minutes, step_factor=a.step_factor,
         replica_cpu=a.replica_cpu, max_replicas=a.max_replicas, target_queue=a.target_queue,
         target_ttft_s=a.target_ttft, interval_s=a.interval, max_tokens=a.max_tokens,
-        png=a.png, keep=a.keep,
+        scale_down_window_s=a.scale_down_window, png=a.png, keep=a.keep,
     )  # fmt: skip
 
 
@@ -159,7 +162,9 @@ class Env:
         if not keep:
             self.kubectl("delete", "namespace", self.namespace, "--wait=false")
 
-    def apply(self, s: BenchSettings, min_replicas: int, idle_s: int = 600) -> None:
+    def apply(
+        self, s: BenchSettings, min_replicas: int, idle_s: int = 600, autoscale: bool = True
+    ) -> None:
         body = {
             "apiVersion": "conveyor.dev/v1alpha1", "kind": "LLMService",
             "metadata": {"name": NAME},
@@ -167,11 +172,13 @@ class Env:
                 "model": {"builtin": "conveyor-tiny", "servedName": MODEL},
                 "resources": {"gpus": 1, "cpu": s.replica_cpu, "memory": "1Gi"},
                 "runtime": {"maxRunningRequests": 2},
+                "replicas": 1,
                 "autoscaling": {
-                    "enabled": True, "minReplicas": min_replicas, "maxReplicas": s.max_replicas,
-                    "targetQueueDepthPerReplica": s.target_queue,
+                    "enabled": autoscale, "minReplicas": min_replicas,
+                    "maxReplicas": s.max_replicas, "targetQueueDepthPerReplica": s.target_queue,
                     "targetTTFTP95Seconds": s.target_ttft_s,
-                    "scaleDownStabilizationSeconds": 30, "scaleToZeroIdleSeconds": idle_s,
+                    "scaleDownStabilizationSeconds": s.scale_down_window_s,
+                    "scaleToZeroIdleSeconds": idle_s,
                 },
             },
         }  # fmt: skip
@@ -331,7 +338,8 @@ def plot(rec: Recorder, step_at: float, path: Path, s: BenchSettings) -> None:
 async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
     import openai
 
-    env.apply(s, min_replicas=1)
+    # Autoscaling off while one replica's capacity is measured; on from the step.
+    env.apply(s, min_replicas=1, autoscale=False)
     status = env.wait(
         "the LLMService Ready",
         lambda: (
@@ -344,7 +352,7 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
     out: dict[str, Any] = {}
 
-    # 1. one replica's capacity (the autoscaler may already add replicas: measure briefly)
+    # 1. one replica's capacity
     cap = Recorder()
     await closed_loop(client, cap, clients=2, seconds=5, s=s)  # warm up
     cap = Recorder()
@@ -352,7 +360,11 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
     backends = {b for _, _, b in cap.done}
     capacity = len(cap.done) / 20 / max(1, len(backends))
     out["one_replica_rps"] = round(capacity, 2)
-    env.wait("back to one replica", lambda: env.llmservice()["spec"]["replicas"] == 1)
+    env.apply(s, min_replicas=1)
+    env.wait(
+        "the autoscaler to take over",
+        lambda: ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("reason"),
+    )
 
     # 2. the step, 3. constant load
     rec = Recorder()
