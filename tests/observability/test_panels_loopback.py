@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import json
-import math
 import sys
 import time
 from collections.abc import Iterator
@@ -30,8 +28,8 @@ import httpx
 import openai
 import pytest
 
-from conveyor.observability import dashboards, grafana, names
-from conveyor.observability.chart import CHART
+from conveyor.observability import dashboards, names, panel_check
+from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings, StaticTarget
 from conveyor.observability.render import render_dashboard
 
@@ -53,13 +51,23 @@ SCRAPE_S = 1.0
 RENDER_DIR = Path(__file__).resolve().parents[2] / "build" / "dashboards"
 """Where the test leaves its renders (build/ is ignored by git), to be looked at."""
 
-ALLOWED_EMPTY: dict[tuple[str, str], str] = {
-    ("Time to first token", names.AS_TARGET): "the TTFT target comes from the operator's "
-    "autoscaler, which this tier does not run (checked in e2e with the operator)",
-    ("Requests held for a replica", names.GW_PENDING): "requests are held only while a model "
-    "has no ready replica (scale from zero, issue 9); this run always has replicas",
-}
-"""(panel title, metric) -> why that query may return nothing here."""
+ALLOWED_EMPTY = (
+    AllowedEmpty(
+        "Time to first token",
+        names.AS_TARGET,
+        "the TTFT target comes from the operator's autoscaler, which this tier does not run "
+        "(checked in e2e with the operator)",
+        must_exist=False,
+    ),
+    AllowedEmpty(
+        "Requests held for a replica",
+        names.GW_PENDING,
+        "requests are held only while a model has no ready replica (scale from zero); this run "
+        "always has replicas (e2e/test_dashboards_cluster.py holds some)",
+    ),
+)
+"""The panel queries that may draw nothing here, and why."""
+
 
 NEEDS_OPERATOR = {"autoscaler.json": "its series come from the operator's autoscaler"}
 """Dashboards this tier cannot check, and why (e2e checks them with the operator running)."""
@@ -196,11 +204,6 @@ async def _run_load(stack: dict) -> None:
         await asyncio.gather(*(one(300 + i, stream=i % 2 == 0) for i in range(8)))
 
 
-def _scraped_after(prom: Prometheus, moment: float) -> bool:
-    samples = prom.api().query(f'timestamp(up{{namespace="{NAMESPACE}"}}) and up == 1')
-    return len(samples) >= 4 and all(float(s["value"][1]) > moment for s in samples)
-
-
 @pytest.fixture(scope="module")
 def run(stack: dict) -> dict:
     start = time.time() - 5
@@ -208,59 +211,14 @@ def run(stack: dict) -> dict:
     end_of_load = time.time()
     prom: Prometheus = stack["prometheus"]
     # every live target scraped after the last request (the killed one is down)
-    wait_for(lambda: _scraped_after(prom, end_of_load + SCRAPE_S), 60, "a scrape after the load")
+    wait_for(
+        lambda: panel_check.scraped_after(
+            prom.api(), NAMESPACE, end_of_load + SCRAPE_S, at_least=len(stack["pods"])
+        ),
+        60,
+        "a scrape after the load",
+    )
     return {"start": start, "end": time.time(), "prometheus": prom}
-
-
-def _shows(value: str) -> bool:
-    number = float(value)
-    return math.isfinite(number) and number != 0
-
-
-def _committed(name: str) -> dict:
-    return json.loads((CHART / "dashboards" / name).read_text())
-
-
-def _check_dashboard(name: str, run: dict) -> tuple[int, list[str]]:
-    api = run["prometheus"].api()
-    model = _committed(name)
-    start, end = run["start"], run["end"]
-    failures: list[str] = []
-    checked = 0
-    for all_as in ("all-value", "each"):
-        values, listed = grafana.resolve_variables(model, api, start, end, all_as=all_as)
-        for variable, found in listed.items():
-            if not found:
-                failures.append(f"{name}: variable ${variable} lists no value")
-        for query in grafana.panel_queries(model):
-            expr = query.resolved(values, start, end, SCRAPE_S)
-            allowed = next(
-                (why for (title, metric), why in ALLOWED_EMPTY.items()
-                 if title == query.panel_title and metric in query.expr),
-                None,
-            )  # fmt: skip
-            series = api.query_range(expr, start, end, grafana.interval_s(start, end, SCRAPE_S))
-            checked += 1
-            labelled = [
-                s for s in series if all(s["metric"].get(label) for label in query.legend_labels)
-            ]
-            if labelled:
-                if not any(_shows(v) for s in labelled for _, v in s["values"]):
-                    failures.append(
-                        f"{name} panel {query.panel_title!r} query {query.ref_id} ({all_as}) is "
-                        f"zero all along: the run did not show what it draws: {expr}"
-                    )
-                continue
-            if allowed is not None:
-                metric = next(m for m in (names.AS_TARGET, names.GW_PENDING) if m in query.expr)
-                if metric == names.GW_PENDING and not api.metadata(metric):
-                    failures.append(f"{query.panel_title}: {metric} is not even exported")
-                continue
-            failures.append(
-                f"{name} panel {query.panel_title!r} query {query.ref_id} ({all_as}) returned "
-                f"{len(series)} series, none with labels {query.legend_labels}: {expr}"
-            )
-    return checked, failures
 
 
 def test_the_run_showed_the_injected_events(run: dict) -> None:
@@ -278,11 +236,16 @@ def test_the_run_showed_the_injected_events(run: dict) -> None:
 
 @pytest.mark.parametrize("name", ["llmservice-overview.json", "gateway.json"])
 def test_every_panel_query_returns_labelled_series(run: dict, name: str) -> None:
-    checked, failures = _check_dashboard(name, run)
-    print(
-        f"\n{name}: {checked} panel queries checked ({len(dashboards.panels(_committed(name)))} panels)"
+    check = panel_check.check_dashboard(
+        name,
+        run["prometheus"].api(),
+        run["start"],
+        run["end"],
+        scrape_interval_s=SCRAPE_S,
+        allowed=ALLOWED_EMPTY,
     )
-    assert not failures, "\n".join(failures)
+    print(f"\n[figures] {check.figures()}", file=sys.stderr)
+    assert not check.failures, "\n".join(check.failures)
 
 
 def test_autoscaler_dashboard_is_left_to_the_operator_tier() -> None:
@@ -298,9 +261,14 @@ def test_render_draws_every_panel(run: dict) -> None:
     for name in ("llmservice-overview.json", "gateway.json"):
         out = RENDER_DIR / name.replace(".json", ".png")
         rendered = render_dashboard(
-            _committed(name), api, run["start"], run["end"], out, scrape_interval_s=SCRAPE_S
+            panel_check.committed(name),
+            api,
+            run["start"],
+            run["end"],
+            out,
+            scrape_interval_s=SCRAPE_S,
         )
         assert out.stat().st_size > 10_000
-        empty = {p.title for p in rendered if not p.series}
-        assert empty <= {title for title, _ in ALLOWED_EMPTY}, f"{name}: no data in {empty}"
+        empty = panel_check.unexplained_empty(rendered, ALLOWED_EMPTY)
+        assert not empty, f"{name}: no data in {empty}"
         print(f"\nrendered {out}")
