@@ -138,9 +138,32 @@ def test_example_is_served_through_the_gateway(
     )
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     print(
-        f"\n[figures] apply -> Ready {ready_s:.1f} s, apply -> first answer {first_answer_s:.1f} s",
+        f"\n[figures] apply -> Ready {ready_s:.1f} s, apply -> first answer {first_answer_s:.1f} s"
+        f"; {startup_split(kube, namespace, 'tiny')}",
         file=sys.stderr,
     )
+
+
+def startup_split(kube: KubeUnderTest, namespace: str, name: str) -> str:
+    """Where the time to Ready went, from the apiserver's (whole-second) timestamps."""
+    from datetime import datetime
+
+    def at(stamp: str) -> float:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+    created = at(kube.api.get(path_of(namespace, name))["metadata"]["creationTimestamp"])
+    pod = kube.api.get(
+        f"/api/v1/namespaces/{namespace}/pods", labelSelector=f"conveyor.dev/llmservice={name}"
+    )["items"][0]
+    conditions = {c["type"]: at(c["lastTransitionTime"]) for c in pod["status"]["conditions"]}
+    running = pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
+    marks = [
+        ("LLMService -> pod created", created, at(pod["metadata"]["creationTimestamp"])),
+        ("pod scheduled", at(pod["metadata"]["creationTimestamp"]), conditions["PodScheduled"]),
+        ("container started", conditions["PodScheduled"], at(running)),
+        ("model loaded and Ready", at(running), conditions["Ready"]),
+    ]
+    return ", ".join(f"{what} {end - start:.0f} s" for what, start, end in marks)
 
 
 def test_two_models_behind_one_gateway_each_answer_for_their_name(
