@@ -217,3 +217,19 @@ def test_histogram_edge_cases():
     assert restarted == scrape(1, 1, 2)
     total = merge([scrape(10, 10, 10), scrape(0, 0, 10)])
     assert quantile(0.5, total) == pytest.approx(0.1)
+
+
+def test_every_policy_field_read_from_the_spec_is_in_the_crd():
+    """The apiserver prunes fields its schema lacks: a knob only the code knows is lost."""
+    import inspect
+    import re
+
+    import yaml
+
+    from conveyor.operator.crd import CRD_FILE
+
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    declared = set(spec["properties"]["autoscaling"]["properties"])
+    read = set(re.findall(r's\.get\("(\w+)"', inspect.getsource(AutoscalingPolicy.from_spec)))
+    assert read and read <= declared, read - declared
