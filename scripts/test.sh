@@ -87,7 +87,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         phases+=("$(printf '%-28s %5ds' "go build (wall, overlapped)" "$(( SECONDS - t_build ))")")
     fi
     say "phase 5b: end-to-end tests on the one-machine cluster"
-    run_pytest "e2e tests" e2e --ignore=e2e/walkthrough -p no:cacheprovider "$@"
+    run_pytest "e2e tests" e2e --ignore=e2e/walkthrough -p no:cacheprovider --durations=12 "$@"
     rc_e2e=$?
     say "phase 6: the README walk-through, as written, on a cluster of its own"
     run_pytest "README walk-through" e2e/walkthrough -p no:cacheprovider "$@"
