@@ -1,0 +1,65 @@
+"""`conveyor up`'s refusals and its Ctrl-C path, without a cluster (the walk-through runs the
+real `conveyor up` and `conveyor down` end to end)."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from conveyor.cluster import stack
+from conveyor.cluster.stack import StackSettings, main_up, preflight
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def test_not_root_is_refused_with_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stack.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match=r"needs root.*sudo.*--kubeconfig"):
+        preflight(StackSettings())
+
+
+def test_an_existing_cluster_needs_no_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(stack.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
+    monkeypatch.setattr(stack.Tools, "missing", lambda self: [])
+    preflight(StackSettings(kubeconfig=tmp_path / "kubeconfig"))
+
+
+def test_too_little_disk_for_the_first_build_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(stack.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
+    monkeypatch.setattr(stack.Tools, "missing", lambda self: ["kube-apiserver"])
+    monkeypatch.setenv("GOMODCACHE", str(tmp_path / "gomod"))
+    monkeypatch.setattr(stack.shutil, "disk_usage", lambda _: Usage(10 << 30, 9 << 30, 1 << 30))
+    with pytest.raises(SystemExit, match=r"about 6 GB of Go caches; 1\.0 GB is free"):
+        preflight(StackSettings())
+
+
+def test_ctrl_c_during_up_undoes_what_that_run_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    undone: list[stack.Stack] = []
+    monkeypatch.setattr(stack, "preflight", lambda settings: None)
+
+    def interrupted(self: stack.Stack) -> dict:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stack.Stack, "up", interrupted)
+    monkeypatch.setattr(stack.Stack, "abort", lambda self: undone.append(self))
+    assert main_up([]) == 130
+    assert len(undone) == 1
+
+
+def test_abort_leaves_a_cluster_it_did_not_start() -> None:
+    class Running:
+        stopped = False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    s = stack.Stack(StackSettings())
+    s.cluster = Running()  # type: ignore[assignment]  # attached, not started by this run
+    s.abort()
+    assert not s.cluster.stopped  # type: ignore[attr-defined]
