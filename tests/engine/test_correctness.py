@@ -33,7 +33,9 @@ def workload(n: int, seed: int, vocab: int = 256) -> list[tuple[list[int], int]]
     ]
 
 
-def run_staggered(engine: LLMEngine, requests, arrivals: list[int]) -> dict[str, list[int]]:
+def run_staggered(
+    engine: LLMEngine, requests, arrivals: list[int], *, ignore_eos: bool = False
+) -> dict[str, list[int]]:
     """Add request i at engine step ``arrivals[i]``; run until all finish."""
     outputs: dict[str, list[int]] = {}
     step = 0
@@ -43,7 +45,9 @@ def run_staggered(engine: LLMEngine, requests, arrivals: list[int]) -> dict[str,
             i = pending.pop(0)
             prompt, max_tokens = requests[i]
             engine.add_request(
-                f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0)
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos),
             )
         for out in engine.step():
             if out.finished:

@@ -1,0 +1,338 @@
+"""GGUF files: a Llama-family model's config, tokenizer and weights, read from one file.
+
+A GGUF (llama.cpp's format) carries everything a Hugging Face directory does: hyper-parameters
+and the tokenizer as metadata, tensors in one of ggml's quantized or float types. ``GGUFModel``
+opens a file once with the ``gguf`` package (memory-mapped), checks at open that Conveyor can run
+it (architecture, tensor types, a file that is not cut short), and hands the loader what it
+needs in Hugging Face terms: a transformers config, a fast tokenizer, and tensors under Hugging
+Face names, dequantized into the engine's dtype. transformers' own GGUF path is not used: it
+needs accelerate and goes through a full model of its own.
+
+llama.cpp stores the q and k projections of the ``llama`` architecture permuted for its
+interleaved rotary layout; they are permuted back here, so the rotate-half layers see the same
+weights as a Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# GGUF architecture -> Hugging Face model type (the decoder in llama.py runs all of them).
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# ggml tensor types dequantized at load (by the gguf package's reference code).
+TENSOR_TYPES = (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)  # fmt: skip
+
+# tokenizer.ggml.pre -> the split applied before byte-level BPE (llama.cpp's pre-tokenizers).
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    # each a list of splits, applied in order (every piece of one is split by the next)
+    "default": (_GPT2_SPLIT,),
+    "gpt-2": (_GPT2_SPLIT,),
+    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one, then GPT-2's split
+    "llama-bpe": (_LLAMA3_SPLIT,),
+    "llama3": (_LLAMA3_SPLIT,),
+    "smaug-bpe": (_LLAMA3_SPLIT,),
+    "qwen2": (_QWEN2_SPLIT,),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
+}
+
+# GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``).
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency rope factors
+
+
+class GGUFError(ValueError):
+    """A GGUF file that Conveyor cannot serve; the message says why and what would work."""
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == ".gguf"
+
+
+def find_gguf(directory: Path) -> Path | None:
+    """The one ``.gguf`` file of a directory; None when it has none; an error for several."""
+    found = sorted(p for p in directory.iterdir() if is_gguf(p))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise GGUFError(
+            f"model directory {str(directory)!r} holds {len(found)} GGUF files ({names}); "
+            "pass the one to serve as --model DIR/FILE.gguf"
+        )
+    return found[0] if found else None
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    class Reader(GGUFReader):
+        """The gguf package's reader over a plain ndarray view of its memory map: np.memmap's
+        bookkeeping on every slice made opening SmolLM2 (98k vocabulary strings) take 5 s, not 1."""
+
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, value: np.ndarray) -> None:
+            self._data = value.view(np.ndarray)
+
+    return Reader(path)
+
+
+class GGUFModel:
+    """One GGUF file, opened (memory-mapped) and checked once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = _reader(path)
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            # The reader raises these for a file cut short or not a GGUF at all.
+            raise GGUFError(
+                f"{str(path)!r} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+                "the file may be truncated: fetch it again"
+            ) from exc
+        self.architecture = str(self.field("general.architecture", ""))
+        if self.architecture not in ARCHITECTURES:
+            raise GGUFError(
+                f"{str(path)!r} holds a {self.architecture or 'unnamed'!r} model; Conveyor runs "
+                f"GGUF architectures {', '.join(ARCHITECTURES)}"
+            )
+        self.model_type = ARCHITECTURES[self.architecture]
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        unsupported = sorted(
+            {t.tensor_type.name for t in self.tensors.values()} - set(TENSOR_TYPES)
+        )
+        if unsupported:
+            names = [n for n, t in self.tensors.items() if t.tensor_type.name in unsupported]
+            raise GGUFError(
+                f"{str(path)!r} has tensors of type {', '.join(unsupported)} (e.g. {names[0]!r}); "
+                f"Conveyor dequantizes {', '.join(TENSOR_TYPES)}: use a GGUF of one of those"
+            )
+
+    # -- metadata ----------------------------------------------------------------------
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        value = f.contents()
+        return value.item() if isinstance(value, np.generic) else value
+
+    def arch_field(self, key: str, default: Any = None) -> Any:
+        return self.field(f"{self.architecture}.{key}", default)
+
+    def _required(self, key: str) -> Any:
+        value = self.arch_field(key)
+        if value is None:
+            raise GGUFError(f"{str(self.path)!r} lacks the metadata key {self.architecture}.{key}")
+        return value
+
+    def config(self):
+        """A transformers config of the model type, from the GGUF's hyper-parameters."""
+        from transformers import AutoConfig
+
+        hidden = int(self._required("embedding_length"))
+        heads = int(self._required("attention.head_count"))
+        kv_heads = int(self.arch_field("attention.head_count_kv", heads))
+        head_dim = int(self.arch_field("attention.key_length", hidden // heads))
+        tokens = self.field("tokenizer.ggml.tokens") or []
+        embed = self.tensors.get("token_embd.weight")
+        vocab = int(self.arch_field("vocab_size", 0) or (embed.shape[1] if embed else len(tokens)))
+        kwargs: dict[str, Any] = dict(
+            hidden_size=hidden,
+            intermediate_size=int(self._required("feed_forward_length")),
+            num_hidden_layers=int(self._required("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(self.arch_field("context_length", 4096)),
+            rms_norm_eps=float(self.arch_field("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self.arch_field("rope.freq_base", 10000.0)),
+            vocab_size=vocab,
+            tie_word_embeddings="output.weight" not in self.tensors,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+        )
+        if self.model_type in ("llama", "mistral"):
+            kwargs["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        if scaling := self._rope_scaling():
+            kwargs["rope_scaling"] = scaling
+        config = AutoConfig.for_model(self.model_type, **kwargs)
+        config.dtype = torch.float32  # dequantized weights: the config's dtype says nothing
+        if _ROPE_FREQS in self.tensors:
+            # Llama 3.x files carry their rope scaling as per-frequency factors, not as metadata.
+            config.rope_freq_factors = self._array(self.tensors[_ROPE_FREQS]).tolist()
+        return config
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self.arch_field("rope.scaling.type")
+        factor = self.arch_field("rope.scaling.factor")
+        if kind in (None, "none") or not factor or float(factor) == 1.0:
+            return None
+        if kind == "linear":
+            return {"rope_type": "linear", "factor": float(factor)}
+        if kind == "yarn":
+            original = self.arch_field("rope.scaling.original_context_length")
+            scaling = {"rope_type": "yarn", "factor": float(factor)}
+            if original:
+                scaling["original_max_position_embeddings"] = int(original)
+            return scaling
+        raise GGUFError(
+            f"{str(self.path)!r} asks for rope scaling {kind!r}; Conveyor reads linear and yarn"
+        )
+
+    # -- tokenizer ---------------------------------------------------------------------
+
+    def tokenizer(self):
+        """A fast tokenizer built from the GGUF's vocabulary, merges, special ids and template."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+        from tokenizers.processors import TemplateProcessing
+        from transformers import PreTrainedTokenizerFast
+
+        kind = self.field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise GGUFError(
+                f"{str(self.path)!r} has a {kind!r} tokenizer; Conveyor builds byte-level BPE "
+                "('gpt2') tokenizers from GGUF metadata: pass --tokenizer DIR with the model's "
+                "Hugging Face tokenizer files"
+            )
+        pre = self.field("tokenizer.ggml.pre") or "default"
+        if pre not in PRE_TOKENIZERS:
+            raise GGUFError(
+                f"{str(self.path)!r} splits text with the {pre!r} pre-tokenizer; Conveyor knows "
+                f"{', '.join(sorted(PRE_TOKENIZERS))}: pass --tokenizer DIR with the model's "
+                "Hugging Face tokenizer files"
+            )
+        tokens: list[str] = self.field("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges") or []]
+        types = self.field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        vocab = {token: i for i, token in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        splits = [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+            for pattern in PRE_TOKENIZERS[pre]
+        ]
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+        tok.decoder = decoders.ByteLevel()
+        # 3 = control (<|im_end|>): special, never split; 4 = user-defined: whole, not special.
+        kinds = list(zip(tokens, types, strict=True))
+        tok.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in kinds if k == 3]
+        )
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == 4])
+
+        def token(key: str) -> str | None:
+            index = self.field(f"tokenizer.ggml.{key}_token_id")
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        bos = token("bos")
+        if self.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            tok.post_processor = TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+            )
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            bos_token=bos,
+            eos_token=token("eos"),
+            unk_token=token("unknown"),
+            pad_token=token("padding"),
+            model_max_length=int(self.arch_field("context_length", 4096)),
+            clean_up_tokenization_spaces=False,
+        )
+        if template := self.field("tokenizer.chat_template"):
+            fast.chat_template = template
+        return fast
+
+    # -- weights -----------------------------------------------------------------------
+
+    def weights(
+        self, dtype: torch.dtype, progress: Callable[[str], None] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, tensor in ``dtype``) for every weight, dequantized one at a time."""
+        heads = int(self._required("attention.head_count"))
+        kv_heads = int(self.arch_field("attention.head_count_kv", heads))
+        permuted = self.architecture in ("llama", "mistral")  # see the module docstring
+        total = len(self.tensors)
+        for i, (name, tensor) in enumerate(self.tensors.items(), 1):
+            if name == _ROPE_FREQS:
+                continue  # read into the config
+            hf_name = hf_tensor_name(name)
+            array = self._array(tensor)  # (rows, cols) float32, Hugging Face orientation
+            if permuted and (".attn_q." in name or ".attn_k." in name):
+                array = _unpermute(array, heads if ".attn_q." in name else kv_heads)
+            yield hf_name, torch.from_numpy(array).to(dtype)
+            if progress and (i % 64 == 0 or i == total):
+                progress(f"dequantized {i}/{total} tensors of {self.path.name}")
+
+    def _array(self, tensor) -> np.ndarray:
+        from gguf import quants
+
+        # GGUF lists dimensions innermost first; numpy and torch want them outermost first.
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        try:
+            data = quants.dequantize(tensor.data, tensor.tensor_type)
+        except (ValueError, IndexError) as exc:
+            raise GGUFError(
+                f"tensor {tensor.name!r} of {str(self.path)!r} cannot be read ({exc}); "
+                "the file may be truncated: fetch it again"
+            ) from exc
+        array = np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
+        # F32 tensors come back as views of the read-only map: torch wants memory it may write.
+        return array if array.flags.writeable else array.copy()
+
+
+def hf_tensor_name(name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_TENSORS:
+        return f"{_TOP_TENSORS[parts[0]]}.{parts[1]}"
+    raise GGUFError(f"GGUF tensor {name!r} has no place in a Llama-family model")
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k permutation: per head, interleaved pairs back to two halves."""
+    # w: (heads * head_dim, ...) for weights, (heads * head_dim,) for biases
+    half = w.shape[0] // heads // 2
+    return np.ascontiguousarray(
+        w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )

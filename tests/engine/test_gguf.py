@@ -1,0 +1,208 @@
+"""GGUF loading: files written from the project's own small models, in each type the loader
+dequantizes, reproduce transformers token for token, and bad files are refused at start.
+
+An F32 (or F16, BF16, Q8_0) file of a model has the same greedy output as the directory it came
+from; for every type the output equals transformers reading the same file (``gguf_file=``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gguf_files import write_gguf
+from test_correctness import run_staggered, workload
+
+from conveyor.runtime import SamplingParams
+from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.model.gguf import GGUFError, GGUFModel
+from conveyor.runtime.model.loader import open_model, resolve_model_path
+
+QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+LOSSLESS = {"F32"}  # the very weights of the directory the file was written from
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gguf")
+
+
+def gguf_of(gguf_dir: Path, model_dirs, model: str, qtype: str) -> Path:
+    folder = gguf_dir / f"{model}-{qtype}"
+    path = folder / f"{model}-{qtype}.gguf"
+    if not path.exists():
+        folder.mkdir(exist_ok=True)
+        write_gguf(model_dirs[model], path, qtype)
+    return path
+
+
+def engine_on(path: Path | str, **settings) -> LLMEngine:
+    settings.setdefault("max_total_tokens", 4096)
+    settings.setdefault("num_threads", 1)
+    return LLMEngine(EngineSettings(model=str(path), device="cpu", **settings))
+
+
+def greedy(engine: LLMEngine, requests) -> dict[str, list[int]]:
+    return run_staggered(engine, requests, [0] * len(requests), ignore_eos=True)
+
+
+class GGUFReference:
+    """transformers' ``generate`` on a GGUF file it dequantizes itself, EOS stopping off."""
+
+    def __init__(self) -> None:
+        self._models: dict[Path, object] = {}
+
+    def greedy(self, path: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        if path not in self._models:
+            model = AutoModelForCausalLM.from_pretrained(
+                path.parent, gguf_file=path.name, dtype=torch.float32
+            ).eval()
+            model.generation_config.eos_token_id = None  # run to max_new_tokens, as ours does
+            model.generation_config.pad_token_id = None
+            self._models[path] = model
+        model = self._models[path]
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False,
+            )  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def gguf_reference() -> GGUFReference:
+    return GGUFReference()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_each_type_matches_transformers_on_the_same_file(
+    gguf_dir, model_dirs, reference, gguf_reference, qtype
+):
+    path = gguf_of(gguf_dir, model_dirs, "conveyor-tiny", qtype)
+    engine = engine_on(path, max_running_requests=4, chunked_prefill_size=32)
+    requests = workload(6, seed=11)
+    outputs = greedy(engine, requests)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        assert outputs[f"r{i}"] == gguf_reference.greedy(path, prompt, max_tokens), (qtype, i)
+        if qtype in LOSSLESS:  # and the same as the directory the file was written from
+            assert outputs[f"r{i}"] == reference.greedy(
+                model_dirs["conveyor-tiny"], prompt, max_tokens
+            )
+
+
+@pytest.mark.parametrize("model", ["qwen2", "qwen3"])
+def test_other_architectures_match_their_directory(gguf_dir, model_dirs, reference, model):
+    """qwen2 (q/k/v biases, no permutation) and qwen3 (q/k norms, tied head) GGUFs."""
+    path = gguf_of(gguf_dir, model_dirs, model, "F32")
+    engine = engine_on(path, max_running_requests=4, chunked_prefill_size=16)
+    requests = workload(5, seed=12)
+    outputs = greedy(engine, requests)
+    for i, (prompt, max_tokens) in enumerate(requests):
+        assert outputs[f"r{i}"] == reference.greedy(model_dirs[model], prompt, max_tokens)
+
+
+def test_config_and_tokenizer_come_from_the_metadata(gguf_dir, model_dirs):
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = gguf_of(gguf_dir, model_dirs, "conveyor-tiny", "Q8_0")
+    files = open_model(str(path))
+    config = files.gguf.config()
+    want = AutoConfig.from_pretrained(model_dirs["conveyor-tiny"])
+    for key in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "max_position_embeddings", "vocab_size",
+        "eos_token_id", "tie_word_embeddings",
+    ):  # fmt: skip
+        assert getattr(config, key) == getattr(want, key), key
+    assert config.rope_parameters["rope_theta"] == want.rope_parameters["rope_theta"]
+    assert config.rms_norm_eps == pytest.approx(want.rms_norm_eps)
+
+    tok, hf = files.gguf.tokenizer(), AutoTokenizer.from_pretrained(model_dirs["conveyor-tiny"])
+    for text in ["Hello, world!", "Ünïcödé ☃ and 2024 digits", "<|im_start|>user\nHi<|im_end|>"]:
+        assert tok.encode(text) == hf.encode(text), text
+        assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+    chat = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
+        hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    )
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+
+
+def test_a_directory_with_one_gguf_is_that_file(gguf_dir, model_dirs, tmp_path):
+    path = gguf_of(gguf_dir, model_dirs, "conveyor-tiny", "F16")
+    assert resolve_model_path(str(path.parent)) == path
+    shutil.copy(path, tmp_path / "a.gguf")
+    shutil.copy(path, tmp_path / "b.gguf")
+    with pytest.raises(ValueError, match="2 GGUF files"):
+        resolve_model_path(str(tmp_path))
+
+
+# ---- refusals: each a clear message at start-up, no traceback ----------------------------
+
+
+def refused(path: Path) -> str:
+    with pytest.raises(GGUFError) as caught:
+        GGUFModel(path)
+    return str(caught.value)
+
+
+def test_refuses_another_architecture(gguf_dir, model_dirs, tmp_path):
+    path = write_gguf(model_dirs["conveyor-tiny"], tmp_path / "gpt2.gguf", architecture="gpt2")
+    message = refused(path)
+    assert "'gpt2' model" in message and "llama, mistral, qwen2, qwen3" in message
+
+
+def test_refuses_an_unsupported_tensor_type(model_dirs, tmp_path):
+    path = write_gguf(
+        model_dirs["conveyor-tiny"], tmp_path / "iq4.gguf",
+        raw_types={"blk.0.ffn_up.weight": "IQ4_NL"},
+    )  # fmt: skip
+    message = refused(path)
+    assert "IQ4_NL" in message and "blk.0.ffn_up.weight" in message and "Q4_1" in message
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.0001])
+def test_refuses_a_truncated_file(gguf_dir, model_dirs, tmp_path, keep):
+    whole = gguf_of(gguf_dir, model_dirs, "conveyor-tiny", "Q4_0").read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(whole[: int(len(whole) * keep)])
+    assert "truncated" in refused(path)
+
+
+def test_serve_exits_with_the_message_and_no_traceback(model_dirs, tmp_path):
+    path = write_gguf(model_dirs["conveyor-tiny"], tmp_path / "gpt2.gguf", architecture="gpt2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "conveyor", "serve", "--model", str(path), "--port", "0",
+         "--num-threads", "1"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "cannot start the engine" in proc.stderr and "'gpt2' model" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_dtype_is_chosen_at_load(gguf_dir, model_dirs):
+    import torch
+
+    path = gguf_of(gguf_dir, model_dirs, "conveyor-tiny", "Q4_1")
+    engine = engine_on(path, dtype="bfloat16")
+    assert engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    out = greedy(engine, [([1, 2, 3], 4)])
+    assert len(out["r0"]) == 4
+
+
+def test_sampling_params_reach_a_gguf_model(gguf_dir, model_dirs):
+    path = gguf_of(gguf_dir, model_dirs, "conveyor-tiny", "Q8_0")
+    engine = engine_on(path)
+    engine.add_request("s", list(b"abc"), SamplingParams(max_tokens=5, temperature=0.8, seed=3))
+    while engine.has_unfinished_requests():
+        finished = [o for o in engine.step() if o.finished]
+    assert len(finished[0].output_token_ids) == 5
