@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,10 +30,13 @@ from pathlib import Path
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
+from conveyor.runtime.model.builtin import BUILTIN_MODELS
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "conveyor"
 EXAMPLE = ROOT / "examples" / "llmservice.yaml"
+EXAMPLE_NAME = "smollm2"
+"""metadata.name of the example LLMService (a unit test checks it against the file)."""
 STACK_FILE = "stack.json"
 FIRST_BUILD_BYTES = 6 << 30  # Go module and build caches of a cold build
 
@@ -43,8 +47,9 @@ class StackSettings:
 
     gpu_nodes: int = 2
     """Simulated GPU nodes of the local cluster."""
-    model: str = "conveyor-tiny"
-    """The built-in model the example LLMService serves."""
+    model: str = "smollm2-135m-instruct"
+    """The built-in model the example LLMService serves (``conveyor-tiny`` for a fast,
+    gibberish-speaking one)."""
     namespace: str = "default"
     """Where the example LLMService (and so its gateway) goes."""
     release_namespace: str = "conveyor-system"
@@ -190,8 +195,7 @@ class Stack:
     def apply_example(self) -> None:
         s = self.settings
         text = EXAMPLE.read_text()
-        if s.model != "conveyor-tiny":
-            text = text.replace("builtin: conveyor-tiny", f"builtin: {s.model}")
+        text = re.sub(r"builtin: \S+", f"builtin: {s.model}", text, count=1)
         say(f"kubectl apply -f {EXAMPLE.relative_to(ROOT)} (namespace {s.namespace})")
         self.kubectl("apply", "-n", s.namespace, "-f", "-", input_=text)
 
@@ -233,32 +237,32 @@ class Stack:
         s = self.settings
         say(
             "waiting for the LLMService to be Ready and answer through its gateway "
-            "(the first start generates the built-in model)"
+            "(the first replica loads the built-in model)"
         )
         deadline = time.monotonic() + s.wait_s
         last = "no status yet"
         while time.monotonic() < deadline:
             out = self.kubectl(
-                "get", "llmservice", "tiny", "-n", s.namespace, "-o", "json", check=False
+                "get", "llmservice", EXAMPLE_NAME, "-n", s.namespace, "-o", "json", check=False
             )
             status = json.loads(out.stdout).get("status", {}) if out.returncode == 0 else {}
             endpoint = status.get("endpoint") or {}
             if endpoint.get("clusterIP") and status.get("readyReplicas"):
                 base = f"http://{endpoint['clusterIP']}:8080/v1"
                 if self.cluster is None:  # an existing cluster: reach it through a port-forward
-                    return {"base_url": base, "model": endpoint.get("model", "tiny")}
+                    return {"base_url": base, "model": endpoint.get("model", EXAMPLE_NAME)}
                 try:
                     reply = httpx.post(
                         f"{base}/completions",
                         timeout=30,
                         json={
-                            "model": endpoint.get("model", "tiny"),
+                            "model": endpoint.get("model", EXAMPLE_NAME),
                             "prompt": "Hello",
                             "max_tokens": 4,
                         },
                     )
                     if reply.status_code == 200:
-                        return {"base_url": base, "model": endpoint.get("model", "tiny")}
+                        return {"base_url": base, "model": endpoint.get("model", EXAMPLE_NAME)}
                     last = f"gateway answered {reply.status_code}: {reply.text[:200]}"
                 except httpx.HTTPError as exc:
                     last = f"gateway not answering yet ({type(exc).__name__})"
@@ -267,7 +271,7 @@ class Stack:
             time.sleep(2)
         raise RuntimeError(
             f"no answer through the gateway after {s.wait_s:.0f}s ({last}); "
-            f"see kubectl get pods -A and kubectl describe llmservice tiny"
+            f"see kubectl get pods -A and kubectl describe llmservice {EXAMPLE_NAME}"
         )
 
     def abort(self) -> None:
@@ -325,13 +329,15 @@ def print_welcome(info: dict, stack: Stack) -> None:
         "",
         f"Conveyor is up ({info['seconds']}s). OpenAI-compatible base URL: {base}",
         "",
-        f"  curl -s {base}/completions -H 'Content-Type: application/json' \\",
-        f'    -d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 16}}\'',
+        f"  curl -s {base}/chat/completions -H 'Content-Type: application/json' \\",
+        f'    -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": '
+        '"What is the capital of France?"}], "max_tokens": 32}\'',
         "",
         f"  {sys.executable} -c \"from openai import OpenAI; c = OpenAI(base_url='"
         + base
         + "', api_key='none'); "
-        f"print(c.completions.create(model='{model}', prompt='Hello', max_tokens=16).choices[0].text)\"",
+        f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', "
+        "'content': 'Write a haiku about the sea.'}], max_tokens=48).choices[0].message.content)\"",
         "",
         f"  export KUBECONFIG={kube}",
         f"  {stack.tools.path('kubectl') if stack.tools else 'kubectl'} get llmservices",
@@ -368,7 +374,10 @@ def main_up(argv: list[str]) -> int:
         "--gpu-nodes", type=int, default=d.gpu_nodes, help="simulated GPU nodes (default 2)"
     )
     parser.add_argument(
-        "--model", default=d.model, help="built-in model to serve (default conveyor-tiny)"
+        "--model",
+        default=d.model,
+        choices=BUILTIN_MODELS,
+        help=f"built-in model the example serves (default {d.model})",
     )
     parser.add_argument(
         "--namespace", default=d.namespace, help="namespace of the example LLMService"

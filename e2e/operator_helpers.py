@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,6 +72,15 @@ def install_crd(kube: KubeUnderTest) -> None:
         return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
     wait_for("the LLMService CRD to be established", established, timeout_s=60)
+
+
+def tiny_example() -> str:
+    """``examples/llmservice.yaml`` renamed ``tiny`` and on ``conveyor-tiny``: for the tests of
+    the operator's mechanics (children, drift, scale), whose pods should start in seconds.
+    The example as written, on the real model, has tests of its own."""
+    text = (REPO / "examples" / "llmservice.yaml").read_text()
+    text = re.sub(r"(?m)^  name: \S+$", "  name: tiny", text, count=1)
+    return re.sub(r"builtin: \S+", "builtin: conveyor-tiny", text, count=1)
 
 
 def llmservice(name: str, **spec: Any) -> dict[str, Any]:

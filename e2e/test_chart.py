@@ -135,7 +135,9 @@ def test_helm_install_upgrade_uninstall(
         kube.kubectl("-n", apps, "apply", "-f", str(REPO / "examples" / "llmservice.yaml"))
         status = wait_for(
             "the example LLMService Ready, reconciled by the chart's operator",
-            lambda: (s := llmservice_status(kube.api, apps, "tiny")).get("phase") == "Ready" and s,
+            lambda: (
+                (s := llmservice_status(kube.api, apps, "smollm2")).get("phase") == "Ready" and s
+            ),
             timeout_s=600,
         )
         client = openai.OpenAI(
@@ -144,7 +146,7 @@ def test_helm_install_upgrade_uninstall(
         )  # fmt: skip
         answer = wait_for(
             "an answer through the gateway",
-            lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=4),
+            lambda: client.completions.create(model="smollm2", prompt="Hello", max_tokens=4),
             timeout_s=120,
         )
         assert answer.choices[0].text is not None
@@ -167,11 +169,11 @@ def test_helm_install_upgrade_uninstall(
         )["items"][0]["spec"]["template"]["spec"]["containers"][0]["args"]
         assert "--log-level=debug" in args
         # The new operator still serves: a scale is acted on.
-        kube.kubectl("-n", apps, "scale", "llmservice/tiny", "--replicas=2")
+        kube.kubectl("-n", apps, "scale", "llmservice/smollm2", "--replicas=2")
         wait_for(
             "the upgraded operator to act on a scale",
             lambda: (
-                kube.api.get(f"/apis/apps/v1/namespaces/{apps}/deployments/tiny")["spec"][
+                kube.api.get(f"/apis/apps/v1/namespaces/{apps}/deployments/smollm2")["spec"][
                     "replicas"
                 ]
                 == 2

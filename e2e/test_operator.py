@@ -28,6 +28,7 @@ from operator_helpers import (
     operators,
     pods_run,
     release_llmservices,
+    tiny_example,
     wait_for,
 )
 
@@ -37,6 +38,7 @@ from conveyor.operator.crd import apply_defaults
 from conveyor.operator.runtime_manifests import runtime_podmonitor
 
 EXAMPLE = REPO / "examples" / "llmservice.yaml"
+MODEL = "smollm2"  # the example's name: the model clients send
 RECONCILE_S = 60
 """Deadline for the operator to act on a change (it acts within a second or two here)."""
 
@@ -106,40 +108,45 @@ def reconciled(kube: KubeUnderTest, namespace: str, name: str) -> dict[str, Any]
 def test_example_is_served_through_the_gateway(
     kube: KubeUnderTest, namespace: str, operator: OperatorProcess, running_pods: None
 ) -> None:
-    """kubectl apply the example -> runtime and gateway pods Ready -> the openai client answered."""
+    """kubectl apply the example (the real model) -> runtime and gateway pods Ready -> the
+    openai client gets right answers through the gateway, streamed and not."""
     import openai
 
     started = time.monotonic()
     kube.kubectl("-n", namespace, "apply", "-f", str(EXAMPLE))
     status = wait_for(
         "the example LLMService Ready",
-        lambda: (s := llmservice_status(kube.api, namespace, "tiny")).get("phase") == "Ready" and s,
+        lambda: (s := llmservice_status(kube.api, namespace, MODEL)).get("phase") == "Ready" and s,
         timeout_s=600,
     )
     ready_s = time.monotonic() - started
     endpoint = status["endpoint"]
-    assert endpoint["model"] == "tiny" and endpoint["clusterIP"]
+    assert endpoint["model"] == MODEL and endpoint["clusterIP"]
     client = openai.OpenAI(
-        base_url=f"http://{endpoint['clusterIP']}:8080/v1", api_key="none", max_retries=0
-    )
+        base_url=f"http://{endpoint['clusterIP']}:8080/v1", api_key="none", max_retries=0,
+        timeout=120,
+    )  # fmt: skip
     answered = wait_for(
         "the gateway to route to the replica",
-        lambda: client.completions.create(model="tiny", prompt="Hello", max_tokens=8),
+        lambda: client.completions.create(model=MODEL, prompt="Hello", max_tokens=8),
         timeout_s=120,
     )
     first_answer_s = time.monotonic() - started
     assert answered.choices[0].text
+    question = [{"role": "user", "content": "What is the capital of France?"}]
     chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8
+        model=MODEL, messages=question, max_tokens=32, temperature=0
     )
-    assert chat.choices[0].message.content is not None
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
     stream = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True
+        model=MODEL, messages=question, max_tokens=32, temperature=0, stream=True
     )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == chat.choices[0].message.content
     print(
         f"\n[figures] apply -> Ready {ready_s:.1f} s, apply -> first answer {first_answer_s:.1f} s"
-        f"; {startup_split(kube, namespace, 'tiny')}",
+        f"; {startup_split(kube, namespace, MODEL)}; answer: {streamed!r}",
         file=sys.stderr,
     )
 
@@ -277,7 +284,7 @@ def test_invalid_resources_are_refused_with_what_to_fix(
 def test_children_are_created_owned_and_reported(
     kube: KubeUnderTest, namespace: str, operator: OperatorProcess
 ) -> None:
-    kube.kubectl("-n", namespace, "apply", "-f", str(EXAMPLE))
+    kube.kubectl("-n", namespace, "apply", "-f", "-", input_=tiny_example())
     status = wait_for(
         "the example reconciled", lambda: reconciled(kube, namespace, "tiny"), timeout_s=RECONCILE_S
     )
@@ -322,7 +329,7 @@ def test_children_are_created_owned_and_reported(
 def test_drift_is_repaired_and_a_spec_change_rolls_out(
     kube: KubeUnderTest, namespace: str, operator: OperatorProcess
 ) -> None:
-    kube.kubectl("-n", namespace, "apply", "-f", str(EXAMPLE))
+    kube.kubectl("-n", namespace, "apply", "-f", "-", input_=tiny_example())
     wait_for("reconciled", lambda: reconciled(kube, namespace, "tiny"), timeout_s=RECONCILE_S)
     # a child deleted by hand comes back
     old_uid = kube.api.get(f"/api/v1/namespaces/{namespace}/services/tiny")["metadata"]["uid"]
@@ -365,7 +372,7 @@ def test_drift_is_repaired_and_a_spec_change_rolls_out(
 def test_kubectl_scale_is_honoured_and_shown_in_status(
     kube: KubeUnderTest, namespace: str, operator: OperatorProcess
 ) -> None:
-    kube.kubectl("-n", namespace, "apply", "-f", str(EXAMPLE))
+    kube.kubectl("-n", namespace, "apply", "-f", "-", input_=tiny_example())
     wait_for("reconciled", lambda: reconciled(kube, namespace, "tiny"), timeout_s=RECONCILE_S)
     kube.kubectl("-n", namespace, "scale", "llmservice/tiny", "--replicas=3")
     wait_for(
@@ -680,7 +687,7 @@ def test_operator_as_a_pod_under_its_own_rbac_with_a_standby(
         holder = wait_for(
             "a leader pod", lambda: kube.api.get(lease)["spec"].get("holderIdentity"), timeout_s=300
         )
-        kube.kubectl("-n", namespace, "apply", "-f", str(EXAMPLE))
+        kube.kubectl("-n", namespace, "apply", "-f", "-", input_=tiny_example())
         wait_for(
             "the example reconciled by the pod",
             lambda: reconciled(kube, namespace, "tiny"),

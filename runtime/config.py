@@ -23,8 +23,10 @@ ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 class EngineSettings:
     """How one engine is built and scheduled. Flag names follow SGLang and vLLM."""
 
-    model: str = "conveyor-tiny"
-    """A model directory, a hub id already in the local cache, or ``conveyor-tiny`` (built in)."""
+    model: str = "smollm2-135m-instruct"
+    """A built-in model (``smollm2-135m-instruct``, a real instruct model; ``conveyor-tiny``,
+    random weights for tests), a GGUF file, a model directory, or a hub id already in the local
+    cache. The default is the real model a new user should meet."""
 
     tokenizer: str | None = None
     """Tokenizer directory or id; defaults to the model's own."""
@@ -111,13 +113,14 @@ class EngineSettings:
             "--model",
             "--model-path",
             default=d.model,
-            help="model directory, cached hub id, or conveyor-tiny (built in, generated on first use)",
+            help="smollm2-135m-instruct (built in, the default), conveyor-tiny (built in, random "
+            "weights), a .gguf file, a model directory, or a cached hub id",
         )
         g.add_argument(
             "--tokenizer",
             "--tokenizer-path",
             default=None,
-            help="tokenizer directory or id (default: the model's)",
+            help="tokenizer directory, .gguf file or id (default: the model's own)",
         )
         g.add_argument(
             "--dtype",

@@ -7,4 +7,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/bootstrap.sh"
 venv="${CONVEYOR_VENV:-$root/.venv}"
-exec "$venv/bin/conveyor" serve --model conveyor-tiny --host 127.0.0.1 --port 8000 "$@"
+exec "$venv/bin/conveyor" serve --model smollm2-135m-instruct --host 127.0.0.1 --port 8000 "$@"

@@ -65,7 +65,7 @@ def test_readme_walkthrough(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the walk-through failed (exit {proc.returncode}):\n{out[-6000:]}"
     watch = (tmp_path / "watch.log").read_text()
-    rows = [line.split() for line in watch.splitlines() if line.startswith("tiny ")]
+    rows = [line.split() for line in watch.splitlines() if line.startswith("smollm2 ")]
     assert rows, f"`kubectl get llmservices -w` showed nothing:\n{watch}"
     # NAME MODEL READY DESIRED ...: the benchmark's queue made the autoscaler ask for two.
     desired = max(int(r[3]) for r in rows if r[3].isdigit())

@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm_engine import LLMEngine
@@ -173,7 +174,12 @@ def run_hf(model_path: str, requests, batch_size: int, device: str, threads: int
         else ("cpu" if device == "auto" else device)
     )
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(dev).eval()
+    path = Path(model_path)
+    if path.suffix.lower() == ".gguf":  # transformers dequantizes the same file itself
+        source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
+    else:
+        source = {"pretrained_model_name_or_path": path}
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).to(dev).eval()
     pad = model.generation_config.pad_token_id or 0
 
     class FirstToken(LogitsProcessor):

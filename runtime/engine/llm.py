@@ -47,7 +47,7 @@ class GenerationResult:
 class LLM:
     """Generate for a list of prompts with continuous batching, offline (no server)."""
 
-    def __init__(self, model: str = "conveyor-tiny", **settings: object):
+    def __init__(self, model: str = EngineSettings.model, **settings: object):
         self.engine = LLMEngine(EngineSettings(model=model, **settings))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

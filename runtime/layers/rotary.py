@@ -17,7 +17,7 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     inv_freq, attention_scaling = _rope_inv_freq(config, head_dim)
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
-        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)  # (D/2,)
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")  # (D/2,)
     return inv_freq, attention_scaling
 
 
@@ -30,7 +30,8 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (
-            base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+            base
+            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
         )
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -49,7 +50,8 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.head_dim = head_dim
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
+        positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(positions, inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)

@@ -197,7 +197,7 @@ class GGUFModel:
         config.dtype = torch.float32  # dequantized weights: the config's dtype says nothing
         if _ROPE_FREQS in self.tensors:
             # Llama 3.x files carry their rope scaling as per-frequency factors, not as metadata.
-            config.rope_freq_factors = self._array(self.tensors[_ROPE_FREQS]).tolist()
+            config.rope_freq_factors = self._tensor(self.tensors[_ROPE_FREQS]).tolist()
         return config
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -295,28 +295,25 @@ class GGUFModel:
             if name == _ROPE_FREQS:
                 continue  # read into the config
             hf_name = hf_tensor_name(name)
-            array = self._array(tensor)  # (rows, cols) float32, Hugging Face orientation
+            weight = self._tensor(tensor)  # (rows, cols) float32, Hugging Face orientation
             if permuted and (".attn_q." in name or ".attn_k." in name):
-                array = _unpermute(array, heads if ".attn_q." in name else kv_heads)
-            yield hf_name, torch.from_numpy(array).to(dtype)
+                weight = _unpermute(weight, heads if ".attn_q." in name else kv_heads)
+            yield hf_name, weight.to(dtype)
             if progress and (i % 64 == 0 or i == total):
                 progress(f"dequantized {i}/{total} tensors of {self.path.name}")
 
-    def _array(self, tensor) -> np.ndarray:
-        from gguf import quants
+    def _tensor(self, tensor) -> torch.Tensor:
+        from conveyor.runtime.model.ggml_quants import dequantize
 
-        # GGUF lists dimensions innermost first; numpy and torch want them outermost first.
+        # GGUF lists dimensions innermost first; torch wants them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
         try:
-            data = quants.dequantize(tensor.data, tensor.tensor_type)
-        except (ValueError, IndexError) as exc:
+            return dequantize(tensor.data, tensor.tensor_type, shape)
+        except (ValueError, IndexError, RuntimeError) as exc:
             raise GGUFError(
                 f"tensor {tensor.name!r} of {str(self.path)!r} cannot be read ({exc}); "
                 "the file may be truncated: fetch it again"
             ) from exc
-        array = np.ascontiguousarray(data.reshape(shape), dtype=np.float32)
-        # F32 tensors come back as views of the read-only map: torch wants memory it may write.
-        return array if array.flags.writeable else array.copy()
 
 
 def hf_tensor_name(name: str) -> str:
@@ -329,10 +326,8 @@ def hf_tensor_name(name: str) -> str:
     raise GGUFError(f"GGUF tensor {name!r} has no place in a Llama-family model")
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo llama.cpp's q/k permutation: per head, interleaved pairs back to two halves."""
     # w: (heads * head_dim, ...) for weights, (heads * head_dim,) for biases
     half = w.shape[0] // heads // 2
-    return np.ascontiguousarray(
-        w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()

@@ -24,6 +24,8 @@ def test_compare_writes_every_mode(tmp_path, capsys):
     rc = main(
         [
             "--compare",
+            "--model",
+            "conveyor-tiny",
             "--num-requests",
             "12",
             "--prompt-len-min",
@@ -59,3 +61,18 @@ def test_compare_writes_every_mode(tmp_path, capsys):
     assert modes["continuous"]["max_running"] <= 4 and modes["none"]["max_running"] == 1
     printed = capsys.readouterr().out
     assert "ideal continuous/X throughput ratio" in printed and "decode step time" in printed
+
+
+def test_compare_runs_on_the_real_model(tmp_path):
+    """The built-in GGUF model, with transformers reading the same file as the HF baseline."""
+    out = tmp_path / "bench.json"
+    rc = main(
+        ["--compare", "--skip-none", "--model", "smollm2-135m-instruct", "--num-requests", "4",
+         "--prompt-len-min", "4", "--prompt-len-max", "16", "--output-len-mean", "3",
+         "--output-len-max", "4", "--max-running-requests", "4", "--max-total-tokens", "1024",
+         "--num-threads", "1", "--sweep", "", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    modes = {m["mode"]: m for m in json.loads(out.read_text())["modes"]}
+    assert set(modes) == {"continuous", "static", "hf-generate"}
+    assert all(m["output_tokens"] > 0 for m in modes.values())

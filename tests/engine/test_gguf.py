@@ -206,3 +206,21 @@ def test_sampling_params_reach_a_gguf_model(gguf_dir, model_dirs):
     while engine.has_unfinished_requests():
         finished = [o for o in engine.step() if o.finished]
     assert len(finished[0].output_token_ids) == 5
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
+def test_fast_dequantizers_equal_the_gguf_packages(qtype):
+    import gguf
+    import numpy as np
+    import torch
+
+    from conveyor.runtime.model.ggml_quants import dequantize
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    weights = np.random.default_rng(0).normal(0, 0.1, size=(48, 96)).astype(np.float32)
+    weights[3, :32] = 0.0  # a block of zeros: scale 0
+    raw = gguf.quants.quantize(weights, kind)
+    want = gguf.quants.dequantize(raw, kind).reshape(48, 96).astype(np.float32)
+    got = dequantize(raw, kind, (48, 96))
+    assert got.dtype == torch.float32 and got.shape == (48, 96)
+    assert torch.equal(got, torch.from_numpy(want))

@@ -63,3 +63,22 @@ def test_abort_leaves_a_cluster_it_did_not_start() -> None:
     s.cluster = Running()  # type: ignore[assignment]  # attached, not started by this run
     s.abort()
     assert not s.cluster.stopped  # type: ignore[attr-defined]
+
+
+def test_the_example_is_the_named_llmservice_on_the_real_model() -> None:
+    import yaml
+
+    example = yaml.safe_load(stack.EXAMPLE.read_text())
+    assert example["metadata"]["name"] == stack.EXAMPLE_NAME
+    assert example["spec"]["model"] == {"builtin": stack.StackSettings().model}
+    assert stack.StackSettings().model == "smollm2-135m-instruct"
+
+
+def test_up_model_choice_replaces_the_examples_builtin(monkeypatch: pytest.MonkeyPatch) -> None:
+    import yaml
+
+    applied: list[str] = []
+    s = stack.Stack(stack.StackSettings(model="conveyor-tiny"))
+    monkeypatch.setattr(s, "kubectl", lambda *args, input_=None, **kw: applied.append(input_))
+    s.apply_example()
+    assert yaml.safe_load(applied[0])["spec"]["model"] == {"builtin": "conveyor-tiny"}
