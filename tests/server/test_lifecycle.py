@@ -22,7 +22,9 @@ def test_loading_then_engine_failure() -> None:
         release.wait(30)
         raise RuntimeError("out of memory while loading weights")
 
-    app = build_app(ServerSettings(max_queued_requests=3), engine_factory=engine_factory)
+    settings = ServerSettings(max_queued_requests=3)
+    app = build_app(settings, engine_factory=engine_factory)
+    name = settings.model_name  # the default model's: the engine never loads here
     with TestClient(app) as http:
         assert http.get("/health").status_code == 200
         ready = http.get("/ready")
@@ -30,7 +32,7 @@ def test_loading_then_engine_failure() -> None:
         r = http.post("/v1/completions", json={"prompt": "hi"})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] == "loading"
-        assert http.get("/v1/models").json()["data"][0]["id"] == "conveyor-tiny"
+        assert http.get("/v1/models").json()["data"][0]["id"] == name
         load = http.get("/load").json()
         assert load == {
             **load,
@@ -40,9 +42,7 @@ def test_loading_then_engine_failure() -> None:
             "ready": False,
             "max_queued_requests": 3,
         }
-        assert (
-            'conveyor_num_requests_running{model="conveyor-tiny"} 0.0' in http.get("/metrics").text
-        )
+        assert f'conveyor_num_requests_running{{model="{name}"}} 0.0' in http.get("/metrics").text
 
         release.set()
         deadline = time.monotonic() + 30
