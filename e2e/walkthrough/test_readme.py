@@ -64,6 +64,9 @@ def test_readme_walkthrough(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the walk-through failed (exit {proc.returncode}):\n{out[-6000:]}"
+    # The answers the README shows are the ones the real model gave through the gateway.
+    assert "The capital of France is Paris." in out, out[-6000:]
+    assert "A reminder of the ocean's power." in out, out[-6000:]
     watch = (tmp_path / "watch.log").read_text()
     rows = [line.split() for line in watch.splitlines() if line.startswith("smollm2 ")]
     assert rows, f"`kubectl get llmservices -w` showed nothing:\n{watch}"
