@@ -170,9 +170,11 @@ class GGUFModel:
         heads = int(self._required("attention.head_count"))
         kv_heads = int(self.arch_field("attention.head_count_kv", heads))
         head_dim = int(self.arch_field("attention.key_length", hidden // heads))
-        tokens = self.field("tokenizer.ggml.tokens") or []
         embed = self.tensors.get("token_embd.weight")
-        vocab = int(self.arch_field("vocab_size", 0) or (embed.shape[1] if embed else len(tokens)))
+        vocab = int(
+            self.arch_field("vocab_size", 0)
+            or (embed.shape[1] if embed else len(self.field("tokenizer.ggml.tokens") or []))
+        )
         kwargs: dict[str, Any] = dict(
             hidden_size=hidden,
             intermediate_size=int(self._required("feed_forward_length")),
