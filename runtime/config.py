@@ -16,7 +16,7 @@ SchedulerMode = Literal["continuous", "static", "none"]
 SCHEDULER_MODES: tuple[str, ...] = ("continuous", "static", "none")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,8 @@ class EngineSettings:
     differs."""
 
     attention_backend: str = "auto"
-    """``torch`` (reference, CPU), ``triton`` (GPU kernels) or ``auto`` (triton on CUDA)."""
+    """``torch`` (the reference), ``cpu`` (C++ kernels), ``triton`` (GPU kernels) or ``auto``
+    (triton on CUDA, cpu on CPU when its kernels are built, else torch)."""
 
     enforce_eager: bool = False
     """GPU only: never capture CUDA graphs for decode."""
@@ -201,7 +202,7 @@ class EngineSettings:
             "--attention-backend",
             default=d.attention_backend,
             choices=ATTENTION_BACKENDS,
-            help="auto = triton on CUDA, torch elsewhere",
+            help="auto = triton on CUDA, cpu (C++ kernels) on CPU when built, else torch",
         )
         g.add_argument(
             "--enforce-eager",

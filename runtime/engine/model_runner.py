@@ -19,6 +19,7 @@ from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+from conveyor.runtime.layers.fused import use_fused_layers
 from conveyor.runtime.layers.sampler import Sampler, SamplingTensors
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
 
@@ -70,11 +71,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine once derived
-        # -- GPU path (issue 12): fused Triton layers, CUDA graphs for decode ------------------
-        if self.backend.name == "triton":
-            from conveyor.runtime.kernels.backend import use_fused_layers
-
-            use_fused_layers(self.model)
+        if self.backend.layer_kernels is not None:  # Triton on GPU, C++ on CPU
+            use_fused_layers(self.model, self.backend.layer_kernels)
+        # -- GPU path (issue 12): CUDA graphs for decode ------------------------------------
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if (
             self.device.type == "cuda"

@@ -4,9 +4,10 @@
 - ``decode_attention``: one query per sequence against its paged context (split-KV).
 - ``prefill_attention``: chunks against their cached prefix, causal inside the chunk.
 - ``rotary``, ``rmsnorm`` (fused with the residual add), ``silu_and_mul``: the decoder's
-  elementwise ops, switched on in the layers by ``backend.use_fused_layers``.
+  elementwise ops, handed to the layers as ``backend.TRITON_LAYER_KERNELS``.
 - ``backend``: ``TritonAttentionBackend``, the ``AttentionBackend`` on these kernels.
 - ``checks``: each kernel against the torch reference (tests and ``conveyor bench gpu``).
 
-On CPU they run only in Triton's interpreter (``TRITON_INTERPRET=1``), for tests.
+On CPU they run only in Triton's interpreter (``TRITON_INTERPRET=1``), for tests; the CPU
+path has C++ kernels of its own (``cpu/``).
 """

@@ -12,15 +12,15 @@ from __future__ import annotations
 import os
 
 import torch
-from torch import nn
 
 from conveyor.runtime.kernels.decode_attention import paged_decode_attention
 from conveyor.runtime.kernels.prefill_attention import paged_prefill_attention
+from conveyor.runtime.kernels.rmsnorm import rms_norm
+from conveyor.runtime.kernels.rotary import apply_rotary
+from conveyor.runtime.kernels.silu_and_mul import silu_and_mul
 from conveyor.runtime.kernels.store_kv import store_kv_cache
-from conveyor.runtime.layers.activation import SiluAndMul
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
-from conveyor.runtime.layers.layernorm import RMSNorm
-from conveyor.runtime.layers.rotary import RotaryEmbedding
+from conveyor.runtime.layers.fused import LayerKernels
 
 
 def check_triton_device(device: torch.device) -> None:
@@ -33,15 +33,14 @@ def check_triton_device(device: torch.device) -> None:
         )
 
 
-def use_fused_layers(model: nn.Module) -> None:
-    """Switch the model's RMSNorm, rotary and SiLU-and-mul layers to their Triton kernels."""
-    for module in model.modules():
-        if isinstance(module, RMSNorm | RotaryEmbedding | SiluAndMul):
-            module.use_triton = True
+TRITON_LAYER_KERNELS = LayerKernels(
+    rms_norm=rms_norm, apply_rotary=apply_rotary, silu_and_mul=silu_and_mul
+)
 
 
 class TritonAttentionBackend:
     name = "triton"
+    layer_kernels = TRITON_LAYER_KERNELS
 
     def forward(
         self,

@@ -16,6 +16,7 @@ and round an intermediate (as the unfused ops do) and the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -173,11 +174,20 @@ def _assert_close(
 
 
 def check_attention_backend(
-    case: AttentionCase, dtype: torch.dtype, device: torch.device, seed: int = 0
+    case: AttentionCase,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    backend: Any = None,
 ) -> float:
-    """The Triton backend's step (store K/V, decode, prefill) against the torch backend's."""
-    from conveyor.runtime.kernels.backend import TritonAttentionBackend
+    """A backend's step (store K/V, decode, prefill; default the Triton backend's) against
+    the torch backend's."""
     from conveyor.runtime.layers.attention import TorchAttentionBackend
+
+    if backend is None:
+        from conveyor.runtime.kernels.backend import TritonAttentionBackend
+
+        backend = TritonAttentionBackend()
 
     q, k, v, k_cache, v_cache, meta = _paged_step(case, dtype, device, seed)
     scale = case.head_dim**-0.5
@@ -185,7 +195,7 @@ def check_attention_backend(
     expected = TorchAttentionBackend().forward(
         q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale
     )
-    out = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     # The cache writes are copies: exact.
     _assert_close(k_cache, ref_k, (0.0, 0.0), f"{case.id} {dtype} k_cache")
     _assert_close(v_cache, ref_v, (0.0, 0.0), f"{case.id} {dtype} v_cache")
@@ -223,10 +233,14 @@ def check_decode_splits(
     )
 
 
-def check_store_kv(dtype: torch.dtype, device: torch.device, seed: int = 0) -> float:
+def check_store_kv(
+    dtype: torch.dtype, device: torch.device, seed: int = 0, store_kv_cache: Any = None
+) -> float:
     """One kernel for the step's K/V, padding slots (-1) skipped: exactly the reference's writes."""
-    from conveyor.runtime.kernels.store_kv import store_kv_cache
     from conveyor.runtime.layers.attention import write_kv_cache
+
+    if store_kv_cache is None:
+        from conveyor.runtime.kernels.store_kv import store_kv_cache
 
     g = torch.Generator().manual_seed(seed)
     num_blocks, bs, hkv, d, t = 9, 16, 2, 64, 37
@@ -252,9 +266,12 @@ def check_rms_norm(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    rms_norm: Any = None,
 ) -> float:
-    from conveyor.runtime.kernels.rmsnorm import rms_norm
     from conveyor.runtime.layers.layernorm import RMSNorm
+
+    if rms_norm is None:
+        from conveyor.runtime.kernels.rmsnorm import rms_norm
 
     g = torch.Generator().manual_seed(seed)
     norm = RMSNorm(hidden, eps=1e-6).to(device=device, dtype=dtype)
@@ -270,8 +287,8 @@ def check_rms_norm(
                 rms_norm(x, norm.weight, norm.eps), ref(x.float()), tol, "rms_norm"
             )
         residual = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
-        out, res = rms_norm(x, norm.weight, norm.eps, residual)
         summed = x + residual  # the unfused add, in the activation dtype
+        out, res = rms_norm(x.clone(), norm.weight, norm.eps, residual.clone())
         ref_out = ref(summed.float())
     # One rounding of the same float32 sum: bit-equal, except where the interpreter truncates.
     exact = dtype != torch.bfloat16 or device.type == "cuda"
@@ -287,10 +304,13 @@ def check_rotary(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    apply_rotary: Any = None,
 ) -> float:
     """In place on views of a fused qkv buffer, at scattered positions."""
-    from conveyor.runtime.kernels.rotary import apply_rotary
     from conveyor.runtime.layers.rotary import RotaryEmbedding
+
+    if apply_rotary is None:
+        from conveyor.runtime.kernels.rotary import apply_rotary
 
     g = torch.Generator().manual_seed(seed)
     max_pos = 4096
@@ -317,10 +337,17 @@ def check_rotary(
 
 
 def check_silu_and_mul(
-    num_tokens: int, intermediate: int, dtype: torch.dtype, device: torch.device, seed: int = 0
+    num_tokens: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    silu_and_mul: Any = None,
 ) -> float:
-    from conveyor.runtime.kernels.silu_and_mul import silu_and_mul
     from conveyor.runtime.layers.activation import SiluAndMul
+
+    if silu_and_mul is None:
+        from conveyor.runtime.kernels.silu_and_mul import silu_and_mul
 
     g = torch.Generator().manual_seed(seed)
     x = (2 * torch.randn(num_tokens, 2 * intermediate, generator=g)).to(dtype).to(device)

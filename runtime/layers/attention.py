@@ -2,22 +2,26 @@
 
 A backend writes the step's new keys and values into the cache and attends
 each query to its sequence's context. ``TorchAttentionBackend`` is the
-reference and the CPU path; the Triton backend (``runtime/kernels/``) has the
-same signature.
+reference; the C++ CPU backend (``runtime/kernels/cpu/``) and the Triton backend
+(``runtime/kernels/``) have the same signature.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+from conveyor.runtime.layers.fused import LayerKernels
 
 
 class AttentionBackend(Protocol):
     name: str
+    layer_kernels: LayerKernels | None
+    """Fused RMSNorm, rotary and SiLU-and-mul that go with this backend (None: torch)."""
 
     def forward(
         self,
@@ -50,9 +54,11 @@ def write_kv_cache(
 
 
 class TorchAttentionBackend:
-    """Gathers each sequence's blocks and calls SDPA: clear, and fast enough on CPU."""
+    """Gathers each sequence's blocks and calls SDPA: the clear reference, and the fallback
+    on CPU when the C++ kernels are not built."""
 
     name = "torch"
+    layer_kernels = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -111,14 +117,33 @@ class TorchAttentionBackend:
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA and the torch reference elsewhere."""
+    """``auto`` picks Triton on CUDA, the C++ kernels on CPU when they are built, and the
+    torch reference otherwise."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            from conveyor.runtime.kernels import cpu
+
+            name = "cpu" if device.type == "cpu" and cpu.load() is not None else "torch"
+            if name == "torch" and device.type == "cpu":
+                logging.getLogger("conveyor.runtime").info(
+                    "CPU kernels %s; attention runs on the torch reference", cpu.load_error()
+                )
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        from conveyor.runtime.kernels import cpu
+        from conveyor.runtime.kernels.cpu.backend import CpuAttentionBackend
+
+        if device.type != "cpu":
+            raise ValueError(f"the cpu attention backend runs on CPU tensors (got {device.type})")
+        if (ops := cpu.load()) is None:
+            raise ValueError(f"the cpu attention backend's C++ kernels are {cpu.load_error()}")
+        return CpuAttentionBackend(ops)
     if name == "triton":
         from conveyor.runtime.kernels.backend import TritonAttentionBackend, check_triton_device
 
         check_triton_device(device)
         return TritonAttentionBackend()
-    raise ValueError(f"attention backend must be auto, torch or triton; got {name!r}")
+    raise ValueError(f"attention backend must be auto, torch, cpu or triton; got {name!r}")

@@ -7,8 +7,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    use_triton = False
-    """Run the fused Triton kernel (set by the model runner with the triton backend)."""
+    kernel = None
+    """A fused kernel with this forward's signature (``layers/fused.py``); None = torch."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -19,15 +19,20 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``x`` (..., hidden). With ``residual``: returns (norm(x + residual), x + residual)."""
-        if self.use_triton:
-            from conveyor.runtime.kernels.rmsnorm import rms_norm
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
+        return self.reference(x, self.weight, self.eps, residual)
 
-            return rms_norm(x, self.weight, self.eps, residual)
+    @staticmethod
+    def reference(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The torch reference of ``forward``."""
         if residual is not None:
             x = x + residual
             residual = x
         dtype = x.dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(dtype)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out = weight * xf.to(dtype)
         return out if residual is None else (out, residual)

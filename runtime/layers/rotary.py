@@ -41,9 +41,8 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    use_triton = False
-    """Rotate q and k in place with the Triton kernel (set by the model runner with the triton
-    backend)."""
+    kernel = None
+    """A fused kernel (positions, q, k, cos, sin) -> (q, k) (``layers/fused.py``); None = torch."""
 
     def __init__(
         self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0
@@ -60,10 +59,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` (T,), ``q`` (T, Hq, D), ``k`` (T, Hkv, D) -> rotated q, k."""
-        if self.use_triton:
-            from conveyor.runtime.kernels.rotary import apply_rotary
-
-            return apply_rotary(positions, q, k, self.cos, self.sin)
+        if self.kernel is not None:
+            return self.kernel(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # (T, 1, D)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

@@ -1,0 +1,506 @@
+// Conveyor's CPU kernels: the decoder's hot loops in one pass each, for x86 and ARM CPUs.
+//
+// - paged_decode_attention: one query per sequence against its context, read in place from
+//   the paged KV cache (no gather of K/V into a contiguous copy), parallel over
+//   (sequence, KV head); the query heads that share a KV head read each key once.
+// - paged_prefill_attention: chunks against their cached prefix, causal inside the chunk,
+//   also in place, parallel over (sequence, KV head, block of queries).
+// - rotary_embedding: rotate q and k in place (rotate-half layout); store_kv: k, v into
+//   the cache at their slots.
+// - fused_add_rms_norm / rms_norm, silu_and_mul: elementwise work fused into one pass.
+//
+// Every op computes in float32 and reads/writes float32, bfloat16 or float16 tensors.
+// Inner loops are written for the compiler to vectorise (-O3, `omp simd` reductions); the
+// parallel loops use ATen's thread pool, so they follow torch.set_num_threads. Each entry
+// point releases the GIL, so the server's event loop runs while a kernel does.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T from_f(float v) { return static_cast<T>(v); }
+
+// SIMD through GCC/Clang vector extensions: AVX-512 or AVX2 on x86, NEON on ARM, as built.
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#else
+constexpr int64_t W = 8;
+#endif
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+
+inline vf loadv(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+inline float hsum(vf v) {
+  float s = 0.f;
+  for (int64_t i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// Rows per task so that a task has at least ~32k elements: small steps run on one thread
+// (waking the pool costs more than the work).
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
+
+// q . r over D floats, two vector accumulators.
+inline float dot(const float* __restrict q, const float* __restrict r, int64_t D) {
+  int64_t d = 0;
+  vf a0 = {}, a1 = {};
+  for (; d + 2 * W <= D; d += 2 * W) {
+    a0 += loadv(q + d) * loadv(r + d);
+    a1 += loadv(q + d + W) * loadv(r + d + W);
+  }
+  for (; d + W <= D; d += W) a0 += loadv(q + d) * loadv(r + d);
+  float s = hsum(a0 + a1);
+  for (; d < D; ++d) s += q[d] * r[d];
+  return s;
+}
+
+// exp(x) for a vector: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial, 2^n
+// by building the float's exponent (about 2 ulp; -inf and very negative x give 0).
+inline vf expv(vf x) {
+  typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+  const vf hi = vf{} + 88.3762626647949f, lo = vf{} - 87.3365447504f;
+  const vi under = x < lo;
+  x = x > hi ? hi : x;
+  x = x < lo ? lo : x;
+  const vf n = __builtin_convertvector(
+      __builtin_convertvector(x * 1.44269504088896341f + (x >= 0 ? 0.5f : -0.5f), vi), vf);
+  const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vf p = vf{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  const vf y = p * scale;
+  return under ? vf{} : y;
+}
+
+inline void exp_inplace(float* __restrict x, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) storev(x + i, expv(loadv(x + i)));
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+// s = softmax(s) over n floats.
+inline void softmax(float* __restrict s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  for (int64_t t = 0; t < n; ++t) s[t] -= m;
+  exp_inplace(s, n);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += s[t];
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+// y[0:D] = sum_t p[t] * (rows[t] + off)[0:D]; accumulators stay in registers.
+inline void weighted_sum(const float* __restrict p, const float* const* rows, int64_t off,
+                         int64_t n, int64_t D, float* __restrict y) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * W <= D; d0 += 4 * W) {
+    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t t = 0; t < n; ++t) {
+      const vf pv = vf{} + p[t];
+      const float* r = rows[t] + off + d0;
+      a0 += pv * loadv(r);
+      a1 += pv * loadv(r + W);
+      a2 += pv * loadv(r + 2 * W);
+      a3 += pv * loadv(r + 3 * W);
+    }
+    storev(y + d0, a0), storev(y + d0 + W, a1), storev(y + d0 + 2 * W, a2),
+        storev(y + d0 + 3 * W, a3);
+  }
+  for (; d0 + W <= D; d0 += W) {
+    vf a = {};
+    for (int64_t t = 0; t < n; ++t) a += (vf{} + p[t]) * loadv(rows[t] + off + d0);
+    storev(y + d0, a);
+  }
+  for (; d0 < D; ++d0) {
+    float a = 0.f;
+    for (int64_t t = 0; t < n; ++t) a += p[t] * rows[t][off + d0];
+    y[d0] = a;
+  }
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
+              "caches must be (num_blocks, block_size, kv_heads, head_dim)");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) &&
+                  k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
+              "each block of the cache must be contiguous");
+  TORCH_CHECK(v_cache.strides() == k_cache.strides(), "K and V caches must share a layout");
+}
+
+// Per-thread scratch of one attention task.
+struct Scratch {
+  std::vector<float> q, acc, scores, k_f, v_f;
+  std::vector<const float*> k_rows, v_rows;
+};
+
+// Pointers to the first `len` token rows of the cache, block by block through `table`, each
+// at KV head h0: in place for float32; heads [h0, h1) converted into `buf` for half types.
+// Head h of token t is then at rows[t] + (h - h0) * D.
+template <typename T>
+void context_rows(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
+                  int64_t token_stride, int64_t block_stride, int64_t h0, int64_t h1,
+                  int64_t D, std::vector<const float*>& rows, std::vector<float>& buf) {
+  rows.resize(len);
+  const int64_t width = (h1 - h0) * D;
+  if constexpr (!std::is_same_v<T, float>) buf.resize(len * width);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* r = cache + int64_t(table[t / block_size]) * block_stride +
+                 (t % block_size) * token_stride + h0 * D;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[t] = r;
+    } else {
+      for (int64_t d = 0; d < width; ++d) buf[t * width + d] = to_f(r[d]);
+      rows[t] = buf.data() + t * width;
+    }
+  }
+}
+
+// Attention of the query heads of KV heads [h0, h1) (sc.q: (h1 - h0) * G x D, pre-scaled)
+// over the first `len` tokens of one sequence's context; writes the same shape to sc.acc.
+// Token rows are read whole and in order (all the task's heads at once).
+template <typename T>
+void attend(int64_t h0, int64_t h1, int64_t G, int64_t D, const T* k_cache, const T* v_cache,
+            const int32_t* table, int64_t block_size, int64_t token_stride,
+            int64_t block_stride, int64_t len, Scratch& sc) {
+  const int64_t nh = h1 - h0, rows_q = nh * G;
+  context_rows(k_cache, table, len, block_size, token_stride, block_stride, h0, h1, D,
+               sc.k_rows, sc.k_f);
+  context_rows(v_cache, table, len, block_size, token_stride, block_stride, h0, h1, D,
+               sc.v_rows, sc.v_f);
+  sc.scores.resize(rows_q * len);
+  sc.acc.resize(rows_q * D);
+  float* scores = sc.scores.data();
+  const float* q = sc.q.data();
+  for (int64_t t = 0; t < len; ++t) {
+    const float* r = sc.k_rows[t];
+    for (int64_t i = 0; i < rows_q; ++i) scores[i * len + t] = dot(q + i * D, r + (i / G) * D, D);
+  }
+  for (int64_t i = 0; i < rows_q; ++i) {
+    softmax(scores + i * len, len);
+    weighted_sum(scores + i * len, sc.v_rows.data(), (i / G) * D, len, D, sc.acc.data() + i * D);
+  }
+}
+
+// Tasks per sequence: every KV head at once (whole rows, in order) when the sequences alone
+// keep the threads busy; one KV head each otherwise.
+inline int64_t heads_per_task(int64_t sequences, int64_t kv_heads) {
+  return sequences >= 4 * at::get_num_threads() ? kv_heads : 1;
+}
+
+// The paged caches of one layer as the kernels read them.
+template <typename T>
+struct PagedCache {
+  const T* k;
+  const T* v;
+  int64_t block_size, token_stride, block_stride, kv_heads, head_dim;
+
+  PagedCache(const at::Tensor& k_cache, const at::Tensor& v_cache)
+      : k(k_cache.data_ptr<T>()), v(v_cache.data_ptr<T>()), block_size(k_cache.size(1)),
+        token_stride(k_cache.stride(1)), block_stride(k_cache.stride(0)),
+        kv_heads(k_cache.size(2)), head_dim(k_cache.size(3)) {}
+
+  // One query row (G query heads per KV head, for KV heads [h0, h0 + n)) against the first
+  // `len` tokens of the context behind `table`, written to `out_row`.
+  void attend_row(const T* q_row, T* out_row, int64_t h0, int64_t n, int64_t G,
+                  const int32_t* table, int64_t len, double scale, Scratch& sc) const {
+    const int64_t width = n * G * head_dim;
+    sc.q.resize(width);
+    for (int64_t j = 0; j < width; ++j) sc.q[j] = to_f(q_row[j]) * float(scale);
+    attend(h0, h0 + n, G, head_dim, k, v, table, block_size, token_stride, block_stride, len, sc);
+    for (int64_t j = 0; j < width; ++j) out_row[j] = from_f<T>(sc.acc[j]);
+  }
+};
+
+template <typename T>
+void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                 const at::Tensor& v_cache, const at::Tensor& block_tables,
+                 const at::Tensor& context_lens, double scale) {
+  const PagedCache<T> cache(k_cache, v_cache);
+  const int64_t B = q.size(0), Hkv = cache.kv_heads, G = q.size(1) / Hkv, D = cache.head_dim;
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t per = heads_per_task(B, Hkv), tasks_per_seq = Hkv / per;
+  at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / tasks_per_seq, h0 = (i % tasks_per_seq) * per;
+      if (lens[b] <= 0) continue;
+      cache.attend_row(qp + b * q.stride(0) + h0 * G * D, op + b * out.stride(0) + h0 * G * D,
+                       h0, per, G, tables + b * block_tables.stride(0), lens[b], scale, sc);
+    }
+  });
+}
+
+template <typename T>
+void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                  const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                  double scale) {
+  const PagedCache<T> cache(k_cache, v_cache);
+  const int64_t Hkv = cache.kv_heads, G = q.size(1) / Hkv, D = cache.head_dim;
+  const int64_t S = context_lens.size(0);
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  // Work items: (sequence, one query token, a group of KV heads); keys up to the token.
+  const int64_t per = heads_per_task(starts[S] - starts[0], Hkv), groups = Hkv / per;
+  std::vector<int64_t> item_start(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s)
+    item_start[s + 1] = item_start[s] + (starts[s + 1] - starts[s]) * groups;
+  at::parallel_for(0, item_start[S], 1, [&](int64_t begin, int64_t end) {
+    Scratch sc;
+    int64_t s = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
+    for (int64_t i = begin; i < end; ++i) {
+      while (i >= item_start[s + 1]) ++s;
+      const int64_t local = i - item_start[s], j = local / groups, h0 = (local % groups) * per;
+      const int64_t qlen = starts[s + 1] - starts[s];
+      const int64_t len = ctx[s] - qlen + j + 1;  // query j sits at position ctx - qlen + j
+      const int64_t row = starts[s] + j;
+      cache.attend_row(qp + row * q.stride(0) + h0 * G * D, op + row * out.stride(0) + h0 * G * D,
+                       h0, per, G, tables + s * block_tables.stride(0), len, scale, sc);
+    }
+  });
+}
+
+#define DISPATCH_FLOATS(dtype, NAME, ...)                                      \
+  switch (dtype) {                                                             \
+    case at::kFloat: { using scalar_t = float; __VA_ARGS__(); break; }         \
+    case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__(); break; } \
+    case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__(); break; }       \
+    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
+  }
+
+void check_qo(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache) {
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "q must be (tokens, heads, head_dim) with contiguous heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "out must be shaped like q");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "q and the cache have different head dims");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+}
+
+void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                            at::Tensor block_tables, at::Tensor context_lens, double scale) {
+  check_cache(k_cache, v_cache);
+  check_qo(out, q, k_cache);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block tables and context lengths must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
+  DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+  });
+}
+
+void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
+                             at::Tensor v_cache, at::Tensor block_tables,
+                             at::Tensor query_start_loc, at::Tensor context_lens, double scale) {
+  check_cache(k_cache, v_cache);
+  check_qo(out, q, k_cache);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
+                  query_start_loc.scalar_type() == at::kInt,
+              "block tables, query offsets and context lengths must be int32");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() &&
+              query_start_loc.is_contiguous());
+  DISPATCH_FLOATS(q.scalar_type(), "paged_prefill_attention", [&] {
+    prefill_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, query_start_loc,
+                           context_lens, scale);
+  });
+}
+
+// q (T, Hq, D), k (T, Hkv, D) views of the qkv projection, rotated in place at `positions`
+// (rotate-half layout); cos/sin are the (max_position, D) float32 tables.
+void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
+                      at::Tensor sin) {
+  const int64_t T = q.size(0), Hq = q.size(1), Hkv = k.size(1), D = q.size(2), half = D / 2;
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == D && k.stride(1) == D,
+              "q and k must have contiguous heads");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D,
+              "cos/sin must be contiguous float32 (positions, head_dim)");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be contiguous int64");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k must share a dtype");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t P = cos.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " is outside the rotary table");
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  DISPATCH_FLOATS(q.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0), ks = k.stride(0);
+    auto rotate = [&](scalar_t* x, const float* cr, const float* sr) {
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = to_f(x[i]), x2 = to_f(x[i + half]);
+        x[i] = from_f<scalar_t>(x1 * cr[i] - x2 * sr[i]);
+        x[i + half] = from_f<scalar_t>(x2 * cr[i + half] + x1 * sr[i + half]);
+      }
+    };
+    at::parallel_for(0, T, row_grain((Hq + Hkv) * D), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* cr = c + pos[t] * D;
+        const float* sr = s + pos[t] * D;
+        for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * qs + h * D, cr, sr);
+        for (int64_t h = 0; h < Hkv; ++h) rotate(kp + t * ks + h * D, cr, sr);
+      }
+    });
+  });
+}
+
+// k, v (T, Hkv, D) into the paged caches at `slots` (int64; -1 = padding, not written).
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slots) {
+  check_cache(k_cache, v_cache);
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == D && v.stride(1) == D,
+              "k and v must have contiguous heads");
+  TORCH_CHECK(Hkv == k_cache.size(2) && D == k_cache.size(3), "k does not fit the cache");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == T,
+              "slots must be contiguous int64, one per token");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const int64_t slots_total = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] < slots_total, "slot ", sl[t], " is outside the KV cache");
+  const int64_t token_stride = k_cache.stride(1), row = Hkv * D;
+  DISPATCH_FLOATS(k.scalar_type(), "store_kv", [&] {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const int64_t ks = k.stride(0), vs = v.stride(0);
+    for (int64_t t = 0; t < T; ++t) {
+      if (sl[t] < 0) continue;
+      std::copy(kp + t * ks, kp + t * ks + row, kc + sl[t] * token_stride);
+      std::copy(vp + t * vs, vp + t * vs + row, vc + sl[t] * token_stride);
+    }
+  });
+}
+
+// out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), row by row, as the torch reference.
+template <typename T>
+inline void norm_row(const T* x, const T* w, T* out, int64_t N, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < N; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float r = 1.f / std::sqrt(ss / float(N) + eps);
+  for (int64_t i = 0; i < N; ++i) out[i] = from_f<T>(to_f(w[i]) * to_f(from_f<T>(to_f(x[i]) * r)));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (tokens, hidden) tensor");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous() &&
+              w.scalar_type() == x.scalar_type(), "weight must be (hidden,) in x's dtype");
+}
+
+// residual += x; x = norm(residual), both in place.
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_rows(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+              residual.scalar_type() == x.scalar_type(), "residual must be shaped like x");
+  const int64_t T = x.size(0), N = x.size(1);
+  DISPATCH_FLOATS(x.scalar_type(), "fused_add_rms_norm", [&] {
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(N), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        scalar_t* xr = xp + t * N;
+        scalar_t* rr = rp + t * N;
+        for (int64_t i = 0; i < N; ++i) rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
+        norm_row(rr, wp, xr, N, float(eps));
+      }
+    });
+  });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_rows(x, weight);
+  auto out = at::empty_like(x);
+  const int64_t T = x.size(0), N = x.size(1);
+  DISPATCH_FLOATS(x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(N), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(xp + t * N, wp, op + t * N, N, float(eps));
+    });
+  });
+  return out;
+}
+
+template <typename T>
+inline void silu_and_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict y,
+                             int64_t n, float* __restrict buf) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = -to_f(g[i]);
+  exp_inplace(buf, n);  // exp(-g)
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = to_f(g[i]);
+    y[i] = from_f<T>(to_f(from_f<T>(gv / (1.f + buf[i]))) * to_f(u[i]));
+  }
+}
+
+// gate_up (T, 2I) -> silu(gate) * up (T, I), silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous (tokens, 2 * intermediate) tensor");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({T, I}, gate_up.options());
+  DISPATCH_FLOATS(gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* x = gate_up.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, row_grain(2 * I), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(I);
+      for (int64_t t = begin; t < end; ++t)
+        silu_and_mul_row(x + t * 2 * I, x + t * 2 * I + I, o + t * I, I, buf.data());
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("paged_prefill_attention", &paged_prefill_attention, nogil);
+  m.def("rotary_embedding", &rotary_embedding, nogil);
+  m.def("store_kv", &store_kv, nogil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil);
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("silu_and_mul", &silu_and_mul, nogil);
+}

@@ -1,0 +1,38 @@
+"""Fused kernels for the decoder's elementwise layers, chosen per engine with its backend.
+
+RMSNorm (with the residual add), rotary embeddings and SiLU-and-mul run the torch reference
+unless a backend hands the model faster kernels with the same signatures: Triton's on GPU
+(``runtime/kernels/``), the C++ ops on CPU (``runtime/kernels/cpu/``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    rms_norm: Callable
+    """(x, weight, eps, residual | None) -> out, or (out, x + residual) with a residual."""
+    apply_rotary: Callable
+    """(positions, q, k, cos, sin) -> (q, k), rotated (in place or not)."""
+    silu_and_mul: Callable
+    """(gate_up) -> silu(gate) * up."""
+
+
+def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:
+    """Switch the model's RMSNorm, rotary and SiLU-and-mul layers to ``kernels``."""
+    from conveyor.runtime.layers.activation import SiluAndMul
+    from conveyor.runtime.layers.layernorm import RMSNorm
+    from conveyor.runtime.layers.rotary import RotaryEmbedding
+
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = kernels.rms_norm
+        elif isinstance(module, RotaryEmbedding):
+            module.kernel = kernels.apply_rotary
+        elif isinstance(module, SiluAndMul):
+            module.kernel = kernels.silu_and_mul

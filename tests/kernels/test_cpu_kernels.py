@@ -1,0 +1,89 @@
+"""The C++ CPU kernels (``runtime/kernels/cpu/ops.cpp``) against the torch reference.
+
+The same matrices as the Triton kernels (``checks.py``): paged attention over scattered
+blocks with ragged contexts and cached prefixes, GQA 1/4/8, head dims 64 and 128, float32,
+float16 and bfloat16; the elementwise layers; and the in-place contracts (rotary rotates
+its views, RMSNorm with a residual writes both). The set-up builds the kernels
+(``scripts/bootstrap.sh``), so a missing build fails here rather than skipping; with
+``CONVEYOR_CPU_KERNELS=0`` the fallback is what is tested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.runtime.kernels import checks, cpu
+from conveyor.runtime.layers.attention import select_backend
+
+CASES = checks.attention_cases()
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in checks.DTYPES]
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def backend():
+    if not cpu.enabled():
+        pytest.skip("CONVEYOR_CPU_KERNELS=0: the torch fallback runs instead")
+    ops = cpu.load()
+    assert ops is not None, f"the CPU kernels are {cpu.load_error()}"
+    return select_backend("cpu", CPU)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_attention_step_matches_torch(case, dtype, backend):
+    checks.check_attention_backend(case, dtype, CPU, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_skips_padding(dtype, backend):
+    checks.check_store_kv(dtype, CPU, store_kv_cache=backend.ops.store_kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", checks.ELEMENTWISE_CASES["rms_norm"], ids=str)
+def test_rms_norm(shape, dtype, backend):
+    checks.check_rms_norm(*shape, dtype, CPU, rms_norm=backend.layer_kernels.rms_norm)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", checks.ELEMENTWISE_CASES["rotary"], ids=str)
+def test_rotary_in_place(shape, dtype, backend):
+    checks.check_rotary(*shape, dtype, CPU, apply_rotary=backend.layer_kernels.apply_rotary)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", checks.ELEMENTWISE_CASES["silu_and_mul"], ids=str)
+def test_silu_and_mul(shape, dtype, backend):
+    checks.check_silu_and_mul(*shape, dtype, CPU, silu_and_mul=backend.layer_kernels.silu_and_mul)
+
+
+def test_silu_exp_range(backend):
+    """The vectorised exp over the whole float range: saturation, underflow, no NaN."""
+    x = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([-1e30, 1e30, 0.0])])
+    gate_up = torch.cat([x, torch.ones_like(x)]).view(1, -1)
+    got = backend.layer_kernels.silu_and_mul(gate_up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(x).view(1, -1), atol=1e-6, rtol=1e-5)
+
+
+def test_bad_inputs_raise_not_crash(backend):
+    ops = backend.ops
+    cache = torch.zeros(4, 16, 2, 64)
+    k = torch.zeros(3, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        ops.store_kv(k, k, cache, cache, torch.tensor([0, 1, 4 * 16]))
+    q = torch.zeros(2, 4, 64)
+    with pytest.raises(RuntimeError, match="int32"):
+        ops.paged_decode_attention(
+            torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int64),
+            torch.ones(2, dtype=torch.int32), 0.125,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="rotary table"):
+        cos = torch.ones(8, 64)
+        ops.rotary_embedding(torch.tensor([9, 0, 1]), k, k, cos, cos)
+
+
+def test_auto_picks_cpu_kernels_when_built(backend):
+    assert select_backend("auto", CPU).name == "cpu"
+    assert select_backend("torch", CPU).layer_kernels is None
