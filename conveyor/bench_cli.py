@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("conveyor.runtime.bench.serve", "HTTP load generator against a server or gateway"),
     "serve-compare": ("conveyor.runtime.bench.serve_compare", "the seed's comparison over HTTP"),
+    "peer": ("conveyor.runtime.bench.peer", "Conveyor vs vLLM for CPU, side by side"),
     "gateway": ("conveyor.gateway.bench", "routing policies and gateway overhead"),
     "autoscale": ("conveyor.operator.bench_autoscale", "step load against the autoscaler"),
     "gpu": ("conveyor.runtime.bench.gpu", "kernels, decode MBU and the seed comparison on a GPU"),

@@ -15,6 +15,7 @@ weights as a Hugging Face checkpoint.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -303,6 +304,38 @@ class GGUFModel:
             yield hf_name, weight.to(dtype)
             if progress and (i % 64 == 0 or i == total):
                 progress(f"dequantized {i}/{total} tensors of {self.path.name}")
+
+    def save_pretrained(self, dest: Path, dtype: torch.dtype = torch.float32) -> Path:
+        """Write the model as a Hugging Face directory (config, tokenizer, safetensors in
+        ``dtype``), for engines that cannot read a GGUF; the directory appears whole or not at all."""
+        import shutil
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        if (dest / "config.json").exists():
+            return dest
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
+        try:
+            config = self.config()
+            config.dtype = dtype
+            tied = bool(config.tie_word_embeddings)
+            tensors = {
+                name: weight.contiguous()
+                for name, weight in self.weights(dtype)
+                if not (tied and name == "lm_head.weight")
+            }
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            if hasattr(config, "rope_freq_factors"):
+                del config.rope_freq_factors  # a GGUF-only attribute; the rope type says it
+            config.save_pretrained(tmp)
+            self.tokenizer().save_pretrained(tmp)
+            os.replace(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return dest
 
     def _tensor(self, tensor) -> torch.Tensor:
         from conveyor.runtime.model.ggml_quants import dequantize
