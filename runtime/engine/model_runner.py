@@ -20,6 +20,7 @@ from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
+from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_supported
 from conveyor.runtime.layers.sampler import Sampler, SamplingTensors
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
 
@@ -73,6 +74,8 @@ class ModelRunner:
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine once derived
         if self.backend.layer_kernels is not None:  # Triton on GPU, C++ on CPU
             use_fused_layers(self.model, self.backend.layer_kernels)
+        if self.device.type == "cpu" and self.backend.name == "cpu":
+            self._pack_linear_weights()
         # -- GPU path (issue 12): CUDA graphs for decode ------------------------------------
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if (
@@ -86,6 +89,16 @@ class ModelRunner:
                 -(-s.max_position // self.block_size),
                 self.device,
             )
+
+    def _pack_linear_weights(self) -> None:
+        """Decode-sized matmuls on oneDNN-packed weights (``layers/linear.py``)."""
+        if not packing_supported(self.dtype):
+            return
+        packed = pack_linear_layers(self.model)
+        if self.model.lm_head is None:
+            self.model.tied_head_packed = pack(self.model.embed_tokens.weight)
+            packed += 1
+        log.info("%d linear weights packed for oneDNN (used for 2-128 row steps)", packed)
 
     # -- KV cache ------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from conveyor.runtime.layers.activation import SiluAndMul
 from conveyor.runtime.layers.attention import AttentionBackend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
+from conveyor.runtime.layers.linear import packed_linear
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -123,6 +124,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
+        self.tied_head_packed: torch.Tensor | None = None
+        """The tied LM head (the embedding) in oneDNN's layout, set on CPU (``layers/linear.py``)."""
         if s.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -145,8 +148,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return packed_linear(hidden, self.embed_tokens.weight, self.tied_head_packed, None).float()
 
     # -- weights ---------------------------------------------------------------------
 
