@@ -87,3 +87,19 @@ def test_bad_inputs_raise_not_crash(backend):
 def test_auto_picks_cpu_kernels_when_built(backend):
     assert select_backend("auto", CPU).name == "cpu"
     assert select_backend("torch", CPU).layer_kernels is None
+
+
+@pytest.mark.parametrize("rows", [1, 2, 32, 129])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    """oneDNN-packed weights for 2-128 rows, the plain weight outside: the same result."""
+    from conveyor.runtime.layers.linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 200, bias=bias)
+    packed = PackedLinear(linear)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
