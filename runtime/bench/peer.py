@@ -485,7 +485,7 @@ def plot(summary: dict, servers: list[str], clients: list[str], path: Path) -> N
         ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(clients))])
         ax.set_xticklabels([f"{c} client" for c in clients])
         ax.set_title(title, fontsize=10)
-    axes[0].legend()
+    axes[0].legend(loc="lower left", fontsize=8, framealpha=0.9)
     fig.suptitle("conveyor bench peer: Conveyor vs vLLM for CPU (median over rounds)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -103,3 +103,24 @@ def test_packed_linear_matches_f_linear(rows, bias):
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         torch.testing.assert_close(packed(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """The loader's cached answer forgotten, for a test that changes what it finds."""
+    monkeypatch.setattr(cpu, "_loaded", None)
+    monkeypatch.setattr(cpu, "_load_error", None)
+
+
+def test_turned_off_falls_back_to_torch(monkeypatch, fresh_loader):
+    monkeypatch.setenv("CONVEYOR_CPU_KERNELS", "0")
+    assert select_backend("auto", CPU).name == "torch"
+    with pytest.raises(ValueError, match="turned off by CONVEYOR_CPU_KERNELS=0"):
+        select_backend("cpu", CPU)
+
+
+def test_missing_build_falls_back_and_says_how_to_build(monkeypatch, tmp_path, fresh_loader):
+    monkeypatch.setenv("CONVEYOR_KERNEL_DIR", str(tmp_path))
+    assert cpu.load() is None
+    assert "python -m conveyor.runtime.kernels.cpu build" in cpu.load_error()
+    assert select_backend("auto", CPU).name == "torch"

@@ -92,6 +92,10 @@ def build(verbose: bool = False) -> Path:
     if _library(directory).exists():
         return _library(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    # torch's builder runs `ninja` from PATH: the environment's own (the ninja wheel) first.
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(
         name=MODULE,
         sources=[str(SOURCE)],
