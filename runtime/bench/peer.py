@@ -351,6 +351,9 @@ def main(argv: list[str]) -> int:
         parser.error("--rounds must be at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # A SIGTERM (a timeout, a job runner) unwinds like Ctrl-C, so the server being measured
+    # is stopped with its whole process group rather than left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     try:
         venv = vllm_env.ensure(say)
