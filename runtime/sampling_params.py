@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1
+"""A signed 64-bit seed: torch's generators refuse more."""
+
 
 @dataclass
 class SamplingParams:
@@ -64,9 +68,13 @@ class SamplingParams:
         _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0, "must be in [-2, 2]")
         _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0, "must be in [-2, 2]")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool)
+            not isinstance(self.seed, int)
+            or isinstance(self.seed, bool)
+            or not SEED_MIN <= self.seed <= SEED_MAX
         ):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+            raise ValueError(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
+            )
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)
             if self.logprobs > 20:

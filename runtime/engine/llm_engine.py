@@ -82,9 +82,11 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``prompt``; ValueError for text that is not valid Unicode."""
         if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            _require_unicode(prompt)
+            return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return list(prompt)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -218,3 +220,15 @@ class LLMEngine:
             preemptions=c.preemptions,
             steps=self.steps,
         )
+
+
+def _require_unicode(text: str) -> None:
+    """JSON can carry lone UTF-16 surrogates (``"\\ud800"``) that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise ValueError(
+            f"prompt holds a lone UTF-16 surrogate {bad!r} at character {exc.start}, which is "
+            "not valid Unicode; send surrogate pairs whole (or the character itself)"
+        ) from None

@@ -27,6 +27,7 @@ from conveyor.runtime.server.errors import (
     APIError,
     api_error_handler,
     http_error_handler,
+    internal_error_handler,
     validation_error_handler,
 )
 from conveyor.runtime.server.metrics import ServerMetrics
@@ -91,6 +92,7 @@ def build_app(
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(AdmissionMiddleware, settings=settings, drain=drain)
 
     @app.post("/v1/completions")

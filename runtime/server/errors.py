@@ -113,3 +113,13 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"
     return APIError(kind, message).response()
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """A bug, not the client's fault: still an OpenAI error body (Starlette re-raises the
+    exception afterwards, so the server logs its traceback)."""
+    return APIError(
+        INTERNAL,
+        f"internal error ({type(exc).__name__}); this is a bug in the server, not in the request",
+        code="internal_error",
+    ).response()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -34,6 +34,9 @@ from conveyor.runtime.server.serving_common import (
     usage,
 )
 
+if TYPE_CHECKING:
+    from conveyor.runtime.engine.llm_engine import LLMEngine
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -47,7 +50,7 @@ async def create_chat_completion(
     engine = ctx.client.engine
     assert engine is not None
 
-    prompt_ids = await tokenize(ctx, lambda: _render(engine.tokenizer, req))
+    prompt_ids = await tokenize(ctx, lambda: _render(engine, req), "messages")
     max_tokens_param = (
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     )
@@ -103,8 +106,9 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
             )
 
 
-def _render(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
+def _render(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
     """Chat template, then token ids (the template brings its own special tokens)."""
+    tokenizer = engine.tokenizer
     messages = []
     for m in req.messages:
         content = m.content
@@ -134,7 +138,7 @@ def _render(tokenizer: Any, req: ChatCompletionRequest) -> list[int]:
         raise bad_request(
             f"the chat template rejected these messages: {exc}", param="messages"
         ) from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return engine.encode_prompt(text, add_special_tokens=False)
 
 
 def _logprobs_content(ctx: ServerContext, logprobs: list[Any]) -> list[dict[str, Any]]:

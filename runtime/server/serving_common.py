@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from conveyor.runtime.engine.detokenizer import IncrementalDetokenizer
-from conveyor.runtime.sampling_params import SamplingParams
+from conveyor.runtime.sampling_params import SEED_MIN, SamplingParams
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.engine_client import EngineDeadError, EngineRequest, OutputStream
 from conveyor.runtime.server.errors import (
@@ -96,13 +96,16 @@ def check_queue(ctx: ServerContext, num_new: int) -> None:
         )
 
 
-async def tokenize(ctx: ServerContext, fn: Callable[[], list[int]]) -> list[int]:
-    """Run ``fn`` (tokenising one prompt) on the tokenizer pool, timed."""
+async def tokenize(ctx: ServerContext, fn: Callable[[], list[int]], param: str) -> list[int]:
+    """Run ``fn`` (tokenising one prompt) on the tokenizer pool, timed; the ``ValueError``
+    of text no tokenizer can take (``encode_prompt``) is a 400 naming ``param``."""
 
     def timed() -> list[int]:
         start = time.perf_counter()
         try:
             return fn()
+        except ValueError as exc:
+            raise bad_request(str(exc), param=param) from None
         finally:
             ctx.metrics.tokenize.observe(time.perf_counter() - start)
 
@@ -181,7 +184,8 @@ def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The ``index``-th of ``n`` choices: distinct but reproducible when a seed is given."""
     if params.seed is None or index == 0:
         return params
-    return SamplingParams(**{**params.__dict__, "seed": params.seed + index})
+    seed = (params.seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wraps within 64 bits
+    return SamplingParams(**{**params.__dict__, "seed": seed})
 
 
 @dataclass

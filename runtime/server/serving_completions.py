@@ -66,7 +66,7 @@ async def create_completion(
     request_id = new_id("cmpl")
     for p_index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
-            prompt_ids = await tokenize(ctx, lambda p=prompt: engine.encode_prompt(p))
+            prompt_ids = await tokenize(ctx, lambda p=prompt: engine.encode_prompt(p), "prompt")
         else:
             prompt_ids = list(prompt)
         params = sampling_params(

@@ -147,3 +147,23 @@ def test_engine_still_serves_after_bad_input(http: httpx.Client) -> None:
     r = http.post(COMPLETIONS, json={"prompt": "still alive", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200
     assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_lone_surrogates_are_a_400(http: httpx.Client) -> None:
+    """Valid JSON, invalid Unicode: the tokenizer cannot take it, so the client hears why."""
+    body = '{"messages": [{"role": "user", "content": "\\udcff\\ud800 x"}], "max_tokens": 2}'
+    r = http.post(CHAT, content=body.encode(), headers={"content-type": "application/json"})
+    assert_error(r, 400, "messages", "surrogate")
+    body = '{"prompt": ["ok", "\\ud800"], "max_tokens": 2}'
+    r = http.post(COMPLETIONS, content=body.encode(), headers={"content-type": "application/json"})
+    assert_error(r, 400, "prompt", "surrogate")
+    r = http.post(COMPLETIONS, json={"prompt": "still alive", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_outside_64_bits_is_a_400_not_a_dead_engine(http: httpx.Client, seed: int) -> None:
+    body = {"prompt": "x", "max_tokens": 2, "temperature": 1, "seed": seed}
+    assert_error(http.post(COMPLETIONS, json=body), 400, "seed", "integer in")
+    r = http.post(COMPLETIONS, json={**body, "seed": 2**63 - 1, "n": 2})
+    assert r.status_code == 200, r.text
