@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 """A signed 64-bit seed: torch's generators refuse more."""
+LOGIT_BIAS_LIMIT = 100.0
+"""OpenAI's bound on a logit bias."""
 
 
 @dataclass
@@ -38,12 +40,16 @@ class SamplingParams:
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id -> value added to its logit before sampling, in [-100, 100] as OpenAI has it
+    (-100 all but bans the token, +100 all but forces it)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         self.validate()
 
     def validate(self) -> None:
@@ -85,6 +91,16 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        for t, bias in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            _float_in(
+                "logit_bias",
+                bias,
+                -LOGIT_BIAS_LIMIT,
+                LOGIT_BIAS_LIMIT,
+                "values must be in [-100, 100]",
+            )
 
     @property
     def greedy(self) -> bool:

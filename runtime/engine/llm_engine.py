@@ -97,6 +97,9 @@ class LLMEngine:
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        for t in params.logit_bias:
+            if isinstance(t, int) and t >= vocab:
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {t}")
         limit = self.state.max_model_len
         if len(prompt_token_ids) >= limit:
             raise ValueError(

@@ -283,6 +283,12 @@ class ModelRunner:
                 if ids:
                     banned[i, torch.tensor(ids)] = True
             t.banned = banned.to(self.device)
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            bias = torch.zeros(n, vocab, dtype=f32)
+            for i, b in biased:
+                bias[i, torch.tensor(list(b))] = torch.tensor(list(b.values()), dtype=f32)
+            t.logit_bias = bias.to(self.device)
         return t
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 One set of tensor ops for the whole batch; the only per-request loop draws
 the random noise of requests that brought their own seed (each has its own
@@ -30,6 +30,7 @@ class SamplingTensors:
     prompt_mask: torch.Tensor | None = None  # (N, V) bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # (N, V) int: occurrences in the output
     banned: torch.Tensor | None = None  # (N, V) bool: EOS/stop ids before min_tokens
+    logit_bias: torch.Tensor | None = None  # (N, V) float32: added to the logits
     max_logprobs: int = -1  # most top alternatives any row asked for; -1 = none asked
 
 
@@ -46,6 +47,8 @@ class Sampler:
         """``logits`` (N, V) float32 -> one token per row."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if t.max_logprobs >= 0 else None
         logits = self._apply_penalties(logits, t)
+        if t.logit_bias is not None:
+            logits = logits + t.logit_bias
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
         greedy = logits.argmax(dim=-1)

@@ -123,8 +123,6 @@ def sampling_params(
     max_tokens_param: str = "max_tokens",
 ) -> SamplingParams:
     """The request's sampling fields as engine ``SamplingParams``; 400 naming the bad field."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported; remove it", param="logit_bias")
     room = max_model_len - prompt_len
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, room))
@@ -146,6 +144,7 @@ def sampling_params(
         "seed": req.seed,
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
+        "logit_bias": _logit_bias(req.logit_bias),
     }
     for name in (
         "temperature",
@@ -169,6 +168,20 @@ def sampling_params(
         raise err from None
 
 
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise bad_request(
+                f'logit_bias keys must be token ids such as "50256", got {key!r}',
+                param="logit_bias",
+            ) from None
+    return out
+
+
 def check_prompt(
     ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, param: str
 ) -> None:
@@ -177,6 +190,8 @@ def check_prompt(
         ctx.client.engine.check_request(prompt_ids, params)
     except ValueError as exc:
         code = "context_length_exceeded" if "context length" in str(exc) else None
+        named = str(exc).split(" ", 1)[0]
+        param = named if named in SAMPLING_PARAM_NAMES else param
         raise bad_request(str(exc), param=param, code=code) from None
 
 

@@ -112,3 +112,30 @@ def test_timings_are_ordered(llm):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0]
     assert out.arrival_time <= out.first_scheduled_time <= out.first_token_time <= out.finish_time
     assert out.ttft >= 0 and out.tpot >= 0
+
+
+def test_logit_bias_plus_100_forces_a_token(llm):
+    forced = 97  # any token: +100 outweighs every logit of the random model
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(max_tokens=8, temperature=temperature, logit_bias={forced: 100})
+        assert llm.generate(PROMPT, p)[0].token_ids == [forced] * 8
+
+
+def test_logit_bias_minus_100_moves_greedy_off_its_token(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0))[0].token_ids[0]
+    crowd = llm.generate(
+        [PROMPT, PROMPT],
+        [
+            SamplingParams(max_tokens=1, temperature=0, logit_bias={greedy: -100}),
+            SamplingParams(max_tokens=1, temperature=0),  # shares the step, keeps its token
+        ],
+    )
+    assert crowd[0].token_ids[0] != greedy
+    assert crowd[1].token_ids == [greedy]
+
+
+def test_logit_bias_is_checked_against_the_vocabulary(llm):
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(PROMPT, SamplingParams(max_tokens=1, logit_bias={10**6: 1.0}))
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={1: -101.0})

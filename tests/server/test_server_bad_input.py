@@ -69,7 +69,10 @@ def test_wrong_field_types(http: httpx.Client) -> None:
         ("presence_penalty", 3, "presence_penalty", "[-2, 2]"),
         ("top_logprobs", 50, "top_logprobs", "logprobs"),
         ("n", 0, "n", ""),
-        ("logit_bias", {"1": 5}, "logit_bias", "not supported"),
+        ("logit_bias", {"1": 101}, "logit_bias", "[-100, 100]"),
+        ("logit_bias", {"one": 5}, "logit_bias", "token ids"),
+        ("logit_bias", {"-3": 5}, "logit_bias", "token ids"),
+        ("logit_bias", {"100000": 5}, "logit_bias", "[0, 320)"),
     ],
 )
 def test_invalid_parameter_values(
