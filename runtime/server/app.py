@@ -31,9 +31,15 @@ from conveyor.runtime.server.errors import (
     validation_error_handler,
 )
 from conveyor.runtime.server.metrics import ServerMetrics
-from conveyor.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from conveyor.runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from conveyor.runtime.server.serving_chat import create_chat_completion
 from conveyor.runtime.server.serving_completions import create_completion
+from conveyor.runtime.server.serving_tokenize import create_detokenize, create_tokenize
 from conveyor.runtime.server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -102,6 +108,14 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(request.state.ctx, body, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+        return await create_tokenize(request.state.ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+        return await create_detokenize(request.state.ctx, body)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

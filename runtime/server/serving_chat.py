@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 
+from conveyor.runtime.server.chat_template import render_chat
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.engine_client import OutputStream
 from conveyor.runtime.server.errors import bad_request
@@ -34,9 +34,6 @@ from conveyor.runtime.server.serving_common import (
     usage,
 )
 
-if TYPE_CHECKING:
-    from conveyor.runtime.engine.llm_engine import LLMEngine
-
 MAX_TOP_LOGPROBS = 20
 
 
@@ -50,7 +47,17 @@ async def create_chat_completion(
     engine = ctx.client.engine
     assert engine is not None
 
-    prompt_ids = await tokenize(ctx, lambda: _render(engine, req), "messages")
+    prompt_ids = await tokenize(
+        ctx,
+        lambda: render_chat(
+            engine,
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            template_kwargs=req.chat_template_kwargs,
+        ),
+        "messages",
+    )
     max_tokens_param = (
         "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     )
@@ -104,41 +111,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}",
                 param="top_logprobs",
             )
-
-
-def _render(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
-    """Chat template, then token ids (the template brings its own special tokens)."""
-    tokenizer = engine.tokenizer
-    messages = []
-    for m in req.messages:
-        content = m.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
-        if m.name is not None:
-            msg["name"] = m.name
-        messages.append(msg)
-    if tokenizer.chat_template is None:
-        raise bad_request(
-            "this model's tokenizer has no chat template; use /v1/completions", param="messages"
-        )
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
-            continue_final_message=req.continue_final_message,
-            **(req.chat_template_kwargs or {}),
-        )
-    except (
-        TemplateError,
-        ValueError,
-        TypeError,
-    ) as exc:  # raise_exception in the template, bad roles
-        raise bad_request(
-            f"the chat template rejected these messages: {exc}", param="messages"
-        ) from exc
-    return engine.encode_prompt(text, add_special_tokens=False)
 
 
 def _logprobs_content(ctx: ServerContext, logprobs: list[Any]) -> list[dict[str, Any]]:

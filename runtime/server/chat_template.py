@@ -1,0 +1,55 @@
+"""Chat messages through the tokenizer's chat template to token ids: one path for
+``/v1/chat/completions`` and ``/tokenize``. Runs on the tokenizer pool, not the event loop."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from conveyor.runtime.server.errors import bad_request
+from conveyor.runtime.server.protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from conveyor.runtime.engine.llm_engine import LLMEngine
+
+
+def render_chat(
+    engine: LLMEngine,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    template_kwargs: dict[str, Any] | None,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Chat template, then token ids (the template brings its own special tokens, so
+    ``add_special_tokens`` is off unless asked for)."""
+    tokenizer = engine.tokenizer
+    if tokenizer.chat_template is None:
+        raise bad_request(
+            "this model's tokenizer has no chat template; use /v1/completions", param="messages"
+        )
+    try:
+        text = tokenizer.apply_chat_template(
+            [_as_dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message,
+            **(template_kwargs or {}),
+        )
+    except (TemplateError, ValueError, TypeError) as exc:  # raise_exception, bad roles, kwargs
+        raise bad_request(
+            f"the chat template rejected these messages: {exc}", param="messages"
+        ) from exc
+    return engine.encode_prompt(text, add_special_tokens=add_special_tokens)
+
+
+def _as_dict(m: ChatMessage) -> dict[str, Any]:
+    content = m.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        msg["name"] = m.name
+    return msg
