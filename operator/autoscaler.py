@@ -1,14 +1,31 @@
 """The autoscaler's decision: a pure function of signals, policy and history.
 
-    decide(observation, policy, history) -> Decision(desired, direction, reason)
+    decide(observation, policy, history) -> Decision(desired, direction, reason, ...)
 
-Up is prompt: when the queue per ready replica, TTFT p95 or KV-cache usage is
-above its target, the replica count the load calls for is computed in one go
-(``ceil(ready * signal / target)``, as the HPA does), not one replica per
-period. Down is patient: only when every signal stayed below its target with a
-margin for the whole stabilization window, to the largest count any moment of
-that window called for. Replicas still loading count neither as capacity nor
-as idle, and never freeze a decision.
+Replicas are sized from capacity, as AIBrix's and Knative's KPA and Dynamo's planner do:
+
+    desired = ceil(demand / (capacity x targetUtilization) + backlog / (capacity x drain time))
+
+where demand is the arrival rate of requests (and of tokens) over the demand window,
+capacity is one replica's throughput while saturated (measured, remembered in the history
+and in status; a starting guess from the spec until then), and the backlog is what waits
+on the replicas and at the gateways. ``spec.replicas`` counts replicas that are still
+starting, so they are capacity to come: the backlog that piles up on the ready ones while
+they start is not read again as demand for more. Within 10% of the current count is no
+change (the HPA's tolerance), on the way up and down alike.
+
+A short panic window (KPA's) reacts to a burst: when the backlog grows and the demand of
+the last seconds exceeds what ready and starting replicas will carry, the count that demand
+calls for is taken at once (still demand over capacity, never queue length over a target),
+and nothing scales down until the panic has been over for a demand window.
+
+The queue-depth, TTFT and KV-cache targets stay as triggers and guards: with nothing
+starting and the estimate content, a signal above its target adds one replica; no scale-down
+while one is above its target with a margin. Without a capacity figure (nothing measured, no
+guess, no busy replica to take a lower bound from) the decision is the signals' own, as the
+HPA computes it (``ceil(ready * signal / target)``). Down is patient: only to the largest
+count any moment of the stabilization window called for. Replicas still loading count
+neither as capacity nor as idle, and never freeze a decision.
 
 No Kubernetes, no clock, no I/O: the kopf timer gathers an ``Observation``,
 calls ``decide``, and writes the result.
@@ -25,6 +42,10 @@ SCALE_DOWN_MARGIN = 0.8
 """Signals must be below target x this for a scale-down (hysteresis against flapping)."""
 TOLERANCE = 0.1
 """Ignore a computed change of less than 10% of the ready replicas (the HPA's default)."""
+PANIC_THRESHOLD = 1.5
+"""Panic when the panic window calls for this many times the ready and starting replicas.
+KPA's default is 2.0; a replica is a large unit here, and one to two is a burst to answer at
+once, while a 6 s window's noise at steady load stays well below 1.5."""
 
 
 @dataclass(frozen=True)
@@ -46,12 +67,30 @@ class AutoscalingPolicy:
     """Most replicas added in one decision."""
     max_scale_down_step: int = 2
     """Most replicas removed in one decision."""
+    target_utilization: float = 1.0
+    """Demand / (replicas x capacity) to size for. Capacity is what a replica does while
+    saturated, so 1.0 sizes to exactly that (the queue and TTFT targets guard latency);
+    below 1 keeps headroom for bursts."""
+    backlog_drain: float = 30.0
+    """Seconds in which the backlog (queued and held requests) should drain on top of demand."""
+    demand_window: float = 60.0
+    """Seconds of arrivals the demand is averaged over (KPA's stable window): long enough that
+    Poisson noise and queue swings at 90% load do not read as a change; the panic window sees
+    a step within seconds."""
+    panic_window: float = 6.0
+    """Seconds of the short window that sees a burst (KPA's panic window)."""
+    capacity_requests_per_second: float | None = None
+    """Starting guess of one replica's requests/s; None: none until measured."""
+    capacity_tokens_per_second: float | None = None
+    """Starting guess of one replica's prompt + generated tokens/s; None: none until measured."""
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any] | None) -> AutoscalingPolicy:
         s = spec or {}
         d = cls()
         ttft = s.get("targetTTFTP95Seconds")
+        cap_rps = s.get("capacityRequestsPerSecond")
+        cap_tps = s.get("capacityTokensPerSecond")
         return cls(
             enabled=bool(s.get("enabled", d.enabled)),
             min_replicas=int(s.get("minReplicas", d.min_replicas)),
@@ -68,7 +107,50 @@ class AutoscalingPolicy:
             scale_to_zero_idle=float(s.get("scaleToZeroIdleSeconds", d.scale_to_zero_idle)),
             max_scale_up_step=int(s.get("maxScaleUpStep", d.max_scale_up_step)),
             max_scale_down_step=int(s.get("maxScaleDownStep", d.max_scale_down_step)),
+            target_utilization=float(s.get("targetUtilization", d.target_utilization)),
+            backlog_drain=float(s.get("backlogDrainSeconds", d.backlog_drain)),
+            demand_window=float(s.get("demandWindowSeconds", d.demand_window)),
+            panic_window=float(s.get("panicWindowSeconds", d.panic_window)),
+            capacity_requests_per_second=None if cap_rps is None else float(cap_rps),
+            capacity_tokens_per_second=None if cap_tps is None else float(cap_tps),
         )
+
+    @property
+    def capacity_guess(self) -> Rates | None:
+        if self.capacity_requests_per_second is None:
+            return None
+        return Rates(self.capacity_requests_per_second, self.capacity_tokens_per_second or 0.0)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Requests and tokens (prompt + generated) per second."""
+
+    requests: float
+    tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Rates the timer measured from the replicas' counters and the backlog over two windows.
+
+    Arrivals are what finished plus how much the backlog (running, waiting and held at the
+    gateways) grew: the requests that came, whether or not they were served yet.
+    """
+
+    arrivals: Rates
+    """Over the demand window."""
+    arrivals_panic: Rates
+    """Over the panic window."""
+    backlog_growth: float
+    """Requests/s the backlog grew over the panic window (negative: it shrank)."""
+    saturated: Rates | None = None
+    """Mean throughput of the replicas that had a queue through the whole panic window: a
+    measurement of capacity. None when no replica did."""
+    busy: Rates | None = None
+    """Mean throughput of the replicas that have a queue now, since their queue began (within
+    the panic window): capacity from a shorter span, for when nothing was measured yet. None
+    when no replica had a queue at its last two scrapes."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +176,8 @@ class Observation:
     """Service-wide TTFT p95 over the last window (from histogram deltas); None: no data."""
     pending_requests: int = 0
     """Requests held by the gateways because no replica is ready (scale from zero)."""
+    demand: Demand | None = None
+    """Arrival and throughput rates; None until the timer has a window of counters."""
 
     @property
     def num_ready(self) -> int:
@@ -108,8 +192,30 @@ class Observation:
         return sum(r.running for r in self.ready)
 
     @property
+    def backlog(self) -> int:
+        """Requests queued on ready replicas or held at the gateways."""
+        return self.waiting + self.pending_requests
+
+    @property
     def busy(self) -> bool:
         return self.waiting > 0 or self.running > 0 or self.pending_requests > 0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Why a capacity-sized decision came out as it did (status and metrics show it)."""
+
+    demand: Rates
+    """Arrivals over the demand window."""
+    capacity: Rates
+    """One replica's, as used for this decision."""
+    capacity_source: str
+    """"measured", "guess" (the spec's) or "lower-bound" (busy replicas' throughput now)."""
+    utilization: float
+    """Demand / (ready replicas x capacity), by the tighter of requests and tokens."""
+    replicas_needed: float
+    """Demand and backlog drain over capacity x target utilization, before rounding."""
+    panic: bool
 
 
 @dataclass(frozen=True)
@@ -119,6 +225,8 @@ class Decision:
     reason: str
     recommendation: int
     """What the load alone calls for now (before bounds, windows and step limits)."""
+    estimate: Estimate | None = None
+    """Demand, capacity and utilization; None when the decision was the signals' own."""
 
 
 @dataclass
@@ -130,6 +238,14 @@ class History:
     last_busy: float | None = None
     """Last time any request was running, waiting or pending, or no replica was ready."""
     first_seen: float | None = None
+    capacity: Rates | None = None
+    """One replica's measured capacity (seeded from status after an operator restart)."""
+    capacity_time: float | None = None
+    """When ``capacity`` was last measured."""
+    last_panic: float | None = None
+    """Last time the panic window called for more than ready and starting replicas carry."""
+    breach_since: float | None = None
+    """Since when a signal has been above its target without a break."""
 
     def record(self, time: float, up: int, down: int, keep: float) -> None:
         self.recommendations.append((time, up, down))
@@ -137,15 +253,11 @@ class History:
             self.recommendations.popleft()
 
 
-def recommend(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> tuple[int, str]:
-    """Replicas the current load calls for, and the signal that calls for the most.
-
-    ``margin`` < 1 lowers every target: the count at which all signals sit
-    below ``target x margin``, which is what a scale-down must satisfy.
+def guards(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> tuple[int, str]:
+    """Replicas that keep queue depth, TTFT p95 and KV usage at ``target x margin``, and the
+    signal that calls for the most (as the HPA computes it: ``ceil(ready * signal / target)``).
     """
     ready = obs.num_ready
-    if ready == 0:
-        return (1 if obs.pending_requests else 0), "pending-requests"
     candidates = [(0, "idle")]
     q_target = policy.target_queue_depth * margin
     candidates.append((math.ceil(obs.waiting / q_target), "queue-depth"))
@@ -154,12 +266,108 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) 
         candidates.append((math.ceil(ready * ratio), "ttft-p95"))
     kv = sum(r.kv_cache_usage for r in obs.ready) / ready
     candidates.append((math.ceil(ready * kv / (policy.target_kv_cache_usage * margin)), "kv-cache"))
+    return max(candidates)
+
+
+def recommend(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> tuple[int, str]:
+    """Replicas the signals alone call for (no capacity figure), and the signal that calls for
+    the most.
+
+    ``margin`` < 1 lowers every target: the count at which all signals sit
+    below ``target x margin``, which is what a scale-down must satisfy.
+    """
+    if obs.num_ready == 0:
+        return (1 if obs.pending_requests else 0), "pending-requests"
+    candidates = [guards(obs, policy, margin)]
     # Requests in flight need slots: keep enough replicas for them.
     slots = max(1, min(r.max_running for r in obs.ready))
     candidates.append((math.ceil(obs.running / (slots * margin)), "running"))
     if obs.pending_requests:
         candidates.append((1, "pending-requests"))
     return max(candidates)
+
+
+def update_capacity(obs: Observation, policy: AutoscalingPolicy, history: History) -> None:
+    """Fold a capacity measurement into the history: the first replaces the spec's guess, later
+    ones are averaged with a time constant of the demand window (one tick's noise is damped,
+    a new model or image is followed within a minute or two)."""
+    sample = obs.demand.saturated if obs.demand is not None else None
+    if sample is None or sample.requests <= 0:
+        return
+    old, then = history.capacity, history.capacity_time
+    if old is None or then is None:
+        history.capacity = sample
+    else:
+        a = 1.0 - math.exp(-max(0.0, obs.time - then) / policy.demand_window)
+        history.capacity = Rates(
+            old.requests + a * (sample.requests - old.requests),
+            old.tokens + a * (sample.tokens - old.tokens),
+        )
+    history.capacity_time = obs.time
+
+
+def capacity_for(
+    obs: Observation, policy: AutoscalingPolicy, history: History
+) -> tuple[Rates, str] | None:
+    """The capacity of one replica to size with, and where it came from; None: no figure."""
+    if history.capacity is not None and history.capacity.requests > 0:
+        return history.capacity, "measured" if history.capacity_time is not None else "status"
+    guess = policy.capacity_guess
+    if guess is not None and guess.requests > 0:
+        return guess, "guess"
+    busy = obs.demand.busy if obs.demand is not None else None
+    if busy is not None and busy.requests > 0:
+        return busy, "lower-bound"
+    return None
+
+
+def replicas_needed(rates: Rates, capacity: Rates, utilization: float) -> float:
+    """Replicas that carry ``rates`` at ``utilization``, by the tighter of requests and tokens."""
+    need = rates.requests / (capacity.requests * utilization)
+    if capacity.tokens > 0:
+        need = max(need, rates.tokens / (capacity.tokens * utilization))
+    return need
+
+
+def sized(
+    obs: Observation, policy: AutoscalingPolicy, history: History, capacity: tuple[Rates, str]
+) -> tuple[int, str, int, Estimate]:
+    """Capacity-sized recommendation: (up, reason, down, estimate); see the module docstring."""
+    assert obs.demand is not None and obs.num_ready > 0
+    cap, source = capacity
+    current, u = obs.current_replicas, policy.target_utilization
+    drain = obs.backlog / (policy.backlog_drain * cap.requests * u)
+    need = replicas_needed(obs.demand.arrivals, cap, u) + drain
+    need_panic = replicas_needed(obs.demand.arrivals_panic, cap, u) + drain
+    # Panic: the backlog grows and the last seconds call for more than ready and starting
+    # replicas will carry. While a panic is recent, the short window sizes scale-ups too (it
+    # sees a step at once, the demand window only as it fills).
+    if obs.demand.backlog_growth > 0 and need_panic > current * PANIC_THRESHOLD:
+        history.last_panic = obs.time
+    panic = history.last_panic is not None and obs.time - history.last_panic < policy.demand_window
+    up, reason = current, "demand"
+    if need > current * (1 + TOLERANCE):
+        up = math.ceil(need)
+    if panic and need_panic > current * (1 + TOLERANCE) and math.ceil(need_panic) > up:
+        up, reason = math.ceil(need_panic), "panic"
+    guard_up, guard_reason = guards(obs, policy)
+    if guard_up <= current or obs.num_ready < current or obs.demand.backlog_growth < 0:
+        # Only a breach while nothing starts and the backlog does not shrink counts.
+        history.breach_since = None
+    elif history.breach_since is None:
+        history.breach_since = obs.time
+    lasting = history.breach_since is not None and (
+        obs.time - history.breach_since >= policy.demand_window
+    )
+    if up <= current and lasting and obs.num_ready >= current:
+        # A signal stayed above its target for a demand window though the estimate is content
+        # and nothing is starting: the estimate is off, add one replica.
+        up, reason = current + 1, guard_reason
+        history.breach_since = obs.time
+    guard_down, _ = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
+    down = max(math.ceil(need / (1 + TOLERANCE)), guard_down, 1 if obs.busy else 0)
+    use = replicas_needed(obs.demand.arrivals, cap, 1.0) / obs.num_ready
+    return up, reason, down, Estimate(obs.demand.arrivals, cap, source, use, need, panic)
 
 
 def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Decision:
@@ -170,8 +378,14 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
         # Idle time counts only while a replica is ready: a service whose replicas are
         # still loading (just created, or woken from zero) is not idle.
         history.last_busy = now
-    up, up_reason = recommend(obs, policy)
-    down, _ = recommend(obs, policy, margin=SCALE_DOWN_MARGIN)
+    update_capacity(obs, policy, history)
+    capacity = capacity_for(obs, policy, history)
+    estimate = None
+    if capacity is not None and obs.demand is not None and obs.num_ready > 0:
+        up, up_reason, down, estimate = sized(obs, policy, history, capacity)
+    else:
+        up, up_reason = recommend(obs, policy)
+        down, _ = recommend(obs, policy, margin=SCALE_DOWN_MARGIN)
     keep = max(policy.scale_down_stabilization, policy.scale_up_stabilization)
     history.record(now, up, down, keep)
     floor = policy.min_replicas
@@ -180,26 +394,29 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     def clamp(n: int) -> int:
         return max(lo, min(hi, n))
 
+    def decision(desired: int, direction: str, reason: str) -> Decision:
+        return Decision(desired, direction, reason, up, estimate)
+
     # A manual scale outside the bounds is brought back in.
     if current > hi:
-        return Decision(hi, "down", "above-max-replicas", up)
+        return decision(hi, "down", "above-max-replicas")
     if current < lo and not (current == 0 and lo == 0):
-        return Decision(lo, "up", "below-min-replicas", up)
+        return decision(lo, "up", "below-min-replicas")
 
     # Scale from zero: a request is waiting at a gateway.
     if current == 0:
         if obs.pending_requests > 0:
-            return Decision(clamp(max(1, up)), "up", "pending-requests", up)
-        return Decision(0, "none", "scaled-to-zero", up)
+            return decision(clamp(max(1, up)), "up", "pending-requests")
+        return decision(0, "none", "scaled-to-zero")
 
     # Scale to zero: idle for the whole idle time.
     if lo == 0 and not obs.busy:
         idle_for = now - (history.first_seen if history.last_busy is None else history.last_busy)
         if idle_for >= policy.scale_to_zero_idle:
-            return Decision(0, "down", "idle", up)
+            return decision(0, "down", "idle")
 
     if obs.num_ready == 0:
-        return Decision(current, "none", "no-ready-replica", up)
+        return decision(current, "none", "no-ready-replica")
 
     # Up: what the load calls for now (and, with an up window, for all of it).
     target_up = up
@@ -212,16 +429,18 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     if target_up > current and target_up - obs.num_ready > TOLERANCE * obs.num_ready:
         desired = clamp(min(target_up, current + policy.max_scale_up_step))
         if desired > current:
-            return Decision(desired, "up", up_reason, up)
+            return decision(desired, "up", up_reason)
 
-    # Down: every moment of the window allowed fewer replicas, with the margin.
+    # Down: every moment of the window allowed fewer replicas, with the margin; never while
+    # a panic is recent.
     covered = now - history.first_seen >= policy.scale_down_stabilization
     window = [
         d for t, _, d in history.recommendations if t >= now - policy.scale_down_stabilization
     ]
     target_down = max(window) if window else current
-    if covered and target_down < current:
+    panicking = history.last_panic is not None and now - history.last_panic < policy.demand_window
+    if covered and target_down < current and not panicking:
         desired = clamp(max(target_down, current - policy.max_scale_down_step, 1))
         if desired < current:
-            return Decision(desired, "down", "below-targets-for-window", up)
-    return Decision(current, "none", "within-targets", up)
+            return decision(desired, "down", "below-targets-for-window")
+    return decision(current, "none", "within-targets")

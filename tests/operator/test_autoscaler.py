@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+from collections import deque
 
 import pytest
 
 from conveyor.operator.autoscaler import (
     AutoscalingPolicy,
     Decision,
+    Demand,
     History,
     Observation,
+    Rates,
     ReplicaSignals,
     decide,
 )
-from conveyor.operator.signals import delta, merge, parse_histogram, quantile
+from conveyor.operator.signals import (
+    Backlog,
+    Counters,
+    delta,
+    estimate_demand,
+    merge,
+    parse_histogram,
+    quantile,
+)
 
 POLICY = AutoscalingPolicy(
     enabled=True,
@@ -233,3 +245,200 @@ def test_every_policy_field_read_from_the_spec_is_in_the_crd():
     declared = set(spec["properties"]["autoscaling"]["properties"])
     read = set(re.findall(r's\.get\("(\w+)"', inspect.getsource(AutoscalingPolicy.from_spec)))
     assert read and read <= declared, read - declared
+
+
+# ---- capacity-sized decisions over a simulated service ----------------------------------
+
+
+class Service:
+    """A fluid model of one LLMService under a given arrival rate.
+
+    Each ready replica finishes up to ``capacity`` requests/s (``tokens`` each) and runs at
+    most ``slots`` at once; the gateway spreads the backlog evenly; a replica the autoscaler
+    adds is ready ``start_s`` later. Every ``period`` the counters and backlog are scraped as
+    the timer scrapes them, turned into ``Demand`` by the timer's own ``estimate_demand``, and
+    ``decide`` is called.
+    """
+
+    def __init__(self, policy, *, capacity=8.0, slots=2, start_s=15.0, period=2.0, seed=None):
+        self.policy, self.history = policy, History()
+        self.capacity, self.slots, self.start_s, self.period = capacity, slots, start_s, period
+        self.tokens = 100
+        self.time, self.in_system, self.next_id = 0.0, 0.0, 1
+        self.ready: dict[int, float] = {0: 0.0}  # replica id -> requests finished
+        self.starting: list[float] = []  # times at which starting replicas become ready
+        self.series: dict[int, deque[Counters]] = {}
+        self.backlog: deque[Backlog] = deque()
+        self.rng = random.Random(seed) if seed is not None else None
+        self.decisions: list[Decision] = []
+        self.replicas: list[int] = []  # spec.replicas after each decision
+
+    @property
+    def current(self) -> int:
+        return len(self.ready) + len(self.starting)
+
+    def run(self, rate: float, seconds: float) -> None:
+        for _ in range(round(seconds / self.period)):
+            self._advance(rate)
+            self._decide()
+
+    def _advance(self, rate: float, dt: float = 0.1) -> None:
+        for _ in range(round(self.period / dt)):
+            self.time += dt
+            for at in [t for t in self.starting if t <= self.time]:
+                self.starting.remove(at)
+                self.ready[self.next_id] = 0.0
+                self.next_id += 1
+            arrived = rate * dt
+            if self.rng is not None:  # Poisson arrivals' spread
+                arrived = max(0.0, self.rng.gauss(arrived, arrived**0.5))
+            self.in_system += arrived
+            served = min(self.in_system, len(self.ready) * self.capacity * dt)
+            self.in_system -= served
+            for rid in self.ready:
+                self.ready[rid] += served / len(self.ready)
+
+    def _decide(self) -> None:
+        n = len(self.ready)
+        share = self.in_system / n
+        running = min(share, self.slots)
+        waiting = round(share - running)
+        for rid, done in self.ready.items():
+            seen = self.series.setdefault(rid, deque())
+            seen.append(Counters(self.time, done, done * self.tokens, waiting > 0))
+            while len(seen) > 2 and seen[1].time <= self.time - self.policy.demand_window:
+                seen.popleft()
+        for rid in set(self.series) - set(self.ready):
+            if self.series[rid][-1].time < self.time - self.policy.demand_window:
+                del self.series[rid]
+        self.backlog.append(Backlog(self.time, round(self.in_system)))
+        while len(self.backlog) > 2 and self.backlog[1].time <= self.time - 60:
+            self.backlog.popleft()
+        demand = estimate_demand(
+            self.series,
+            self.backlog,
+            now=self.time,
+            window=self.policy.demand_window,
+            panic_window=self.policy.panic_window,
+        )
+        kv = 0.1 + 0.4 * running / self.slots
+        signals = tuple(ReplicaSignals(waiting, round(running), self.slots, kv) for _ in range(n))
+        obs = Observation(self.time, self.current, signals, demand=demand)
+        d = decide(obs, self.policy, self.history)
+        self.decisions.append(d)
+        while self.current < d.desired:
+            self.starting.append(self.time + self.start_s)
+        while self.current > d.desired:
+            if self.starting:
+                self.starting.pop()
+            else:
+                self.ready.popitem()
+        self.replicas.append(self.current)
+
+    @property
+    def direction_changes(self) -> int:
+        moves = [d.direction for d in self.decisions if d.direction != "none"]
+        return sum(1 for a, b in itertools.pairwise(moves) if a != b)
+
+
+SIZED = AutoscalingPolicy(
+    enabled=True,
+    min_replicas=1,
+    max_replicas=8,
+    target_queue_depth=2,
+    scale_down_stabilization=60,
+)
+
+
+@pytest.mark.parametrize(("factor", "most"), [(2, 3), (3, 4)])
+def test_a_step_settles_at_the_capacity_it_needs(factor, most):
+    svc = Service(SIZED)
+    svc.run(rate=4.0, seconds=60)  # half of one replica: nothing measured yet
+    assert svc.replicas[-1] == 1
+    before = len(svc.replicas)
+    svc.run(rate=factor * 8.0, seconds=300)
+    settling = svc.replicas[before:]
+    assert max(settling) <= most, settling
+    assert settling[-1] == factor, settling
+    first_up = next(i for i, n in enumerate(settling) if n > 1)
+    assert first_up * svc.period <= 6, "the step was seen within a few ticks"
+    est = svc.decisions[-1].estimate
+    assert est is not None and est.capacity_source == "measured"
+    assert est.capacity.requests == pytest.approx(8.0, rel=0.05)
+    assert est.capacity.tokens == pytest.approx(800.0, rel=0.05)
+    assert est.demand.requests == pytest.approx(factor * 8.0, rel=0.05)
+
+
+def test_starting_replicas_are_capacity_to_come_not_demand():
+    svc = Service(SIZED, start_s=20.0)  # slow starts: the backlog on the one ready piles up
+    svc.run(rate=0.0, seconds=10)
+    start = len(svc.decisions)
+    svc.run(rate=16.0, seconds=120)
+    step = svc.decisions[start:]
+    # The backlog that grows on the one ready replica while two start (160 requests; 80 per
+    # replica over a queue target of 2) is demand of 16/s and a backlog to drain, not 40
+    # replicas' worth: the count stays at what capacity calls for.
+    assert all(d.estimate is not None for d in step)
+    assert max(d.estimate.demand.requests for d in step) <= 16.0 * 1.05
+    assert max(svc.replicas[start:]) == 3  # 2 for the demand, 1 for the backlog, never more
+    ups = [d for d in step if d.direction == "up"]
+    assert len(ups) <= 2 and all(d.reason in ("panic", "demand") for d in ups), ups
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_constant_noisy_load_never_changes_direction(seed):
+    """Poisson arrivals at 90% of two replicas' capacity for ten minutes after settling.
+
+    (At exactly 100% the queue of two replicas is a random walk that does grow, and the
+    backlog's drain rightly adds a third from time to time.)
+    """
+    svc = Service(SIZED, seed=seed)
+    svc.run(rate=0.0, seconds=10)
+    svc.run(rate=14.4, seconds=120)
+    start = len(svc.decisions)
+    svc.run(rate=14.4, seconds=600)
+    moves = [d.direction for d in svc.decisions[start:] if d.direction != "none"]
+    assert moves == [] and set(svc.replicas[start:]) == {2}, moves
+
+
+def test_a_burst_panics_up_to_what_capacity_calls_for_and_holds_the_count():
+    svc = Service(SIZED, start_s=10.0)
+    svc.run(rate=7.0, seconds=120)  # one replica nearly full
+    assert svc.current == 1
+    start = len(svc.decisions)
+    svc.run(rate=30.0, seconds=8)  # a burst: 3.75 replicas' worth
+    burst = svc.decisions[start:]
+    assert [d.reason for d in burst if d.direction == "up"].count("panic") >= 2
+    assert all(d.estimate is not None and d.estimate.panic for d in burst)
+    # demand over capacity plus the backlog's drain: 4 or 5, where the queue alone (8 per
+    # replica over a target of 2) would have taken the maximum
+    assert 4 <= svc.current <= 5 < SIZED.max_replicas
+    svc.run(rate=7.0, seconds=20)  # the burst is over, the panic still recent: no scale-down
+    assert all(d.direction != "down" for d in svc.decisions[start:])
+    svc.run(rate=7.0, seconds=120)
+    assert svc.current == 1, "back down once panic and window are over"
+
+
+def test_a_starting_guess_sizes_before_anything_is_measured():
+    policy = dataclasses.replace(SIZED, capacity_requests_per_second=8.0)
+    svc = Service(policy)
+    svc.run(rate=0.0, seconds=10)
+    start = len(svc.decisions)
+    svc.run(rate=16.0, seconds=6)
+    (d,) = [d for d in svc.decisions[start:] if d.direction == "up"]
+    assert d.estimate is not None and d.estimate.capacity_source == "guess"
+    assert (d.desired, d.reason) == (2, "panic")
+
+
+def test_a_lasting_breach_the_estimate_misses_adds_one_replica():
+    """The estimate says 1 (capacity guessed far too high); the queue stays above target."""
+    policy = dataclasses.replace(SIZED, capacity_requests_per_second=1000.0)
+    history = History()
+    demand = Demand(Rates(5.0), Rates(5.0), backlog_growth=0.0)
+    seen = []
+    for t in range(0, 70, 2):
+        obs = Observation(float(t), 1, replicas(1, waiting=6, running=2), demand=demand)
+        seen.append(decide(obs, policy, history))
+    ups = [(d.desired, d.reason) for d in seen if d.direction == "up"]
+    assert ups == [(2, "queue-depth")]
+    assert all(d.direction == "none" for d in seen[:30])  # not before a demand window
