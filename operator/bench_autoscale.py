@@ -13,6 +13,10 @@ applies one LLMService on the built-in model (replicas limited to ``--replica-cp
 4. wake from zero: minReplicas 0, wait until scaled to zero, then one streamed request:
    arrival to first token;
 5. replicas, queue depth per replica and TTFT p95 over time as a PNG (``--png``).
+
+Progress goes to stderr as it runs (each phase, and every ``--progress-every`` seconds of load:
+replicas, queue, client-side TTFT p95, the autoscaler's demand and capacity estimates); the
+figures go to stdout as JSON at the end.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class BenchSettings:
     replica_cpu: str = "250m"
     """limits.cpu of each replica: a fraction of a core, so a replica is a unit of capacity."""
     max_replicas: int = 4
+    """maxReplicas of the benchmark's LLMService: room above the 2-3 a step needs, to see an
+    overshoot."""
     target_queue: float = 2.0
     """targetQueueDepthPerReplica of the benchmark's LLMService."""
     target_ttft_s: float = 2.0
@@ -60,32 +66,105 @@ class BenchSettings:
     scale_down_window_s: int = 300
     """scaleDownStabilizationSeconds of the benchmark's LLMService (the CRD's default)."""
     max_tokens: int = 24
+    """max_tokens of each request: short, so one replica's capacity is many requests/s."""
     png: Path = Path("autoscale.png")
+    """Where the chart of replicas, queue and TTFT p95 over time is written."""
     keep: bool = False
     """Keep the namespace afterwards (for a look with kubectl)."""
+    progress_every_s: float = 10.0
+    """Seconds between progress lines while load runs."""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line; every option says what it sets and its default."""
+    d = BenchSettings()
+    p = argparse.ArgumentParser(
+        prog="conveyor bench autoscale",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="cluster to use; unset: the one-machine cluster running here (`conveyor cluster up`)",
+    )
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=d.minutes,
+        help="minutes of load after the step; direction changes are counted over it",
+    )
+    p.add_argument(
+        "--step-factor",
+        type=float,
+        default=d.step_factor,
+        help="step load as a multiple of one replica's measured requests/s",
+    )
+    p.add_argument(
+        "--replica-cpu",
+        default=d.replica_cpu,
+        help="limits.cpu of each replica, so that a replica is a unit of capacity",
+    )
+    p.add_argument(
+        "--max-replicas",
+        type=int,
+        default=d.max_replicas,
+        help="maxReplicas of the benchmark's LLMService",
+    )
+    p.add_argument(
+        "--target-queue",
+        type=float,
+        default=d.target_queue,
+        help="targetQueueDepthPerReplica of the benchmark's LLMService",
+    )
+    p.add_argument(
+        "--target-ttft",
+        type=float,
+        default=d.target_ttft_s,
+        help="targetTTFTP95Seconds of the benchmark's LLMService (seconds)",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=d.interval_s,
+        help="the operator's --autoscale-interval (seconds)",
+    )
+    p.add_argument(
+        "--scale-down-window",
+        type=int,
+        default=d.scale_down_window_s,
+        help="scaleDownStabilizationSeconds of the benchmark's LLMService",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=d.max_tokens, help="max_tokens of each request"
+    )
+    p.add_argument(
+        "--png",
+        type=Path,
+        default=d.png,
+        help="where to write the chart of replicas, queue and TTFT p95 over time",
+    )
+    p.add_argument(
+        "--keep", action="store_true", help="keep the namespace afterwards, for a look with kubectl"
+    )
+    p.add_argument(
+        "--progress-every",
+        type=float,
+        default=d.progress_every_s,
+        help="seconds between progress lines on stderr while load runs",
+    )
+    return p
 
 
 def parse(argv: list[str]) -> BenchSettings:
-    d = BenchSettings()
-    p = argparse.ArgumentParser(prog="conveyor bench autoscale", description=__doc__.split("\n")[0])
-    p.add_argument("--kubeconfig", type=Path, default=None)
-    p.add_argument("--minutes", type=float, default=d.minutes)
-    p.add_argument("--step-factor", type=float, default=d.step_factor)
-    p.add_argument("--replica-cpu", default=d.replica_cpu)
-    p.add_argument("--max-replicas", type=int, default=d.max_replicas)
-    p.add_argument("--target-queue", type=float, default=d.target_queue)
-    p.add_argument("--target-ttft", type=float, default=d.target_ttft_s)
-    p.add_argument("--interval", type=float, default=d.interval_s)
-    p.add_argument("--scale-down-window", type=int, default=d.scale_down_window_s)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--png", type=Path, default=d.png)
-    p.add_argument("--keep", action="store_true")
-    a = p.parse_args(argv)
+    a = parser().parse_args(argv)
     return BenchSettings(
         kubeconfig=a.kubeconfig, minutes=a.minutes, step_factor=a.step_factor,
         replica_cpu=a.replica_cpu, max_replicas=a.max_replicas, target_queue=a.target_queue,
         target_ttft_s=a.target_ttft, interval_s=a.interval, max_tokens=a.max_tokens,
         scale_down_window_s=a.scale_down_window, png=a.png, keep=a.keep,
+        progress_every_s=a.progress_every,
     )  # fmt: skip
 
 
@@ -209,6 +288,42 @@ class Env:
         raise TimeoutError(f"timed out waiting for {what}; operator log: {self.log}")
 
 
+# ---- progress ----------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Lines on stderr with the seconds since the benchmark started, as it goes."""
+
+    started: float = field(default_factory=time.monotonic)
+
+    def say(self, message: str) -> None:
+        print(f"[{time.monotonic() - self.started:6.0f}s] {message}", file=sys.stderr, flush=True)
+
+
+def describe_status(obj: dict[str, Any]) -> str:
+    """The LLMService's replicas and the autoscaler's last estimates, in one line."""
+    status = obj.get("status") or {}
+    auto = status.get("autoscaler") or {}
+    sig = auto.get("signals") or {}
+    parts = [
+        f"replicas {obj['spec'].get('replicas', 0)} desired / {status.get('readyReplicas', 0)} "
+        f"ready",
+        f"queue/replica {sig.get('queueDepthPerReplica', 0.0):.1f}",
+    ]
+    if "demandRequestsPerSecond" in sig:
+        cap = auto.get("capacity") or {}
+        parts.append(
+            f"demand {sig['demandRequestsPerSecond']:.2f} req/s, capacity "
+            f"{cap.get('requestsPerSecond', 0.0):.2f} req/s/replica ({cap.get('source', '?')}), "
+            f"utilization {sig.get('utilization', 0.0):.2f}"
+            + (", panic" if sig.get("panic") else "")
+        )
+    if auto.get("reason"):
+        parts.append(f"last decision {auto.get('direction')} ({auto['reason']})")
+    return ", ".join(parts)
+
+
 # ---- load ------------------------------------------------------------------------------
 
 
@@ -279,9 +394,22 @@ async def open_loop(client: Any, rec: Recorder, rate: float, stop: asyncio.Event
     await asyncio.gather(*tasks)
 
 
-async def watch(env: Env, rec: Recorder, stop: asyncio.Event) -> None:
+async def watch(
+    env: Env, rec: Recorder, stop: asyncio.Event, progress: Progress, every_s: float
+) -> None:
+    """Sample the LLMService twice a second; a progress line every ``every_s`` seconds."""
+    next_line = time.monotonic()
     while not stop.is_set():
         obj = await asyncio.to_thread(env.llmservice)
+        now = time.monotonic()
+        if now >= next_line:
+            next_line = now + every_s
+            p95 = rec.p95(now - 10, now)
+            ttft = "-" if p95 is None else f"{p95:.2f}s"
+            progress.say(
+                f"{describe_status(obj)}; client TTFT p95 (10 s) {ttft}; "
+                f"{len(rec.done)} done, {rec.failures} failed"
+            )
         auto = (obj.get("status") or {}).get("autoscaler") or {}
         sig = auto.get("signals") or {}
         rec.samples.append(Sample(
@@ -335,11 +463,12 @@ def plot(rec: Recorder, step_at: float, path: Path, s: BenchSettings) -> None:
     fig.savefig(path, dpi=100)
 
 
-async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
+async def bench(env: Env, s: BenchSettings, progress: Progress) -> dict[str, Any]:
     import openai
 
     # Autoscaling off while one replica's capacity is measured; on from the step.
     env.apply(s, min_replicas=1, autoscale=False)
+    progress.say("waiting for the LLMService to be Ready (one replica; pod start and model load)")
     status = env.wait(
         "the LLMService Ready",
         lambda: (
@@ -353,6 +482,7 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     # 1. one replica's capacity
+    progress.say("ready; measuring one replica's capacity (5 s warm-up, 20 s of 4 clients)")
     cap = Recorder()
     await closed_loop(client, cap, clients=2, seconds=5, s=s)  # warm up
     cap = Recorder()
@@ -360,6 +490,7 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
     backends = {b for _, _, b in cap.done}
     capacity = len(cap.done) / 20 / max(1, len(backends))
     out["one_replica_rps"] = round(capacity, 2)
+    progress.say(f"one replica: {capacity:.2f} requests/s; turning the autoscaler on")
     env.apply(s, min_replicas=1)
     env.wait(
         "the autoscaler to take over",
@@ -369,7 +500,11 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
     # 2. the step, 3. constant load
     rec = Recorder()
     stop = asyncio.Event()
-    watcher = asyncio.create_task(watch(env, rec, stop))
+    watcher = asyncio.create_task(watch(env, rec, stop, progress, s.progress_every_s))
+    progress.say(
+        f"step to {s.step_factor:g}x: {s.step_factor * capacity:.2f} requests/s for "
+        f"{s.minutes:g} minutes"
+    )
     step_at = time.monotonic()
     load = asyncio.create_task(open_loop(client, rec, s.step_factor * capacity, stop, s))
     await asyncio.sleep(s.minutes * 60)
@@ -398,15 +533,20 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
             None if recovered is None else round(recovered - step_at, 1)
         ),
         "max_replicas": max((x.replicas for x in rec.samples), default=0),
+        "replicas_at_end": rec.samples[-1].replicas if rec.samples else 0,
         "direction_changes_under_constant_load": direction_changes(steady),
         "constant_load_minutes_counted": round((s.minutes * 60 - (settle - step_at)) / 60, 1),
         "requests": len(rec.done),
         "failed_requests": rec.failures,
     })  # fmt: skip
+    final = ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("capacity")
+    out["autoscaler_capacity_rps"] = None if not final else final.get("requestsPerSecond")
     plot(rec, step_at, s.png, s)
     out["png"] = str(s.png.resolve())
+    progress.say(f"load done: {len(rec.done)} requests, {rec.failures} failed; chart {s.png}")
 
     # 4. wake from zero
+    progress.say("waiting for scale to zero (minReplicas 0, 10 s idle)")
     env.apply(s, min_replicas=0, idle_s=10)
     env.wait(
         "scale to zero",
@@ -415,6 +555,7 @@ async def bench(env: Env, s: BenchSettings) -> dict[str, Any]:
             and (o.get("status") or {}).get("readyReplicas", 0) == 0
         ),
     )
+    progress.say("scaled to zero; one request to wake it")
     wake = Recorder()
     await one_request(client, wake, max_tokens=4)
     out["wake_from_zero_first_token_s"] = (
@@ -447,7 +588,9 @@ def main(argv: list[str]) -> int:
             print("conveyor bench autoscale: --kubeconfig needs kubectl on PATH", file=sys.stderr)
             return 2
         env = Env(s.kubeconfig, kubectl)
+    progress = Progress()
     env.kubectl("create", "namespace", env.namespace)
+    progress.say(f"namespace {env.namespace}: checking that pods really run")
     try:
         if why := env.pods_run():
             print(
@@ -455,8 +598,8 @@ def main(argv: list[str]) -> int:
             )
             return 2
         env.start(s)
-        print(f"namespace {env.namespace}; operator log {env.log}", file=sys.stderr)
-        figures = asyncio.run(bench(env, s))
+        progress.say(f"operator started; its log: {env.log}")
+        figures = asyncio.run(bench(env, s, progress))
     except (RuntimeError, TimeoutError) as exc:
         print(f"conveyor bench autoscale: {exc}", file=sys.stderr)
         return 1
