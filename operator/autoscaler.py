@@ -19,9 +19,10 @@ the last seconds exceeds what ready and starting replicas will carry, the count 
 calls for is taken at once (still demand over capacity, never queue length over a target),
 and nothing scales down until the panic has been over for a demand window.
 
-The queue-depth, TTFT and KV-cache targets stay as triggers and guards: with nothing
-starting and the estimate content, a signal above its target adds one replica; no scale-down
-while one is above its target with a margin. Without a capacity figure (nothing measured, no
+The queue-depth, TTFT and KV-cache targets stay as triggers and guards: a signal above its
+target for a panic window, with nothing starting, the backlog not shrinking and the estimate
+content, adds one replica (kept while demand holds); no scale-down while one is above its
+target with a margin. Without a capacity figure (nothing measured, no
 guess, no busy replica to take a lower bound from) the decision is the signals' own, as the
 HPA computes it (``ceil(ready * signal / target)``). Down is patient: only to the largest
 count any moment of the stabilization window called for. Replicas still loading count
@@ -246,6 +247,9 @@ class History:
     """Last time the panic window called for more than ready and starting replicas carry."""
     breach_since: float | None = None
     """Since when a signal has been above its target without a break."""
+    guard_floor: tuple[int, float] | None = None
+    """(replicas, demand in requests/s) when a lasting breach last added a replica: no
+    scale-down below it while demand stays within 10% of that (else it would flap)."""
 
     def record(self, time: float, up: int, down: int, keep: float) -> None:
         self.recommendations.append((time, up, down))
@@ -357,15 +361,25 @@ def sized(
     elif history.breach_since is None:
         history.breach_since = obs.time
     lasting = history.breach_since is not None and (
-        obs.time - history.breach_since >= policy.demand_window
+        obs.time - history.breach_since >= policy.demand_window / 2
     )
+    demand = obs.demand.arrivals.requests
     if up <= current and lasting and obs.num_ready >= current:
-        # A signal stayed above its target for a demand window though the estimate is content
-        # and nothing is starting: the estimate is off, add one replica.
+        # A signal stayed above its target for a panic window, the backlog not shrinking,
+        # though the estimate is content and nothing is starting (a closed loop of clients
+        # keeps its queue whatever the rate; a load at the edge of capacity queues up): one
+        # more replica, kept while demand stays where it was.
         up, reason = current + 1, guard_reason
         history.breach_since = obs.time
+        history.guard_floor = (current + 1, demand)
     guard_down, _ = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
     down = max(math.ceil(need / (1 + TOLERANCE)), guard_down, 1 if obs.busy else 0)
+    if history.guard_floor is not None:
+        floor, at = history.guard_floor
+        if demand < at * (1 - TOLERANCE):
+            history.guard_floor = None  # demand fell: the estimate decides again
+        else:
+            down = max(down, floor)
     use = replicas_needed(obs.demand.arrivals, cap, 1.0) / obs.num_ready
     return up, reason, down, Estimate(obs.demand.arrivals, cap, source, use, need, panic)
 

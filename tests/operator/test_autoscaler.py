@@ -277,12 +277,14 @@ class Service:
     def current(self) -> int:
         return len(self.ready) + len(self.starting)
 
-    def run(self, rate: float, seconds: float) -> None:
+    def run(self, rate: float, seconds: float, clients: int | None = None) -> None:
+        """Open-loop arrivals at ``rate``/s, or a closed loop of ``clients`` that each send
+        again as soon as they are answered."""
         for _ in range(round(seconds / self.period)):
-            self._advance(rate)
+            self._advance(rate, clients)
             self._decide()
 
-    def _advance(self, rate: float, dt: float = 0.1) -> None:
+    def _advance(self, rate: float, clients: int | None, dt: float = 0.1) -> None:
         for _ in range(round(self.period / dt)):
             self.time += dt
             for at in [t for t in self.starting if t <= self.time]:
@@ -292,6 +294,8 @@ class Service:
             arrived = rate * dt
             if self.rng is not None:  # Poisson arrivals' spread
                 arrived = max(0.0, self.rng.gauss(arrived, arrived**0.5))
+            if clients is not None:
+                arrived = max(0.0, clients - self.in_system)
             self.in_system += arrived
             served = min(self.in_system, len(self.ready) * self.capacity * dt)
             self.in_system -= served
@@ -436,9 +440,22 @@ def test_a_lasting_breach_the_estimate_misses_adds_one_replica():
     history = History()
     demand = Demand(Rates(5.0), Rates(5.0), backlog_growth=0.0)
     seen = []
-    for t in range(0, 70, 2):
+    for t in range(0, 40, 2):
         obs = Observation(float(t), 1, replicas(1, waiting=6, running=2), demand=demand)
         seen.append(decide(obs, policy, history))
     ups = [(d.desired, d.reason) for d in seen if d.direction == "up"]
     assert ups == [(2, "queue-depth")]
-    assert all(d.direction == "none" for d in seen[:30])  # not before a demand window
+    assert all(d.direction == "none" for d in seen[:15])  # not before half a demand window
+
+
+def test_a_closed_loop_of_clients_is_relieved_by_the_queue_target():
+    """Twelve clients back to back on replicas of 2 slots (as e2e/test_autoscaling): arrivals
+    always equal throughput, so demand over capacity never asks for more; the queue target
+    does, one replica at a time, until the queue per replica is under it, and holds there."""
+    svc = Service(SIZED)
+    svc.run(rate=0.0, seconds=10)
+    start = len(svc.decisions)
+    svc.run(rate=0.0, seconds=300, clients=12)
+    ups = [(d.desired, d.reason) for d in svc.decisions[start:] if d.direction == "up"]
+    assert ups == [(2, "queue-depth"), (3, "queue-depth")]  # 9, then 3 queued per replica
+    assert svc.replicas[-1] == 3 and svc.direction_changes == 0  # 1 each: under target
