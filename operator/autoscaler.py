@@ -179,6 +179,9 @@ class Observation:
     """Requests held by the gateways because no replica is ready (scale from zero)."""
     demand: Demand | None = None
     """Arrival and throughput rates; None until the timer has a window of counters."""
+    counting: bool = False
+    """Every ready replica exposes the counters demand comes from: a missing ``demand`` is a
+    window still to come (the first tick after a start), not an engine without them."""
 
     @property
     def num_ready(self) -> int:
@@ -395,7 +398,10 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     update_capacity(obs, policy, history)
     capacity = capacity_for(obs, policy, history)
     estimate = None
-    if capacity is not None and obs.demand is not None and obs.num_ready > 0:
+    measuring = obs.counting and obs.demand is None and obs.num_ready > 0
+    if measuring:
+        up, up_reason, down = current, "measuring-demand", current
+    elif capacity is not None and obs.demand is not None and obs.num_ready > 0:
         up, up_reason, down, estimate = sized(obs, policy, history, capacity)
     else:
         up, up_reason = recommend(obs, policy)
@@ -431,6 +437,11 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
 
     if obs.num_ready == 0:
         return decision(current, "none", "no-ready-replica")
+
+    # Demand comes at the next tick: the signals alone would read a backlog as demand again
+    # (after an operator restart under load, straight to the maximum).
+    if measuring:
+        return decision(current, "none", "measuring-demand")
 
     # Up: what the load calls for now (and, with an up window, for all of it).
     target_up = up

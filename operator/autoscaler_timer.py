@@ -232,6 +232,8 @@ def build_observation(
         ttft_p95=ttft,
         pending_requests=pending,
         demand=_demand(now, replicas, pending, state, demand_window, panic_window),
+        counting=bool(ready)
+        and all(r.counters is not None for r in replicas if r.load and r.ready),
     )
 
 

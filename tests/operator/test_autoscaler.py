@@ -327,7 +327,7 @@ class Service:
         )
         kv = 0.1 + 0.4 * running / self.slots
         signals = tuple(ReplicaSignals(waiting, round(running), self.slots, kv) for _ in range(n))
-        obs = Observation(self.time, self.current, signals, demand=demand)
+        obs = Observation(self.time, self.current, signals, demand=demand, counting=True)
         d = decide(obs, self.policy, self.history)
         self.decisions.append(d)
         while self.current < d.desired:
@@ -459,3 +459,21 @@ def test_a_closed_loop_of_clients_is_relieved_by_the_queue_target():
     ups = [(d.desired, d.reason) for d in svc.decisions[start:] if d.direction == "up"]
     assert ups == [(2, "queue-depth"), (3, "queue-depth")]  # 9, then 3 queued per replica
     assert svc.replicas[-1] == 3 and svc.direction_changes == 0  # 1 each: under target
+
+
+def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
+    svc = Service(SIZED, start_s=10.0)
+    svc.run(rate=0.0, seconds=10)
+    svc.run(rate=15.0, seconds=240)
+    assert svc.current == 2
+    # The new operator: capacity read back from status, no counters or backlog yet; the
+    # replicas have a queue of 6 each (3x the target) when it looks first.
+    capacity = svc.history.capacity
+    svc.history, svc.series, svc.backlog = History(capacity=capacity), {}, deque()
+    svc.in_system += 12
+    start = len(svc.decisions)
+    svc.run(rate=15.0, seconds=60)
+    after = svc.decisions[start:]
+    assert (after[0].direction, after[0].reason) == ("none", "measuring-demand")
+    assert after[1].estimate is not None and after[1].estimate.capacity_source == "status"
+    assert max(svc.replicas[start:]) <= 3  # the queue alone would have called for 6

@@ -466,7 +466,9 @@ async def test_demand_capacity_and_utilization_in_status_and_metrics_and_remembe
         scraper.pages["http://198.18.0.5:8000/metrics"] = runtime_metrics(16 * tick, 1600 * tick)
         decisions.append(await timer.tick(NS, "tiny"))
         clock.now += 2
-    assert decisions[0] is not None and decisions[0].estimate is None  # no window yet
+    first = decisions[0]
+    assert first is not None and first.estimate is None  # no window yet: the next tick
+    assert (first.direction, first.reason) == ("none", "measuring-demand")
     last = decisions[-1]
     assert last is not None and last.estimate is not None
     assert (last.desired, last.direction) == (1, "none")
