@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 # setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from conveyor.runtime.sampling_params import SamplingParams
+from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
 
 if TYPE_CHECKING:
     from conveyor.runtime.engine.llm import LLM
     from conveyor.runtime.engine.llm_engine import LLMEngine
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputParams"]
 
 
 def __getattr__(name: str):

@@ -12,6 +12,49 @@ LOGIT_BIAS_LIMIT = 100.0
 """OpenAI's bound on a logit bias."""
 
 
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """What the output must match; exactly one field is set. Enforced by a grammar that
+    masks the tokens which cannot continue a match (``engine/structured_output.py``)."""
+
+    json: str | None = None
+    """A JSON schema, serialised."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """An EBNF grammar in xgrammar's dialect (GBNF-like), whose root rule is ``root``."""
+    strict: bool = True
+    """For ``json``: no properties beyond those the schema names, unless it allows more
+    (OpenAI's ``strict``); False follows JSON Schema, where extra properties are allowed."""
+
+    def validate(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_output must set exactly one of json, json_object, regex, choice "
+                f"and grammar, got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError(
+                f"structured_output choice must be non-empty strings, got {self.choice!r}"
+            )
+
+
 @dataclass
 class SamplingParams:
     """What to generate and how; names and meanings follow the OpenAI API and vLLM."""
@@ -43,6 +86,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     """Token id -> value added to its logit before sampling, in [-100, 100] as OpenAI has it
     (-100 all but bans the token, +100 all but forces it)."""
+    structured_output: StructuredOutputParams | None = None
+    """Constrain the output to a JSON schema, a regex, a choice or a grammar."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -91,6 +136,13 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+        if self.structured_output is not None:
+            self.structured_output.validate()
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError(
+                    "structured_output cannot be combined with ignore_eos or min_tokens: the "
+                    "grammar decides where the output ends"
+                )
         for t, bias in self.logit_bias.items():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")

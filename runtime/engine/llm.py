@@ -80,13 +80,19 @@ class LLM:
                 self.engine.check_request(ids, p)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
+        grammars = [
+            self.engine.structured_outputs.compile(p.structured_output)
+            if p.structured_output is not None
+            else None
+            for p in params
+        ]
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         detoks = {
             rid: IncrementalDetokenizer(self.tokenizer, p, ids)
             for rid, p, ids in zip(request_ids, params, encoded, strict=True)
         }
-        for rid, ids, p in zip(request_ids, encoded, params, strict=True):
-            self.engine.add_request(rid, ids, p)
+        for rid, ids, p, g in zip(request_ids, encoded, params, grammars, strict=True):
+            self.engine.add_request(rid, ids, p, grammar=g)
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
         while self.engine.has_unfinished_requests():

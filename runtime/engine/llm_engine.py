@@ -19,6 +19,7 @@ from conveyor.runtime.engine.platform import configure_threads
 from conveyor.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from conveyor.runtime.engine.sequence import FinishReason, Sequence
 from conveyor.runtime.engine.state import EngineState
+from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model
 from conveyor.runtime.sampling_params import SamplingParams
 
@@ -44,6 +45,10 @@ class LLMEngine:
             settings, self.hf_config, self.tokenizer, files.generation_config, self.runner, threads
         )
         self.runner.eos_token_ids = self.state.eos_token_ids
+        self.structured_outputs = StructuredOutputs(
+            self.tokenizer, self.runner.vocab_size, self.state.eos_token_ids
+        )
+        self.runner.structured_outputs = self.structured_outputs
         self.runner.allocate_kv_cache(self.state.num_blocks)
         self.block_manager = BlockManager(
             self.state.num_blocks, settings.block_size, settings.enable_prefix_caching
@@ -115,11 +120,17 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        grammar: object | None = None,
     ) -> None:
+        """``grammar``: ``params.structured_output`` compiled by ``structured_outputs.compile``
+        off this thread; compiled here if not given."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
         self.check_request(token_ids, params)
+        if params.structured_output is not None:
+            grammar = grammar or self.structured_outputs.compile(params.structured_output)
+            self.structured_outputs.add(request_id, params.structured_output, grammar)
         seq = Sequence(
             request_id=request_id,
             token_ids=token_ids,
@@ -173,6 +184,9 @@ class LLMEngine:
             self.prompt_tokens += seq.num_prompt_tokens
         seq.last_token_time = now
         p, tok, n_out = seq.params, sample.token_id, seq.num_output_tokens
+        if not self.structured_outputs.accept(seq.request_id, tok):  # a bug, not bad input
+            log.error("request %s: its grammar refused sampled token %d", seq.request_id, tok)
+            return self._finish(seq, FinishReason.ABORT)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and tok in self.state.eos_token_ids:
                 return self._finish(seq, FinishReason.STOP)
@@ -186,6 +200,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         seq.finish_time = time.monotonic()
         self.runner.release(seq.request_id)
+        self.structured_outputs.release(seq.request_id)
         del self._seqs[seq.request_id]
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:

@@ -17,6 +17,7 @@ from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
+from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
@@ -72,6 +73,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine once derived
+        self.structured_outputs: StructuredOutputs | None = None  # set by the engine
         if self.backend.layer_kernels is not None:  # Triton on GPU, C++ on CPU
             use_fused_layers(self.model, self.backend.layer_kernels)
         if self.device.type == "cpu" and self.backend.name == "cpu":
@@ -289,6 +291,10 @@ class ModelRunner:
             for i, b in biased:
                 bias[i, torch.tensor(list(b))] = torch.tensor(list(b.values()), dtype=f32)
             t.logit_bias = bias.to(self.device)
+        if self.structured_outputs is not None:
+            mask = self.structured_outputs.bitmask(seqs)  # (N, ceil(V/32)) or None
+            if mask is not None:
+                t.token_bitmask = mask.to(self.device)
         return t
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:

@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, logit bias, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched sampling: penalties, logit bias, grammar masks, temperature, top-k, top-p, min-p, seeds, logprobs.
 
 One set of tensor ops for the whole batch; the only per-request loop draws
 the random noise of requests that brought their own seed (each has its own
@@ -31,6 +31,7 @@ class SamplingTensors:
     output_counts: torch.Tensor | None = None  # (N, V) int: occurrences in the output
     banned: torch.Tensor | None = None  # (N, V) bool: EOS/stop ids before min_tokens
     logit_bias: torch.Tensor | None = None  # (N, V) float32: added to the logits
+    token_bitmask: torch.Tensor | None = None  # (N, ceil(V/32)) int32: bit set = token allowed
     max_logprobs: int = -1  # most top alternatives any row asked for; -1 = none asked
 
 
@@ -49,6 +50,10 @@ class Sampler:
         logits = self._apply_penalties(logits, t)
         if t.logit_bias is not None:
             logits = logits + t.logit_bias
+        if t.token_bitmask is not None:
+            logits = logits.masked_fill(
+                ~_unpack_bits(t.token_bitmask, logits.shape[-1]), float("-inf")
+            )
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
         greedy = logits.argmax(dim=-1)
@@ -111,3 +116,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     outside |= before > top_p[:, None]  # the top token always stays (its before is 0)
     sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def _unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(N, W) int32 words -> (N, vocab) bool, bit ``j`` of word ``w`` being token ``32 w + j``."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask[:, :, None] >> shifts) & 1  # (N, W, 32)
+    return bits.flatten(1)[:, :vocab].bool()  # (N, V)

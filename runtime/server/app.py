@@ -50,6 +50,8 @@ logger = logging.getLogger("conveyor.runtime.server")
 TOKENIZER_THREADS = 2
 """Tokenising threads: the fast tokenizer releases the GIL, and two keep one long prompt
 from delaying every short one behind it."""
+GRAMMAR_THREADS = 2
+"""Grammar compiling threads: two keep one large schema from delaying every cached one."""
 
 
 def default_engine_factory(settings: ServerSettings) -> Callable[[], LLMEngine]:
@@ -77,8 +79,14 @@ def build_app(
         client = EngineClient(factory, metrics)
         metrics.track_engine(client.snapshot)
         pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="conveyor-tokenize")
+        grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="conveyor-grammar")
         ctx = ServerContext(
-            settings=settings, client=client, metrics=metrics, drain=drain, tokenize_pool=pool
+            settings=settings,
+            client=client,
+            metrics=metrics,
+            drain=drain,
+            tokenize_pool=pool,
+            grammar_pool=grammar_pool,
         )
         client.start()
         stats_log = (
@@ -93,6 +101,7 @@ def build_app(
                 stats_log.cancel()
             await client.shutdown()
             pool.shutdown(wait=False, cancel_futures=True)
+            grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="Conveyor runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_exception_handler(RequestValidationError, validation_error_handler)

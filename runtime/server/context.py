@@ -61,6 +61,9 @@ class ServerContext:
     drain: Drain
     tokenize_pool: ThreadPoolExecutor
     """Prompts are tokenised here, off the event loop (a long prompt takes milliseconds)."""
+    grammar_pool: ThreadPoolExecutor
+    """Grammars of structured outputs are compiled here, off the event loop and the engine
+    thread (a large JSON schema takes tens of milliseconds the first time)."""
     token_text: dict[int, str] = field(default_factory=dict)
     """Text of single token ids for logprobs, filled on first use (bounded by the vocabulary)."""
 

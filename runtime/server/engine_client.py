@@ -72,6 +72,8 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     """``time.monotonic()`` when the API call arrived, so queue time and TTFT include tokenising."""
+    grammar: object | None = None
+    """``params.structured_output``, compiled off the engine thread."""
 
 
 @dataclass(frozen=True)
@@ -293,6 +295,7 @@ class EngineClient:
                         msg.prompt_token_ids,
                         msg.params,
                         arrival_time=msg.arrival_time,
+                        grammar=msg.grammar,
                     )
                 except (
                     ValueError

@@ -33,6 +33,7 @@ from conveyor.runtime.server.serving_common import (
     unless_disconnected,
     usage,
 )
+from conveyor.runtime.server.structured_outputs import compile_grammar, structured_output
 
 MAX_TOP_LOGPROBS = 20
 
@@ -44,6 +45,7 @@ async def create_chat_completion(
     check_model(ctx, req.model)
     check_engine(ctx)
     _check_unsupported(req)
+    structured = structured_output(req)
     engine = ctx.client.engine
     assert engine is not None
 
@@ -72,14 +74,16 @@ async def create_chat_completion(
         max_model_len=engine.max_model_len,
         logprobs=logprobs,
         max_tokens_param=max_tokens_param,
+        structured=structured,
     )
     check_prompt(ctx, prompt_ids, params, "messages")
+    grammar = await compile_grammar(ctx, *structured) if structured else None
     request_id = new_id("chatcmpl")
     choices = [
         Choice(ctx, i, f"{request_id}-{i}", prompt_ids, choice_params(params, i))
         for i in range(req.n)
     ]
-    stream = submit(ctx, choices, arrival)
+    stream = submit(ctx, choices, arrival, grammar)
 
     created = int(time.time())
     if req.stream:
@@ -96,12 +100,6 @@ def _check_unsupported(req: ChatCompletionRequest) -> None:
     if req.tools and req.tool_choice != "none":
         raise bad_request(
             "tool calling is not supported by this server; remove tools", param="tools"
-        )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(
-            f"response_format {req.response_format.get('type')!r} is not supported; "
-            'use {"type": "text"} or omit it',
-            param="response_format",
         )
     if req.top_logprobs is not None:
         if not req.logprobs:

@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from conveyor.runtime.engine.detokenizer import IncrementalDetokenizer
-from conveyor.runtime.sampling_params import SEED_MIN, SamplingParams
+from conveyor.runtime.sampling_params import SEED_MIN, SamplingParams, StructuredOutputParams
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.engine_client import EngineDeadError, EngineRequest, OutputStream
 from conveyor.runtime.server.errors import (
@@ -121,6 +121,7 @@ def sampling_params(
     max_model_len: int,
     logprobs: int | None,
     max_tokens_param: str = "max_tokens",
+    structured: tuple[StructuredOutputParams, str] | None = None,
 ) -> SamplingParams:
     """The request's sampling fields as engine ``SamplingParams``; 400 naming the bad field."""
     room = max_model_len - prompt_len
@@ -145,6 +146,7 @@ def sampling_params(
         "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "logit_bias": _logit_bias(req.logit_bias),
+        "structured_output": structured[0] if structured else None,
     }
     for name in (
         "temperature",
@@ -165,6 +167,9 @@ def sampling_params(
         if err.param == "max_tokens":
             err.param = max_tokens_param
             err.message = err.message.replace("max_tokens", max_tokens_param, 1)
+        if err.param == "structured_output" and structured:
+            err.param = structured[1]
+            err.message = err.message.replace("structured_output", structured[1], 1)
         raise err from None
 
 
@@ -275,13 +280,16 @@ class Choice:
         return Delta(text, len(out.new_token_ids), logprobs, finish)
 
 
-def submit(ctx: ServerContext, choices: list[Choice], arrival: float) -> OutputStream:
+def submit(
+    ctx: ServerContext, choices: list[Choice], arrival: float, grammar: object | None = None
+) -> OutputStream:
     """Admit the choices (429 above the queue bound) and hand them to the engine, with no
-    ``await`` in between, so concurrent requests cannot all pass the same check."""
+    ``await`` in between, so concurrent requests cannot all pass the same check.
+    ``grammar``: the choices' compiled structured output, if they have one."""
     check_queue(ctx, len(choices))
     try:
         return ctx.client.submit(
-            [EngineRequest(c.request_id, c.prompt_ids, c.params, arrival) for c in choices]
+            [EngineRequest(c.request_id, c.prompt_ids, c.params, arrival, grammar) for c in choices]
         )
     except EngineDeadError as exc:
         raise APIError(UNAVAILABLE, f"the engine stopped: {exc}", code="engine_dead") from exc

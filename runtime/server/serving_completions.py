@@ -33,6 +33,7 @@ from conveyor.runtime.server.serving_common import (
     unless_disconnected,
     usage,
 )
+from conveyor.runtime.server.structured_outputs import compile_grammar, structured_output
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""
@@ -57,6 +58,7 @@ async def create_completion(
             "echo together with logprobs is not supported (no prompt logprobs); drop one of them",
             param="echo",
         )
+    structured = structured_output(req)
     engine = ctx.client.engine
     assert engine is not None
 
@@ -76,6 +78,7 @@ async def create_completion(
             prompt_len=len(prompt_ids),
             max_model_len=engine.max_model_len,
             logprobs=req.logprobs,
+            structured=structured,
         )
         check_prompt(ctx, prompt_ids, params, "prompt")
         if req.echo:
@@ -94,7 +97,8 @@ async def create_completion(
                     p_index,
                 )
             )
-    stream = submit(ctx, choices, arrival)
+    grammar = await compile_grammar(ctx, *structured) if structured else None
+    stream = submit(ctx, choices, arrival, grammar)
 
     created = int(time.time())
     if req.stream:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from conveyor.runtime import LLM, SamplingParams
+from conveyor.runtime import LLM, SamplingParams, StructuredOutputParams
 
 
 @pytest.fixture(scope="module")
@@ -139,3 +139,24 @@ def test_logit_bias_is_checked_against_the_vocabulary(llm):
         llm.generate(PROMPT, SamplingParams(max_tokens=1, logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={1: -101.0})
+
+
+def test_constrained_and_free_requests_share_a_step(llm):
+    """The grammar masks only its own row: a seeded free request next to constrained ones
+    samples exactly what it samples alone."""
+    free = SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    alone = llm.generate(PROMPT, free)[0].token_ids
+    digits = SamplingParams(
+        max_tokens=10, temperature=1.0, structured_output=StructuredOutputParams(regex="[0-9]{4}")
+    )
+    out = llm.generate([PROMPT, PROMPT, PROMPT], [digits, free, digits])
+    assert out[1].token_ids == alone
+    assert all(len(o.text) == 4 and o.text.isdigit() for o in (out[0], out[2]))
+    assert out[0].finish_reason == "stop"
+
+
+def test_a_grammar_the_library_refuses_is_a_value_error_before_anything_runs(llm):
+    bad = SamplingParams(structured_output=StructuredOutputParams(regex="(?<=a)b"))
+    with pytest.raises(ValueError, match="Lookbehind"):
+        llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2), bad])
+    assert not llm.engine.has_unfinished_requests()
