@@ -140,8 +140,9 @@ def build() -> dash.Dashboard:
         .with_panel(
             _demand_panel(
                 "Demand and capacity: requests",
-                "Arrivals (what finished plus how much the backlog grew) over the demand window, "
-                "against one replica's measured capacity times the ready replicas.",
+                "Arrivals (what finished, what the gateways turned away, and how much the backlog "
+                "grew) over the demand window, against one replica's measured capacity times the "
+                "ready replicas.",
                 n.SIGNAL_DEMAND_RPS,
                 n.SIGNAL_CAPACITY_RPS,
                 REQUESTS_PER_S,

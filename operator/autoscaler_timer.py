@@ -10,7 +10,8 @@ Each tick (a kopf timer per LLMService, ``--autoscale-interval``):
    backlog's, gives demand and, from replicas that had a queue throughout, capacity);
 3. the namespace gateway's replicas (the ``conveyor-gateway`` Service's EndpointSlices),
    ``GET /metrics``, ``conveyor_gateway_pending_requests{model=...}`` summed over gateways:
-   requests held because no replica is ready (scale from zero);
+   requests held because no replica is ready (scale from zero); and each gateway's count of
+   requests for the model it answered 429 or 503 (demand that no replica took);
 4. ``decide(observation, policy, history)``; a change of replicas is written through the scale
    subresource and posted as an Event; the decision and signals go to ``status.autoscaler``
    and to the ``conveyor_autoscaler_*`` metrics.
@@ -30,7 +31,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -163,6 +164,8 @@ class ServiceState:
     gone within the window stays until its last scrape is older than the window)."""
     backlog_seen: deque[signals.Backlog] = field(default_factory=deque)
     """The service's backlog at each tick of the last demand window."""
+    rejected_seen: dict[str, deque[signals.Counters]] = field(default_factory=dict)
+    """Gateway key (pod) -> its count of requests turned away, over the last demand window."""
     last_scale_time: str | None = None
     capacity_time: str | None = None
     """When the capacity was last measured (RFC 3339, for status)."""
@@ -188,6 +191,7 @@ def build_observation(
     replicas: list[ReplicaScrape],
     pending: int,
     state: ServiceState,
+    rejected: Mapping[str, float] | None = None,
     ttft_window: float = TTFT_WINDOW_S,
     demand_window: float = AutoscalingPolicy.demand_window,
     panic_window: float = AutoscalingPolicy.panic_window,
@@ -231,7 +235,7 @@ def build_observation(
         ready=ready,
         ttft_p95=ttft,
         pending_requests=pending,
-        demand=_demand(now, replicas, pending, state, demand_window, panic_window),
+        demand=_demand(now, replicas, pending, rejected or {}, state, demand_window, panic_window),
         counting=bool(ready)
         and all(r.counters is not None for r in replicas if r.load and r.ready),
     )
@@ -241,6 +245,7 @@ def _demand(
     now: float,
     replicas: list[ReplicaScrape],
     pending: int,
+    rejected: Mapping[str, float],
     state: ServiceState,
     window: float,
     panic_window: float,
@@ -258,17 +263,28 @@ def _demand(
         if seen and (requests < seen[-1].requests or tokens < seen[-1].tokens):
             seen.clear()  # a new process counts from 0
         seen.append(signals.Counters(now, requests, tokens, r.load.waiting > 0))
-    for key, seen in list(state.counters_seen.items()):
-        while len(seen) > 2 and seen[1].time <= now - window:
-            seen.popleft()
-        if seen[-1].time < now - window:
-            del state.counters_seen[key]
+    for key, count in rejected.items():
+        seen = state.rejected_seen.setdefault(key, deque())
+        if seen and count < seen[-1].requests:
+            seen.clear()  # a restarted gateway counts from 0
+        seen.append(signals.Counters(now, count, 0.0, False))
+    for series in (state.counters_seen, state.rejected_seen):
+        for key, seen in list(series.items()):
+            while len(seen) > 2 and seen[1].time <= now - window:
+                seen.popleft()
+            if seen[-1].time < now - window:
+                del series[key]
     backlog = sum(r.load.waiting + r.load.running for r in ready if r.load is not None) + pending
     state.backlog_seen.append(signals.Backlog(now, backlog))
     while len(state.backlog_seen) > 2 and state.backlog_seen[1].time <= now - window:
         state.backlog_seen.popleft()
     return signals.estimate_demand(
-        state.counters_seen, state.backlog_seen, now=now, window=window, panic_window=panic_window
+        state.counters_seen,
+        state.backlog_seen,
+        now=now,
+        window=window,
+        panic_window=panic_window,
+        rejected=state.rejected_seen,
     )
 
 
@@ -432,9 +448,9 @@ class AutoscalerTimer:
         runtime, gateways = await asyncio.gather(
             self._endpoints(namespace, name), self._endpoints(namespace, GATEWAY_NAME)
         )
-        replicas, pending = await asyncio.gather(
+        replicas, (pending, rejected) = await asyncio.gather(
             asyncio.gather(*(self._scrape_replica(e) for e in runtime)),
-            self._pending(gateways, model),
+            self._gateways(gateways, model),
         )
         current = int(spec.get("replicas", policy.min_replicas))
         obs = build_observation(
@@ -443,6 +459,7 @@ class AutoscalerTimer:
             replicas=list(replicas),
             pending=pending,
             state=state,
+            rejected=rejected,
             ttft_window=self.ttft_window,
             demand_window=policy.demand_window,
             panic_window=policy.panic_window,
@@ -502,23 +519,25 @@ class AutoscalerTimer:
             raise metrics_text
         return ReplicaScrape(endpoint, load, ready, ttft, counters)
 
-    async def _pending(self, gateways: list[Endpoint], model: str) -> int:
-        """Requests for ``model`` held by the namespace's gateways, summed over gateway replicas."""
+    async def _gateways(self, gateways: list[Endpoint], model: str) -> tuple[int, dict[str, float]]:
+        """Requests for ``model`` held by the namespace's gateways (summed over gateway
+        replicas), and each gateway's count of requests for it turned away so far."""
         texts = await asyncio.gather(
             *(self.scraper.get_text(f"{g.url}/metrics") for g in gateways), return_exceptions=True
         )
-        total = 0
+        total, rejected = 0, dict[str, float]()
         for gateway, text in zip(gateways, texts, strict=True):
             if isinstance(text, str):
                 try:
                     total += pending_requests(text, model)
+                    rejected[gateway.key] = signals.parse_rejected(text, model)
                 except ValueError as exc:
                     log.warning("gateway %s: bad /metrics: %s", gateway.url, exc)
             elif isinstance(text, (httpx.HTTPError, OSError)):
                 log.info("gateway %s: /metrics not answered: %s", gateway.url, _error(text))
             else:
                 raise text
-        return total
+        return total, rejected
 
     async def _patch_status(
         self, llmservice: dict[str, Any], obs: Observation, decision: Decision, state: ServiceState

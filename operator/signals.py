@@ -6,8 +6,9 @@ quantile interpolated inside its bucket as Prometheus' ``histogram_quantile``
 does. Lifetime totals would let an hour of good latency hide a bad minute.
 
 Demand and capacity come from counters the same way: each replica's finished requests and
-tokens (prompt + generated) at each scrape, and the service's backlog (running, waiting, held
-at the gateways). Over a window, arrivals = what finished + how much the backlog grew; a
+tokens (prompt + generated) at each scrape, the service's backlog (running, waiting, held at
+the gateways), and the requests the gateways turned away (429, 503: demand no replica took).
+Over a window, arrivals = what finished + what was turned away + how much the backlog grew; a
 replica that had a queue at every scrape of the panic window was saturated, so what it
 finished is its capacity.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from conveyor.gateway.metrics import REQUESTS_TOTAL as GATEWAY_REQUESTS
 from conveyor.operator.autoscaler import Demand, Rates
 from conveyor.runtime.metrics_names import (
     GENERATION_TOKENS,
@@ -112,6 +114,24 @@ class Backlog:
     requests: int
 
 
+REJECTED_CODES = frozenset({"429", "503"})
+"""Gateway answers that mean a request came and no replica took it (queues full, none ready)."""
+
+
+def parse_rejected(text: str, model: str) -> float:
+    """Requests for ``model`` a gateway answered with 429 or 503 so far (its Prometheus text)."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == GATEWAY_REQUESTS
+                and sample.labels.get("model") == model
+                and sample.labels.get("code") in REJECTED_CODES
+            ):
+                total += sample.value
+    return total
+
+
 def parse_counters(text: str) -> tuple[float, float] | None:
     """(finished requests, prompt + generated tokens) in a runtime's Prometheus text, summed
     over label sets; None when it has no request counter (another engine, or not yet)."""
@@ -151,10 +171,14 @@ def throughput(series: Sequence[Counters], start: float) -> Rates | None:
 
 
 def _arrivals(
-    replicas: Mapping[str, Sequence[Counters]], backlog: Sequence[Backlog], start: float
+    replicas: Mapping[str, Sequence[Counters]],
+    rejected: Mapping[str, Sequence[Counters]],
+    backlog: Sequence[Backlog],
+    start: float,
 ) -> tuple[Rates, float] | None:
     """(arrivals, backlog growth) per second since ``start``: what every replica finished in
-    that span (a younger replica: since its first scrape) plus what the backlog grew by."""
+    that span (a younger replica: since its first scrape), what the gateways turned away, and
+    what the backlog grew by."""
     if len(backlog) < 2:
         return None
     base = backlog[0]
@@ -170,8 +194,13 @@ def _arrivals(
         if first is not None:
             requests += series[-1].requests - first.requests
             tokens += series[-1].tokens - first.tokens
+    turned_away = 0.0
+    for series in rejected.values():
+        first = baseline(series, base.time)
+        if first is not None:
+            turned_away += series[-1].requests - first.requests
     grew = backlog[-1].requests - base.requests
-    arrived = max(0.0, requests + grew)
+    arrived = max(0.0, requests + turned_away + grew)
     per_request = tokens / requests if requests > 0 else 0.0
     return Rates(arrived / span, arrived * per_request / span), grew / span
 
@@ -209,16 +238,18 @@ def estimate_demand(
     now: float,
     window: float,
     panic_window: float,
+    rejected: Mapping[str, Sequence[Counters]] | None = None,
 ) -> Demand | None:
     """Arrivals over ``window`` and ``panic_window`` and what saturated replicas did.
 
     ``replicas`` holds each replica's scrapes, oldest first (those of the last window at
     least; a replica gone within the window stays, so that what it finished counts);
-    ``backlog`` the service's. None until the backlog has two scrapes. Tokens of
+    ``backlog`` the service's; ``rejected`` each gateway's count of requests it turned away
+    (in ``Counters.requests``). None until the backlog has two scrapes. Tokens of
     arrivals are requests times the tokens per finished request of the same window.
     """
-    stable = _arrivals(replicas, backlog, now - window)
-    panic = _arrivals(replicas, backlog, now - panic_window)
+    stable = _arrivals(replicas, rejected or {}, backlog, now - window)
+    panic = _arrivals(replicas, rejected or {}, backlog, now - panic_window)
     if stable is None or panic is None:
         return None
     saturated, busy = [], []

@@ -477,3 +477,22 @@ def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
     assert (after[0].direction, after[0].reason) == ("none", "measuring-demand")
     assert after[1].estimate is not None and after[1].estimate.capacity_source == "status"
     assert max(svc.replicas[start:]) <= 3  # the queue alone would have called for 6
+
+
+def test_requests_the_gateways_turned_away_are_demand_too():
+    """Queues at their bound: replicas finish 8/s, the backlog stays, the gateways answer 429
+    to 4/s more. Arrivals are 12/s, not the 8/s the replicas alone show."""
+    replica = deque(Counters(t, 8.0 * t, 800.0 * t, True) for t in range(0, 62, 2))
+    gateways = {
+        "gw-a": deque(Counters(t, 3.0 * t, 0.0, False) for t in range(0, 62, 2)),
+        "gw-b": deque(Counters(t, 1.0 * t, 0.0, False) for t in range(0, 62, 2)),
+    }
+    backlog = deque(Backlog(t, 10) for t in range(0, 62, 2))
+    demand = estimate_demand(
+        {"a": replica}, backlog, now=60, window=60, panic_window=6, rejected=gateways
+    )
+    assert demand is not None
+    assert demand.arrivals == Rates(12.0, 1200.0) and demand.arrivals_panic == Rates(12.0, 1200.0)
+    assert demand.saturated == Rates(8.0, 800.0)  # capacity is what replicas did
+    without = estimate_demand({"a": replica}, backlog, now=60, window=60, panic_window=6)
+    assert without is not None and without.arrivals == Rates(8.0, 800.0)

@@ -443,11 +443,18 @@ def runtime_metrics(finished: int, tokens: int, *ttfts: float) -> str:
     return generate_latest(registry).decode()
 
 
-def test_counters_are_read_from_the_runtime_metrics():
-    from conveyor.operator.signals import parse_counters
+def test_counters_are_read_from_the_runtime_and_gateway_metrics():
+    from conveyor.gateway.metrics import GatewayMetrics
+    from conveyor.operator.signals import parse_counters, parse_rejected
 
     assert parse_counters(runtime_metrics(12, 1000)) == (12.0, 1000.0)
     assert parse_counters(ttft_metrics(0.1)) is None  # another engine: no demand from it
+    gateway = GatewayMetrics()
+    gateway.requests.labels("tiny", "", "429").inc(3)
+    gateway.requests.labels("tiny", "http://a:8000", "503").inc(2)
+    gateway.requests.labels("tiny", "http://a:8000", "200").inc(50)
+    gateway.requests.labels("other", "", "429").inc(7)
+    assert parse_rejected(generate_latest(gateway.registry).decode(), "tiny") == 5.0
 
 
 async def test_demand_capacity_and_utilization_in_status_and_metrics_and_remembered(world):
