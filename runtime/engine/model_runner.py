@@ -100,7 +100,7 @@ class ModelRunner:
         if self.model.lm_head is None:
             self.model.tied_head_packed = pack(self.model.embed_tokens.weight)
             packed += 1
-        log.info("%d linear weights packed for oneDNN (used for 2-128 row steps)", packed)
+        log.info("%d linear weights packed for oneDNN (used for steps of 2 rows or more)", packed)
 
     # -- KV cache ------------------------------------------------------------------------
 

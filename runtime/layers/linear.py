@@ -1,11 +1,12 @@
-"""Linear layers on CPU with weights prepacked for oneDNN, for the batch sizes where it pays.
+"""Linear layers on CPU with weights prepacked for oneDNN, for every step of two rows or more.
 
-A decode step multiplies a few rows (one per running sequence) by every weight. For those
-shapes oneDNN's matmul on a weight reordered once into its blocked layout beats torch's
-``F.linear`` on the plain weight (measured on 2 Sapphire Rapids cores, float32, SmolLM2's
-shapes: 1.35x at 32 rows, 1.45x at 8, the LM head 1.5-2.7x), while for one row and for
-large prefill chunks the plain matmul is as fast or faster. So each linear keeps both and
-picks by the number of rows: the packed copy is the same size as the weight.
+oneDNN's matmul on a weight reordered once into its blocked layout beats torch's ``F.linear``
+on the plain weight (MKL's sgemm) for decode steps everywhere it was measured (2 Sapphire
+Rapids cores, float32, SmolLM2's shapes: 1.35x at 32 rows, the LM head 1.5-2.7x), and on
+AMD CPUs for prefill chunks too, where MKL takes a slower path than oneDNN's AVX-512 kernels
+(2 Zen 4 cores, 2,048 rows: 1.6-2.8x per layer; on Sapphire Rapids the two were level
+there). For one row (a lone decode, a matrix-vector product bound by reading the weight) the
+plain matmul is as fast or faster. So each linear keeps both and picks by the number of rows.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from torch import nn
 
 log = logging.getLogger("conveyor.runtime")
 
-PACKED_ROWS = (2, 128)
-"""Rows (tokens in the step) for which the packed weight is used, inclusive."""
+PACKED_MIN_ROWS = 2
+"""Rows (tokens in the step) from which the packed weight is used."""
 
 
 def packing_supported(dtype: torch.dtype) -> bool:
@@ -38,8 +39,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` for x (rows, in), on ``packed`` when rows are in range."""
-    if packed is not None and PACKED_ROWS[0] <= x.shape[0] <= PACKED_ROWS[1]:
+    """``F.linear(x, weight, bias)`` for x (rows, in), on ``packed`` from two rows up."""
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

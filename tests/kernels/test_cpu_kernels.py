@@ -89,10 +89,10 @@ def test_auto_picks_cpu_kernels_when_built(backend):
     assert select_backend("torch", CPU).layer_kernels is None
 
 
-@pytest.mark.parametrize("rows", [1, 2, 32, 129])
+@pytest.mark.parametrize("rows", [1, 2, 32, 129, 2048])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, bias):
-    """oneDNN-packed weights for 2-128 rows, the plain weight outside: the same result."""
+    """oneDNN-packed weights from 2 rows up, the plain weight for one: the same result."""
     from conveyor.runtime.layers.linear import PackedLinear, packing_supported
 
     if not packing_supported(torch.float32):
