@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
 from conveyor.runtime.server.errors import bad_request
-from conveyor.runtime.server.protocol import ChatMessage
+from conveyor.runtime.server.protocol import ChatMessage, FunctionCall
 
 if TYPE_CHECKING:
     from conveyor.runtime.engine.llm_engine import LLMEngine
@@ -21,6 +22,7 @@ def render_chat(
     add_generation_prompt: bool,
     continue_final_message: bool,
     template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
     add_special_tokens: bool = False,
 ) -> list[int]:
     """Chat template, then token ids (the template brings its own special tokens, so
@@ -36,6 +38,7 @@ def render_chat(
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
+            **({"tools": tools} if tools else {}),
             **(template_kwargs or {}),
         )
     except (TemplateError, ValueError, TypeError) as exc:  # raise_exception, bad roles, kwargs
@@ -52,4 +55,23 @@ def _as_dict(m: ChatMessage) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": m.role, "content": content or ""}
     if m.name is not None:
         msg["name"] = m.name
+    if m.tool_calls:
+        msg["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {"name": call.function.name, "arguments": _arguments(call.function)},
+            }
+            for call in m.tool_calls
+        ]
+    if m.tool_call_id is not None:
+        msg["tool_call_id"] = m.tool_call_id
     return msg
+
+
+def _arguments(call: FunctionCall) -> Any:
+    """Templates write ``arguments | tojson``, so they get the object, not its JSON text."""
+    try:
+        return json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments

@@ -34,6 +34,7 @@ from conveyor.runtime.server.serving_common import (
     usage,
 )
 from conveyor.runtime.server.structured_outputs import compile_grammar, structured_output
+from conveyor.runtime.server.tool_calls import ToolCalling
 
 MAX_TOP_LOGPROBS = 20
 
@@ -45,7 +46,18 @@ async def create_chat_completion(
     check_model(ctx, req.model)
     check_engine(ctx)
     _check_unsupported(req)
+    tools = ToolCalling.from_request(req, ctx.settings.tool_call_parser)
     structured = structured_output(req)
+    if tools is not None and tools.forced:
+        if structured is not None:
+            raise bad_request(
+                f"tool_choice {tools.mode} is forced by a grammar, so it cannot be combined "
+                f"with {structured[1]}; drop one of them",
+                param=structured[1],
+            )
+        constraint = tools.constraint()
+        assert constraint is not None
+        structured = (constraint, "tools")
     engine = ctx.client.engine
     assert engine is not None
 
@@ -57,6 +69,7 @@ async def create_chat_completion(
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
+            tools=tools.template_tools() if tools is not None else None,
         ),
         "messages",
     )
@@ -88,19 +101,15 @@ async def create_chat_completion(
     created = int(time.time())
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = _stream(ctx, request_id, created, choices, include_usage, stream)
+        events = _stream(ctx, request_id, created, choices, include_usage, tools, stream)
         return EngineStreamingResponse(sse_stream(events), stream)
     body = await unless_disconnected(
-        request, _collect(ctx, request_id, created, choices, stream), stream
+        request, _collect(ctx, request_id, created, choices, tools, stream), stream
     )
     return JSONResponse(body)
 
 
 def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools and req.tool_choice != "none":
-        raise bad_request(
-            "tool calling is not supported by this server; remove tools", param="tools"
-        )
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
@@ -131,19 +140,30 @@ def _logprobs_content(ctx: ServerContext, logprobs: list[Any]) -> list[dict[str,
 
 
 async def _collect(
-    ctx: ServerContext, request_id: str, created: int, choices: list[Choice], stream: OutputStream
+    ctx: ServerContext,
+    request_id: str,
+    created: int,
+    choices: list[Choice],
+    tools: ToolCalling | None,
+    stream: OutputStream,
 ) -> dict[str, Any]:
     async for _ in run_choices(ctx, choices, stream):
         pass
     out = []
     for c in choices:
         lp = {"content": _logprobs_content(ctx, c.logprobs)} if c.want_logprobs else None
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        calls = tools.extract(c.text) if tools is not None else None
+        if calls is not None:
+            message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+            finish_reason = "tool_calls"
         out.append(
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": lp,
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish_reason,
                 "stop_reason": c.stop_reason,
             }
         )
@@ -163,6 +183,7 @@ async def _stream(
     created: int,
     choices: list[Choice],
     include_usage: bool,
+    tools: ToolCalling | None,
     stream: OutputStream,
 ) -> AsyncIterator[str]:
     head = {
@@ -194,10 +215,30 @@ async def _stream(
 
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
+    # With tools, text that is (or may start) a tool call is held back, and the calls are
+    # sent whole in the choice's last chunk.
+    emitted = {c.index: "" for c in choices}
+    sent = {c.index: 0 for c in choices}
     async for choice, delta in run_choices(ctx, choices, stream):
+        i = choice.index
+        emitted[i] += delta.text
+        visible = len(emitted[i]) if tools is None else tools.visible_len(emitted[i])
+        if delta.finish_reason is not None and tools is not None:
+            calls = tools.extract(emitted[i])
+            if calls is not None:
+                if sent[i] < visible:
+                    yield chunk(i, {"content": emitted[i][sent[i] : visible]}, None, None)
+                tool_calls = [{"index": k, **call} for k, call in enumerate(calls[1])]
+                yield chunk(
+                    i, {"tool_calls": tool_calls}, delta.logprobs, "tool_calls", choice.stop_reason
+                )
+                continue
+            visible = len(emitted[i])  # no call after all: the held-back text is content
+        text = emitted[i][sent[i] : max(sent[i], visible)]
+        sent[i] = max(sent[i], visible)
         yield chunk(
-            choice.index,
-            {"content": delta.text} if delta.text or delta.num_tokens else {},
+            i,
+            {"content": text} if text or delta.num_tokens else {},
             delta.logprobs,
             delta.finish_reason,
             choice.stop_reason if delta.finish_reason else None,

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from conveyor.runtime.config import EngineSettings
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
+TOOL_CALL_PARSERS = ("hermes",)
+"""Tool-call formats ``--tool-call-parser`` knows (``tool_calls.py`` reads them)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,10 @@ class ServerSettings:
     log_stats_interval: float = 10.0
     """Seconds between one-line engine summaries in the log while busy (0 = never); vLLM's 10 s."""
 
+    tool_call_parser: str | None = None
+    """The model's own tool-call format, read when ``tool_choice`` is ``auto`` (vLLM's flag);
+    unset: ``auto`` is refused, as nothing could read the calls."""
+
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine this server drives."""
 
@@ -62,6 +68,11 @@ class ServerSettings:
             )
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                f"got {self.tool_call_parser!r}"
+            )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
 
@@ -112,6 +123,18 @@ class ServerSettings:
             default=d.log_stats_interval,
             help=f"seconds between engine summaries in the log while busy; 0 = never (default {d.log_stats_interval:g})",
         )
+        g.add_argument(
+            "--tool-call-parser",
+            default=None,
+            choices=list(TOOL_CALL_PARSERS),
+            help="the model's tool-call format, for tool_choice auto (hermes: Hermes, Qwen, SmolLM2 "
+            "<tool_call> JSON); default: auto is refused",
+        )
+        g.add_argument(
+            "--enable-auto-tool-choice",
+            action="store_true",
+            help="accepted as vLLM has it; tool_choice auto needs --tool-call-parser",
+        )
         EngineSettings.add_cli_args(parser)
 
     @classmethod
@@ -126,5 +149,6 @@ class ServerSettings:
             log_level=args.log_level,
             access_log=args.access_log,
             log_stats_interval=args.log_stats_interval,
+            tool_call_parser=args.tool_call_parser,
             engine=EngineSettings.from_cli_args(args),
         )

@@ -1,0 +1,187 @@
+"""Tool calling on chat completions: ``tool_choice`` into a grammar or a parser, and the
+generated text back into OpenAI ``tool_calls``.
+
+- ``none``: plain text.
+- ``required`` / a named function: forced by a grammar, so the arguments always parse and
+  match the function's parameter schema, on any model. ``required`` generates a JSON array
+  of ``{"name", "parameters"}`` (one element unless ``parallel_tool_calls``); a named function
+  generates its arguments object.
+- ``auto``: the model writes its own tool-call format, read by the parser the server was
+  started with (``--tool-call-parser``), e.g. Hermes / Qwen / SmolLM2
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from conveyor.runtime.sampling_params import StructuredOutputParams
+from conveyor.runtime.server.errors import bad_request
+from conveyor.runtime.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
+from conveyor.runtime.server.settings import TOOL_CALL_PARSERS
+
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCalling:
+    """One request's tools and how its output becomes tool calls."""
+
+    tools: list[Tool]
+    mode: str
+    """``none``, ``auto``, ``required`` or ``named``."""
+    name: str | None = None
+    """The function a ``named`` choice forces."""
+    parallel: bool = True
+    parser: str | None = None
+    """For ``auto``: the server's ``--tool-call-parser``."""
+
+    @classmethod
+    def from_request(cls, req: ChatCompletionRequest, parser: str | None) -> ToolCalling | None:
+        """None when the request has no tools; 400s that say what to change."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise bad_request(
+                    f"tool_choice {_describe(choice)} needs tools; send the functions in tools",
+                    param="tool_choice",
+                )
+            return None
+        names = [t.function.name for t in req.tools]
+        if len(set(names)) != len(names):
+            raise bad_request(f"tools must have distinct names, got {names}", param="tools")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in names:
+                raise bad_request(
+                    f"tool_choice names function {choice.function.name!r}, which is not in "
+                    f"tools ({', '.join(names)})",
+                    param="tool_choice",
+                )
+            return cls(req.tools, "named", name=choice.function.name)
+        mode = choice or "auto"
+        if mode == "auto" and parser is None:
+            raise bad_request(
+                'tool_choice "auto" needs a server started with --tool-call-parser '
+                f'({", ".join(TOOL_CALL_PARSERS)}); use "required", a named function or '
+                '"none" here',
+                param="tool_choice",
+            )
+        return cls(req.tools, mode, parallel=req.parallel_tool_calls, parser=parser)
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+    def template_tools(self) -> list[dict[str, Any]]:
+        """The tools as chat templates read them (Hugging Face's ``tools=`` convention)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def constraint(self) -> StructuredOutputParams | None:
+        """The grammar that forces ``required`` and ``named`` output."""
+        if self.mode == "named":
+            return StructuredOutputParams(json=json.dumps(self._parameters(self.name)))
+        if self.mode != "required":
+            return None
+        calls: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {
+                            "name": {"type": "string", "enum": [t.function.name]},
+                            "parameters": self._parameters(t.function.name),
+                        },
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                    }
+                    for t in self.tools
+                ]
+            },
+        }
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return StructuredOutputParams(json=json.dumps(calls))
+
+    def _parameters(self, name: str | None) -> dict[str, Any]:
+        tool = next(t for t in self.tools if t.function.name == name)
+        return tool.function.parameters or NO_PARAMETERS
+
+    def visible_len(self, text: str) -> int:
+        """How much of the text generated so far may be streamed as ``content``: none when
+        forced, and for ``auto`` everything before a tool call (or what may start one)."""
+        if self.forced:
+            return 0
+        if self.mode != "auto":
+            return len(text)
+        at = text.find(HERMES_OPEN)
+        if at >= 0:
+            return at
+        for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if HERMES_OPEN.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
+
+    def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        """``(content, tool_calls)`` from the whole output, or None when it holds no tool
+        call that parses (plain text, or a forced call cut short by max_tokens)."""
+        if self.mode == "named":
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return None, [_call(self.name or "", text)]
+        if self.mode == "required":
+            try:
+                calls = json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return None, [
+                _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls
+            ]
+        if self.mode == "auto":
+            return _parse_hermes(text)
+        return None
+
+
+def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+    at = text.find(HERMES_OPEN)
+    if at < 0:
+        return None
+    calls = []
+    for body in _HERMES_CALL.findall(text, at):
+        try:
+            parsed = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        for c in parsed if isinstance(parsed, list) else [parsed]:
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                return None
+            args = c.get("arguments", c.get("parameters", {}))
+            calls.append(_call(c["name"], json.dumps(args, ensure_ascii=False)))
+    if not calls:
+        return None
+    content = text[:at].strip()
+    return content or None, calls
+
+
+def _call(name: str, arguments: str) -> dict[str, Any]:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def _describe(choice: object) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"naming {choice.function.name!r}"
+    return repr(choice)

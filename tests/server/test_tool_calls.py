@@ -1,0 +1,206 @@
+"""Tool calling on the random-weights built-in model: ``required`` and a named function are
+forced by the grammar, so every call's arguments parse and match the function's schema."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from conveyor.runtime.server.process import ServerProcess
+
+MODEL = "conveyor-tiny"
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+UNITS = ["celsius", "fahrenheit"]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 10},
+                "unit": {"type": "string", "enum": UNITS},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+TOOLS = [WEATHER, CLOCK]
+
+
+def assert_valid_call(call: Any) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_time":
+        assert args == {}
+        return
+    assert call.function.name == "get_weather"
+    assert {"city", "unit"} <= set(args) <= {"city", "unit", "days"}, args
+    assert isinstance(args["city"], str) and 1 <= len(args["city"]) <= 10, args
+    assert args["unit"] in UNITS, args
+    if "days" in args:
+        assert type(args["days"]) is int and 1 <= args["days"] <= 7, args
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_required_always_calls_a_tool_with_valid_arguments(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,  # random weights would make arrays of any length
+        n=8,
+        temperature=1,
+        max_tokens=300,
+    )
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls", c
+        assert c.message.content is None and c.message.tool_calls
+        assert len(c.message.tool_calls) == 1
+        assert_valid_call(c.message.tool_calls[0])
+    assert len({c.message.tool_calls[0].id for c in r.choices if c.message.tool_calls}) == 8
+
+
+def test_named_function_streamed_and_not(client: openai.OpenAI) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=choice,  # type: ignore[arg-type]
+        n=4,
+        temperature=1,
+        max_tokens=200,
+    )
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls"
+        assert c.message.tool_calls is not None and len(c.message.tool_calls) == 1
+        assert c.message.tool_calls[0].function.name == "get_weather"
+        assert_valid_call(c.message.tool_calls[0])
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1,
+        max_tokens=200,
+        stream=True,
+    )
+    calls, content, finish = [], "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert len(calls) == 1  # parallel_tool_calls false: one call
+    assert_valid_call(calls[0])
+
+
+def test_none_answers_in_text_and_history_with_tool_calls_renders(
+    client: openai.OpenAI,
+) -> None:
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=history,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice="none",
+        max_tokens=5,
+        temperature=0,
+    )
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"tools": TOOLS}, "tool_choice", "--tool-call-parser"),  # auto by default
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not in tools",
+        ),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "distinct"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools.0.function", ""),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"},
+            "guided_regex",
+            "cannot be combined",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": "x"}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            'type "x"',
+        ),
+    ],
+)
+def test_bad_tool_requests_are_400s(
+    http: httpx.Client, body: dict[str, Any], param: str, says: str
+) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param, err
+    assert says.lower() in err["message"].lower(), err
+
+
+def test_auto_with_a_parser_answers_in_text_when_the_model_calls_nothing(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server("--tool-call-parser", "hermes")
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content
