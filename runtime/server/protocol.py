@@ -164,6 +164,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    """Rendered by the chat template, as chat completions renders them."""
     return_token_strs: bool = False
 
 

@@ -79,3 +79,13 @@ def test_tokenize_lone_surrogate_is_a_400(http: httpx.Client) -> None:
         "/tokenize", content=b'{"prompt": "a\\ud800"}', headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+
+
+def test_tokenize_messages_with_tools_counts_what_chat_counts(http: httpx.Client) -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = http.post("/tokenize", json={"messages": MESSAGES, "tools": tools}).json()
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": MESSAGES, "tools": tools, "tool_choice": "none", "max_tokens": 1},
+    ).json()
+    assert body["count"] == chat["usage"]["prompt_tokens"]
