@@ -496,3 +496,15 @@ def test_requests_the_gateways_turned_away_are_demand_too():
     assert demand.saturated == Rates(8.0, 800.0)  # capacity is what replicas did
     without = estimate_demand({"a": replica}, backlog, now=60, window=60, panic_window=6)
     assert without is not None and without.arrivals == Rates(8.0, 800.0)
+
+
+def test_the_crd_defaults_are_the_policy_defaults():
+    """A spec that sets nothing reads as ``AutoscalingPolicy()``: the two sets of defaults agree."""
+    from conveyor.operator.crd import apply_defaults
+
+    body = apply_defaults({
+        "apiVersion": "conveyor.dev/v1alpha1", "kind": "LLMService",
+        "metadata": {"name": "m", "namespace": "n"},
+        "spec": {"model": {"builtin": "conveyor-tiny"}},
+    })  # fmt: skip
+    assert AutoscalingPolicy.from_spec(body["spec"]["autoscaling"]) == AutoscalingPolicy()
