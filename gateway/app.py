@@ -34,7 +34,9 @@ from conveyor.gateway.static_discovery import StaticDiscovery
 
 log = logging.getLogger("conveyor.gateway")
 
-PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions")
+PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+"""Forwarded to a replica of the body's ``model``, bodies unchanged (structured outputs,
+tools, logit_bias included); ``/tokenize`` and ``/detokenize`` are vLLM's."""
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Proxying ``POST /v1/completions`` and ``/v1/chat/completions`` to one replica of the model's pool.
+"""Proxying ``POST /v1/completions``, ``/v1/chat/completions``, ``/tokenize`` and ``/detokenize``
+to one replica of the model's pool.
 
 A raw ASGI handler: the body is read once (bounded), the model picks the pool, the pool's
 policy picks a replica. Until the first byte goes to the client every failure is retried on

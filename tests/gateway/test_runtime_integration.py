@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 from collections.abc import Iterator
 
@@ -186,3 +187,61 @@ async def test_replicas_join_and_leave(replicas, processes: Processes, tmp_path)
     write(b.url)
     wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the first replica to leave")
     assert served_by(4) == {b.url}
+
+
+async def test_structured_outputs_tools_and_tokenize_pass_through(
+    replicas, processes: Processes
+) -> None:
+    """The gateway forwards the bodies unchanged: greedy answers are the replica's own."""
+    _, (replica, *_) = replicas
+    gw = start_gateway(processes, "--backend", replica.url)
+    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
+    messages = [{"role": "user", "content": "Pick a colour."}]
+    schema = {
+        "type": "object",
+        "properties": {
+            "colour": {"enum": ["red", "green"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["colour", "n"],
+        "additionalProperties": False,
+    }
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": schema}}
+
+    async def answers(base_url: str) -> list[object]:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused") as client:
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                temperature=0,
+                max_tokens=150,
+                stream=True,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "c", "schema": schema, "strict": True},
+                },
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            called = await client.chat.completions.create(
+                model=MODEL,
+                messages=messages,
+                temperature=0,
+                max_tokens=150,
+                tools=[weather],
+                tool_choice="required",
+                parallel_tool_calls=False,
+                logit_bias={"48": 5},
+            )
+            calls = called.choices[0].message.tool_calls or []
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+            r = await http.post("/tokenize", json={"model": MODEL, "messages": messages})
+            tokens = r.json()["tokens"]
+            r = await http.post("/detokenize", json={"model": MODEL, "tokens": tokens})
+        return [text, [(c.function.name, c.function.arguments) for c in calls], tokens, r.json()]
+
+    direct = await answers(replica.url)
+    through = await answers(gw.url)
+    assert through == direct
+    text, calls, _, _ = through
+    assert json.loads(text)["colour"] in ("red", "green")  # type: ignore[arg-type]
+    assert calls and calls[0][0] == "get_weather"  # type: ignore[index]
