@@ -9,10 +9,12 @@ Replicas are sized from capacity, as AIBrix's and Knative's KPA and Dynamo's pla
 where demand is the arrival rate of requests (and of tokens) over the demand window,
 capacity is one replica's throughput while saturated (measured, remembered in the history
 and in status; a starting guess from the spec until then), and the backlog is what waits
-on the replicas and at the gateways. ``spec.replicas`` counts replicas that are still
-starting, so they are capacity to come: the backlog that piles up on the ready ones while
-they start is not read again as demand for more. Within 10% of the current count is no
-change (the HPA's tolerance), on the way up and down alike.
+on the replicas and at the gateways, plus what will pile up on the ready replicas until
+the replicas asked for are ready (their start time is learned). ``spec.replicas`` counts
+replicas that are still starting, so they are capacity to come: the backlog that piles up
+on the ready ones while they start is not read again as demand for more. Within 10% of the
+current count is no change (the HPA's tolerance), and the count is rounded up only past
+10% of a replica, on the way up and down alike.
 
 A short panic window (KPA's) reacts to a burst: when the backlog grows and the demand of
 the last seconds exceeds what ready and starting replicas will carry, the count that demand
@@ -220,6 +222,8 @@ class Estimate:
     replicas_needed: float
     """Demand and backlog drain over capacity x target utilization, before rounding."""
     panic: bool
+    start_time: float | None = None
+    """Seconds a replica takes to be ready, as learned; None until one was seen starting."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,10 @@ class History:
     """Last time the panic window called for more than ready and starting replicas carry."""
     breach_since: float | None = None
     """Since when a signal has been above its target without a break."""
+    starts: list[tuple[float, int]] = field(default_factory=list)
+    """(since, replicas): counts asked for (or seen short of ready) and not all ready yet."""
+    start_time: float | None = None
+    """Seconds from asking for replicas to their being ready, as seen (averaged)."""
     guard_floor: tuple[int, float] | None = None
     """(replicas, demand in requests/s) when a lasting breach last added a replica: no
     scale-down below it while demand stays within 10% of that (else it would flap)."""
@@ -336,6 +344,31 @@ def replicas_needed(rates: Rates, capacity: Rates, utilization: float) -> float:
     return need
 
 
+def track_starts(obs: Observation, history: History) -> None:
+    """Learn how long replicas take to be ready: a count asked for (or seen short of ready)
+    is a start; the tick at which as many are ready ends it."""
+    now, current, ready = obs.time, obs.current_replicas, obs.num_ready
+    for since, n in list(history.starts):
+        if ready >= n:
+            sample = now - since
+            old = history.start_time
+            history.start_time = sample if old is None else (old + sample) / 2
+            history.starts.remove((since, n))
+        elif n > current:  # asked for more than is now wanted: never to be reached
+            history.starts.remove((since, n))
+    if ready < current and not any(n >= current for _, n in history.starts):
+        history.starts.append((now, current))
+
+
+def time_to_capacity(obs: Observation, history: History) -> float:
+    """Seconds until replicas asked for now (or starting since) are ready, as far as the
+    learned start time tells; 0 while none was learned."""
+    if history.start_time is None:
+        return 0.0
+    oldest = min((since for since, _ in history.starts), default=obs.time)
+    return max(0.0, history.start_time - (obs.time - oldest))
+
+
 def sized(
     obs: Observation, policy: AutoscalingPolicy, history: History, capacity: tuple[Rates, str]
 ) -> tuple[int, str, int, Estimate]:
@@ -343,9 +376,18 @@ def sized(
     assert obs.demand is not None and obs.num_ready > 0
     cap, source = capacity
     current, u = obs.current_replicas, policy.target_utilization
-    drain = obs.backlog / (policy.backlog_drain * cap.requests * u)
-    need = replicas_needed(obs.demand.arrivals, cap, u) + drain
-    need_panic = replicas_needed(obs.demand.arrivals_panic, cap, u) + drain
+    # The backlog to drain: what waits now, and what will pile up on the ready replicas until
+    # capacity asked for now (or starting) comes.
+    coming = time_to_capacity(obs, history)
+    ready_rate = obs.num_ready * cap.requests
+
+    def with_drain(arrivals: Rates) -> float:
+        expected = obs.backlog + max(0.0, arrivals.requests - ready_rate) * coming
+        drain = expected / (policy.backlog_drain * cap.requests * u)
+        return replicas_needed(arrivals, cap, u) + drain
+
+    need = with_drain(obs.demand.arrivals)
+    need_panic = with_drain(obs.demand.arrivals_panic)
     # Panic: the backlog grows and the last seconds call for more than ready and starting
     # replicas will carry. While a panic is recent, the short window sizes scale-ups too (it
     # sees a step at once, the demand window only as it fills).
@@ -354,9 +396,10 @@ def sized(
     panic = history.last_panic is not None and obs.time - history.last_panic < policy.demand_window
     up, reason = current, "demand"
     if need > current * (1 + TOLERANCE):
-        up = math.ceil(need)
-    if panic and need_panic > current * (1 + TOLERANCE) and math.ceil(need_panic) > up:
-        up, reason = math.ceil(need_panic), "panic"
+        up = math.ceil(need / (1 + TOLERANCE))
+    up_panic = math.ceil(need_panic / (1 + TOLERANCE))
+    if panic and need_panic > current * (1 + TOLERANCE) and up_panic > up:
+        up, reason = up_panic, "panic"
     guard_up, guard_reason = guards(obs, policy)
     if guard_up <= current or obs.num_ready < current or obs.demand.backlog_growth < 0:
         # Only a breach while nothing starts and the backlog does not shrink counts.
@@ -384,7 +427,10 @@ def sized(
         else:
             down = max(down, floor)
     use = replicas_needed(obs.demand.arrivals, cap, 1.0) / obs.num_ready
-    return up, reason, down, Estimate(obs.demand.arrivals, cap, source, use, need, panic)
+    estimate = Estimate(
+        obs.demand.arrivals, cap, source, use, need, panic, start_time=history.start_time
+    )
+    return up, reason, down, estimate
 
 
 def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Decision:
@@ -396,6 +442,7 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
         # still loading (just created, or woken from zero) is not idle.
         history.last_busy = now
     update_capacity(obs, policy, history)
+    track_starts(obs, history)
     capacity = capacity_for(obs, policy, history)
     estimate = None
     measuring = obs.counting and obs.demand is None and obs.num_ready > 0
@@ -454,6 +501,7 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     if target_up > current and target_up - obs.num_ready > TOLERANCE * obs.num_ready:
         desired = clamp(min(target_up, current + policy.max_scale_up_step))
         if desired > current:
+            history.starts.append((now, desired))
             return decision(desired, "up", up_reason)
 
     # Down: every moment of the window allowed fewer replicas, with the margin; never while

@@ -309,6 +309,7 @@ ESTIMATE_SIGNALS = (
     "utilization",
     "replicasNeeded",
     "panic",
+    "replicaStartSeconds",
 )
 """Keys of ``status.autoscaler.signals`` that only a capacity-sized decision has."""
 
@@ -339,6 +340,8 @@ def autoscaler_status(
             "replicasNeeded": round(est.replicas_needed, 3),
             "panic": est.panic,
         })  # fmt: skip
+        if est.start_time is not None:
+            status["signals"]["replicaStartSeconds"] = round(est.start_time, 1)
         capacity: dict[str, Any] = {
             "requestsPerSecond": round(est.capacity.requests, 3),
             "tokensPerSecond": round(est.capacity.tokens, 1),
@@ -393,6 +396,7 @@ SIGNAL_NAMES = (
     "capacity_tokens_per_second",
     "utilization",
     "replicas_needed",
+    "replica_start_seconds",
 )
 """Values of ``conveyor_autoscaler_signal{signal}``; those after the first three are NaN
 while the decision is the signals' own (no capacity figure or no demand yet)."""
@@ -584,6 +588,7 @@ class AutoscalerTimer:
             "capacity_tokens_per_second": None if est is None else est.capacity.tokens,
             "utilization": None if est is None else est.utilization,
             "replicas_needed": None if est is None else est.replicas_needed,
+            "replica_start_seconds": None if est is None else est.start_time,
         }
         targets = {
             "queue_depth_per_replica": policy.target_queue_depth,

@@ -64,7 +64,8 @@ class OperatorMetrics:
             "Last observed signal (queue_depth_per_replica, ttft_p95_seconds, kv_cache_usage) and "
             "estimate (demand_requests_per_second, demand_tokens_per_second, "
             "capacity_requests_per_second and capacity_tokens_per_second of one replica, "
-            "utilization, replicas_needed; NaN while no capacity figure sizes the decision)",
+            "utilization, replicas_needed, replica_start_seconds as learned; NaN while no "
+            "capacity figure sizes the decision)",
             [*per_service, "signal"],
             registry=self.registry,
         )

@@ -260,13 +260,17 @@ class Service:
     ``decide`` is called.
     """
 
-    def __init__(self, policy, *, capacity=8.0, slots=2, start_s=15.0, period=2.0, seed=None):
+    def __init__(
+        self, policy, *, capacity=8.0, slots=2, start_s=15.0, period=2.0, seed=None, fresh=False
+    ):
         self.policy, self.history = policy, History()
         self.capacity, self.slots, self.start_s, self.period = capacity, slots, start_s, period
         self.tokens = 100
         self.time, self.in_system, self.next_id = 0.0, 0.0, 1
         self.ready: dict[int, float] = {0: 0.0}  # replica id -> requests finished
         self.starting: list[float] = []  # times at which starting replicas become ready
+        if fresh:  # just created: its first replica starts
+            self.ready, self.starting = {}, [start_s]
         self.series: dict[int, deque[Counters]] = {}
         self.backlog: deque[Backlog] = deque()
         self.rng = random.Random(seed) if seed is not None else None
@@ -304,7 +308,7 @@ class Service:
 
     def _decide(self) -> None:
         n = len(self.ready)
-        share = self.in_system / n
+        share = self.in_system / max(1, n)
         running = min(share, self.slots)
         waiting = round(share - running)
         for rid, done in self.ready.items():
@@ -508,3 +512,42 @@ def test_the_crd_defaults_are_the_policy_defaults():
         "spec": {"model": {"builtin": "conveyor-tiny"}},
     })  # fmt: skip
     assert AutoscalingPolicy.from_spec(body["spec"]["autoscaling"]) == AutoscalingPolicy()
+
+
+def test_replica_start_time_is_learned_from_asking_to_ready():
+    history = History()
+    policy = SIZED
+    for t, current, ready in [(0, 1, 0), (4, 1, 0), (12, 1, 1), (20, 1, 1)]:
+        decide(Observation(t, current, replicas(ready)), policy, history)
+    assert history.start_time == 12 and history.starts == []
+    # a count asked for, then given up before it was reached, teaches nothing
+    for t, current, ready in [(30, 3, 1), (34, 1, 1)]:
+        decide(Observation(t, current, replicas(ready)), policy, history)
+    assert history.start_time == 12 and history.starts == []
+
+
+def queue_wait(svc: Service) -> float:
+    """Seconds a request arriving now waits before the ready replicas start it."""
+    return max(0.0, svc.in_system - len(svc.ready) * svc.slots) / (len(svc.ready) * svc.capacity)
+
+
+@pytest.mark.parametrize(("factor", "most", "recovered_s"), [(2, 3, 40), (3, 4, 56)])
+def test_a_known_start_time_drains_what_piles_up_while_replicas_start(factor, most, recovered_s):
+    """As the benchmark runs it: the LLMService created (its first start is learned, 14 s), a
+    saturating closed loop (capacity measured), a pause, then the step."""
+    svc = Service(SIZED, fresh=True, start_s=14.0)
+    svc.run(rate=0.0, seconds=20)
+    svc.run(rate=0.0, seconds=30, clients=4)
+    svc.run(rate=0.0, seconds=20)
+    assert svc.history.start_time == pytest.approx(14.0, abs=2.0)
+    assert svc.history.capacity == Rates(pytest.approx(8.0), pytest.approx(800.0))
+    start, waits = len(svc.decisions), []
+    for _ in range(150):
+        svc.run(rate=factor * 8.0, seconds=2)
+        waits.append(queue_wait(svc))
+    assert max(svc.replicas[start:]) == most, svc.replicas[start:]
+    assert svc.replicas[start:].index(most) <= 4, "asked for at once, not as the queue grew"
+    # the queue wait back under 2 s (the TTFT target) and staying there
+    back = next(i for i, w in enumerate(waits) if all(x < 2.0 for x in waits[i:]))
+    assert (back + 1) * svc.period <= recovered_s
+    assert svc.replicas[-1] == factor and svc.direction_changes == 1  # up, then one way down
