@@ -292,8 +292,9 @@ class ModelRunner:
                 bias[i, torch.tensor(list(b))] = torch.tensor(list(b.values()), dtype=f32)
             t.logit_bias = bias.to(self.device)
         if self.structured_outputs is not None:
-            mask = self.structured_outputs.bitmask(seqs)  # (N, ceil(V/32)) or None
-            if mask is not None:
+            masked = self.structured_outputs.bitmask(seqs)
+            if masked is not None:
+                mask, t.token_bitmask_rows = masked  # (N, ceil(V/32)), constrained rows
                 t.token_bitmask = mask.to(self.device)
         return t
 

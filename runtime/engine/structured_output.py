@@ -108,10 +108,10 @@ class StructuredOutputs:
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def bitmask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, list[int]] | None:
         """(N, ceil(V / 32)) int32 on the CPU, bit ``t % 32`` of word ``t // 32`` set where
-        token ``t`` may come next; every bit set for unconstrained rows. None if no row is
-        constrained."""
+        token ``t`` may come next (every bit set for unconstrained rows), and the constrained
+        rows. None if no row is constrained."""
         rows = [(i, self._matchers.get(s.request_id)) for i, s in enumerate(seqs)]
         rows = [(i, m) for i, m in rows if m is not None]
         if not rows:
@@ -126,7 +126,7 @@ class StructuredOutputs:
                 mask[i] &= vocab.no_control_bytes
             if match.last_token in vocab.ends_in_surrogate_lead:
                 mask[i] &= vocab.no_surrogate_tail
-        return mask
+        return mask, [i for i, _ in rows]
 
 
 @dataclass

@@ -7,7 +7,7 @@ generator, so its output does not depend on what else is in the batch).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,7 @@ class SamplingTensors:
     banned: torch.Tensor | None = None  # (N, V) bool: EOS/stop ids before min_tokens
     logit_bias: torch.Tensor | None = None  # (N, V) float32: added to the logits
     token_bitmask: torch.Tensor | None = None  # (N, ceil(V/32)) int32: bit set = token allowed
+    token_bitmask_rows: list[int] = field(default_factory=list)  # the rows it constrains
     max_logprobs: int = -1  # most top alternatives any row asked for; -1 = none asked
 
 
@@ -51,9 +52,7 @@ class Sampler:
         if t.logit_bias is not None:
             logits = logits + t.logit_bias
         if t.token_bitmask is not None:
-            logits = logits.masked_fill(
-                ~_unpack_bits(t.token_bitmask, logits.shape[-1]), float("-inf")
-            )
+            logits = apply_token_bitmask(logits, t.token_bitmask, t.token_bitmask_rows)
         if t.banned is not None:
             logits = logits.masked_fill(t.banned, float("-inf"))
         greedy = logits.argmax(dim=-1)
@@ -118,8 +117,31 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]
+) -> torch.Tensor:
+    """-inf, in place, wherever ``bitmask`` (N, ceil(V/32)) has a clear bit, in ``rows`` only.
+
+    On the CPU xgrammar's C++ kernel does it (3x faster than tensor ops on a 150k vocabulary);
+    elsewhere tensor ops on the constrained rows, so no kernel has to be built for the device.
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
+        return logits
+    idx = torch.tensor(rows, device=logits.device)
+    allowed = _unpack_bits(bitmask[idx], logits.shape[-1])  # (M, V)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
 def _unpack_bits(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(N, W) int32 words -> (N, vocab) bool, bit ``j`` of word ``w`` being token ``32 w + j``."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[:, :, None] >> shifts) & 1  # (N, W, 32)
-    return bits.flatten(1)[:, :vocab].bool()  # (N, V)
+    """(M, W) int32 words -> (M, vocab) bool, bit ``j`` of word ``w`` being token ``32 w + j``
+    (little-endian words: byte ``k`` holds tokens ``32 w + 8 k`` onwards)."""
+    byte_values = torch.arange(256, device=bitmask.device)
+    table = (
+        (byte_values[:, None] >> torch.arange(8, device=bitmask.device)) & 1
+    ).bool()  # (256, 8)
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # (M, 4W)
+    return table[as_bytes].flatten(1)[:, :vocab]  # (M, V)
