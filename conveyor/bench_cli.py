@@ -10,6 +10,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "conveyor.runtime.bench.offline",
         "engine throughput: continuous vs static vs none vs HF",
     ),
+    "structured": (
+        "conveyor.runtime.bench.structured",
+        "grammar compile time and step time with constrained requests in the batch",
+    ),
     "serve": ("conveyor.runtime.bench.serve", "HTTP load generator against a server or gateway"),
     "serve-compare": ("conveyor.runtime.bench.serve_compare", "the seed's comparison over HTTP"),
     "peer": ("conveyor.runtime.bench.peer", "Conveyor vs vLLM for CPU, side by side"),
