@@ -50,9 +50,19 @@ class StructuredOutputs:
 
     # -- any thread --------------------------------------------------------------------
 
+    def prepare(self) -> None:
+        """Index the vocabulary for grammars now (a second on a 50k vocabulary), so the first
+        constrained request does not wait for it; the server calls it once loaded."""
+        self._get_compiler()
+
     def compile(self, spec: StructuredOutputParams) -> xgrammar.CompiledGrammar:
         """The compiled grammar of ``spec``; GrammarError saying what the library refused."""
-        compiler = self._get_compiler()
+        try:
+            compiler = self._get_compiler()
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GrammarError(
+                f"structured outputs are not available for this model's tokenizer ({exc})"
+            ) from exc
         try:
             if spec.json is not None:
                 return compiler.compile_json_schema(
@@ -73,7 +83,8 @@ class StructuredOutputs:
             raise GrammarError(reason) from None
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
-        """Built on first use: importing xgrammar takes seconds, and most servers never need it."""
+        """Built on first use (or ``prepare``): the offline ``LLM`` and most benchmarks never
+        need it, and importing xgrammar costs a second where transformers is not loaded yet."""
         with self._lock:
             if self._compiler is None:
                 import xgrammar

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conveyor.runtime.server.context import Drain, ServerContext
-from conveyor.runtime.server.engine_client import EngineClient
+from conveyor.runtime.server.engine_client import EngineClient, EngineDeadError
 from conveyor.runtime.server.errors import (
     UNAUTHORIZED,
     UNAVAILABLE,
@@ -94,11 +94,13 @@ def build_app(
             if settings.log_stats_interval
             else None
         )
+        grammars = asyncio.create_task(prepare_grammars(client, grammar_pool))
         try:
             yield {"ctx": ctx}
         finally:
             if stats_log is not None:
                 stats_log.cancel()
+            grammars.cancel()
             await client.shutdown()
             pool.shutdown(wait=False, cancel_futures=True)
             grammar_pool.shutdown(wait=False, cancel_futures=True)
@@ -191,6 +193,23 @@ def build_app(
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def prepare_grammars(client: EngineClient, pool: ThreadPoolExecutor) -> None:
+    """Once the model is loaded, index its vocabulary for structured outputs on the grammar
+    pool, so the first constrained request does not wait a second for it."""
+    try:
+        await client.wait_loaded()
+    except EngineDeadError:
+        return  # /health and /ready report it
+    assert client.engine is not None
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            pool, client.engine.structured_outputs.prepare
+        )
+    except (RuntimeError, ValueError, TypeError) as exc:
+        # Requests with a grammar get a 400 that says so; everything else is served.
+        logger.warning("structured outputs are not available for this tokenizer: %s", exc)
 
 
 async def log_stats(client: EngineClient, interval: float) -> None:
