@@ -140,13 +140,13 @@ class ToolCalling:
                 return None
             return None, [_call(self.name or "", text)]
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
+            try:  # the grammar's shape, unless a stop string cut the text short
+                return None, [
+                    _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                    for c in json.loads(text)
+                ]
+            except (json.JSONDecodeError, KeyError, TypeError):
                 return None
-            return None, [
-                _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls
-            ]
         if self.mode == "auto":
             return _parse_hermes(text)
         return None

@@ -44,3 +44,11 @@ def test_auto_streams_everything_but_what_may_start_a_call() -> None:
     assert AUTO.visible_len("a < b") == 5
     forced = ToolCalling([TOOL], "required")
     assert forced.visible_len("[{") == 0
+
+
+def test_forced_output_cut_short_is_no_call() -> None:
+    required = ToolCalling([TOOL], "required")
+    assert required.extract('[{"name": "f", "parameters": {}}]') is not None
+    assert required.extract('[{"name": "f", "param') is None
+    assert required.extract("[1]") is None
+    assert ToolCalling([TOOL], "named", name="f").extract('{"a": ') is None
