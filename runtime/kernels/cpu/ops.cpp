@@ -47,10 +47,41 @@ inline vf loadv(const float* p) {
 
 inline void storev(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
+// Horizontal sum as a tree of halvings (log2(W) dependent adds, not W).
 inline float hsum(vf v) {
-  float s = 0.f;
-  for (int64_t i = 0; i < W; ++i) s += v[i];
-  return s;
+  typedef float hf __attribute__((vector_size(W / 2 * sizeof(float))));
+  hf lo, hi;
+  __builtin_memcpy(&lo, &v, sizeof lo);
+  __builtin_memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+  hf h = lo + hi;
+  float s[W / 2];
+  __builtin_memcpy(s, &h, sizeof s);
+  float a = 0.f, b = 0.f;
+  for (int64_t i = 0; i < W / 2; i += 2) a += s[i], b += s[i + 1];
+  return a + b;
+}
+
+// Largest and sum of n floats, with vector accumulators.
+inline float max_of(const float* __restrict x, int64_t n) {
+  vf m = vf{} - std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    const vf v = loadv(x + i);
+    m = v > m ? v : m;
+  }
+  float r = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < W; ++j) r = std::max(r, m[j]);
+  for (; i < n; ++i) r = std::max(r, x[i]);
+  return r;
+}
+
+inline float sum_of(const float* __restrict x, int64_t n) {
+  vf a = {};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) a += loadv(x + i);
+  float r = hsum(a);
+  for (; i < n; ++i) r += x[i];
+  return r;
 }
 
 // Rows per task so that a task has at least ~32k elements: small steps run on one thread
@@ -104,42 +135,63 @@ inline void exp_inplace(float* __restrict x, int64_t n) {
 
 // s = softmax(s) over n floats.
 inline void softmax(float* __restrict s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  const float m = max_of(s, n);
   for (int64_t t = 0; t < n; ++t) s[t] -= m;
   exp_inplace(s, n);
-  float sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) sum += s[t];
-  const float inv = 1.f / sum;
+  const float inv = 1.f / sum_of(s, n);
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
-// y[0:D] = sum_t p[t] * (rows[t] + off)[0:D]; accumulators stay in registers.
-inline void weighted_sum(const float* __restrict p, const float* const* rows, int64_t off,
-                         int64_t n, int64_t D, float* __restrict y) {
+// y_g[0:D] = sum_t p_g[t] * (rows[t] + off)[0:D] for NG query heads g at once (p_g at
+// p + g * stride, y_g at y + g * D): each value row is read once for all of them, and the
+// NG x 4 accumulators stay in registers.
+template <int NG>
+inline void weighted_sum_group(const float* __restrict p, int64_t stride,
+                               const float* const* rows, int64_t off, int64_t n, int64_t D,
+                               float* __restrict y) {
   int64_t d0 = 0;
   for (; d0 + 4 * W <= D; d0 += 4 * W) {
-    vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    vf a[NG][4] = {};
     for (int64_t t = 0; t < n; ++t) {
-      const vf pv = vf{} + p[t];
       const float* r = rows[t] + off + d0;
-      a0 += pv * loadv(r);
-      a1 += pv * loadv(r + W);
-      a2 += pv * loadv(r + 2 * W);
-      a3 += pv * loadv(r + 3 * W);
+      const vf r0 = loadv(r), r1 = loadv(r + W), r2 = loadv(r + 2 * W), r3 = loadv(r + 3 * W);
+      for (int g = 0; g < NG; ++g) {
+        const vf pv = vf{} + p[g * stride + t];
+        a[g][0] += pv * r0, a[g][1] += pv * r1, a[g][2] += pv * r2, a[g][3] += pv * r3;
+      }
     }
-    storev(y + d0, a0), storev(y + d0 + W, a1), storev(y + d0 + 2 * W, a2),
-        storev(y + d0 + 3 * W, a3);
+    for (int g = 0; g < NG; ++g)
+      for (int j = 0; j < 4; ++j) storev(y + g * D + d0 + j * W, a[g][j]);
   }
   for (; d0 + W <= D; d0 += W) {
-    vf a = {};
-    for (int64_t t = 0; t < n; ++t) a += (vf{} + p[t]) * loadv(rows[t] + off + d0);
-    storev(y + d0, a);
+    vf a[NG] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      const vf r = loadv(rows[t] + off + d0);
+      for (int g = 0; g < NG; ++g) a[g] += (vf{} + p[g * stride + t]) * r;
+    }
+    for (int g = 0; g < NG; ++g) storev(y + g * D + d0, a[g]);
   }
   for (; d0 < D; ++d0) {
-    float a = 0.f;
-    for (int64_t t = 0; t < n; ++t) a += p[t] * rows[t][off + d0];
-    y[d0] = a;
+    for (int g = 0; g < NG; ++g) {
+      float a = 0.f;
+      for (int64_t t = 0; t < n; ++t) a += p[g * stride + t] * rows[t][off + d0];
+      y[g * D + d0] = a;
+    }
+  }
+}
+
+// The G query heads of one KV head, in groups of at most four.
+inline void weighted_sum(const float* p, int64_t stride, const float* const* rows, int64_t off,
+                         int64_t n, int64_t D, int64_t G, float* y) {
+  for (int64_t g = 0; g < G;) {
+    const float* pg = p + g * stride;
+    float* yg = y + g * D;
+    switch (std::min<int64_t>(G - g, 4)) {
+      case 4: weighted_sum_group<4>(pg, stride, rows, off, n, D, yg); g += 4; break;
+      case 3: weighted_sum_group<3>(pg, stride, rows, off, n, D, yg); g += 3; break;
+      case 2: weighted_sum_group<2>(pg, stride, rows, off, n, D, yg); g += 2; break;
+      default: weighted_sum_group<1>(pg, stride, rows, off, n, D, yg); g += 1; break;
+    }
   }
 }
 
@@ -150,6 +202,15 @@ void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache) {
                   k_cache.stride(1) == k_cache.size(2) * k_cache.size(3),
               "each block of the cache must be contiguous");
   TORCH_CHECK(v_cache.strides() == k_cache.strides(), "K and V caches must share a layout");
+}
+
+// Tokens of look-ahead for the key prefetch: enough to cover a memory access at a few
+// hundred cycles of scoring per token.
+constexpr int64_t kPrefetchTokens = 4;
+
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
 }
 
 // Per-thread scratch of one attention task.
@@ -168,14 +229,16 @@ void context_rows(const T* cache, const int32_t* table, int64_t len, int64_t blo
   rows.resize(len);
   const int64_t width = (h1 - h0) * D;
   if constexpr (!std::is_same_v<T, float>) buf.resize(len * width);
-  for (int64_t t = 0; t < len; ++t) {
-    const T* r = cache + int64_t(table[t / block_size]) * block_stride +
-                 (t % block_size) * token_stride + h0 * D;
-    if constexpr (std::is_same_v<T, float>) {
-      rows[t] = r;
-    } else {
-      for (int64_t d = 0; d < width; ++d) buf[t * width + d] = to_f(r[d]);
-      rows[t] = buf.data() + t * width;
+  for (int64_t b = 0, t = 0; t < len; ++b) {
+    const T* block = cache + int64_t(table[b]) * block_stride + h0 * D;
+    for (int64_t j = 0; j < block_size && t < len; ++j, ++t) {
+      const T* r = block + j * token_stride;
+      if constexpr (std::is_same_v<T, float>) {
+        rows[t] = r;
+      } else {
+        for (int64_t d = 0; d < width; ++d) buf[t * width + d] = to_f(r[d]);
+        rows[t] = buf.data() + t * width;
+      }
     }
   }
 }
@@ -196,14 +259,20 @@ void attend(int64_t h0, int64_t h1, int64_t G, int64_t D, const T* k_cache, cons
   sc.acc.resize(rows_q * D);
   float* scores = sc.scores.data();
   const float* q = sc.q.data();
+  // The context's blocks lie anywhere in the cache, so the hardware prefetcher starts cold at
+  // each one: ask for keys a few tokens ahead, and for each token's values while its keys are
+  // scored, so the weighted sums below read them from cache.
+  const int64_t row_bytes = nh * D * int64_t(sizeof(float));
   for (int64_t t = 0; t < len; ++t) {
+    if (t + kPrefetchTokens < len) prefetch_bytes(sc.k_rows[t + kPrefetchTokens], row_bytes);
+    prefetch_bytes(sc.v_rows[t], row_bytes);
     const float* r = sc.k_rows[t];
     for (int64_t i = 0; i < rows_q; ++i) scores[i * len + t] = dot(q + i * D, r + (i / G) * D, D);
   }
-  for (int64_t i = 0; i < rows_q; ++i) {
-    softmax(scores + i * len, len);
-    weighted_sum(scores + i * len, sc.v_rows.data(), (i / G) * D, len, D, sc.acc.data() + i * D);
-  }
+  for (int64_t i = 0; i < rows_q; ++i) softmax(scores + i * len, len);
+  for (int64_t h = 0; h < nh; ++h)
+    weighted_sum(scores + h * G * len, len, sc.v_rows.data(), h * D, len, D, G,
+                 sc.acc.data() + h * G * D);
 }
 
 // Tasks per sequence: every KV head at once (whole rows, in order) when the sequences alone
