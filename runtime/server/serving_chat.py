@@ -34,7 +34,7 @@ from conveyor.runtime.server.serving_common import (
     usage,
 )
 from conveyor.runtime.server.structured_outputs import compile_grammar, structured_output
-from conveyor.runtime.server.tool_calls import ToolCalling
+from conveyor.runtime.server.tool_calls import ToolCalling, ToolCallStream
 
 MAX_TOP_LOGPROBS = 20
 
@@ -215,33 +215,22 @@ async def _stream(
 
     for c in choices:
         yield chunk(c.index, {"role": "assistant", "content": ""}, None, None)
-    # With tools, text that is (or may start) a tool call is held back, and the calls are
-    # sent whole in the choice's last chunk.
-    emitted = {c.index: "" for c in choices}
-    sent = {c.index: 0 for c in choices}
+    tool_streams = {c.index: ToolCallStream(tools) for c in choices} if tools else {}
     async for choice, delta in run_choices(ctx, choices, stream):
-        i = choice.index
-        emitted[i] += delta.text
-        visible = len(emitted[i]) if tools is None else tools.visible_len(emitted[i])
-        if delta.finish_reason is not None and tools is not None:
-            calls = tools.extract(emitted[i])
-            if calls is not None:
-                if sent[i] < visible:
-                    yield chunk(i, {"content": emitted[i][sent[i] : visible]}, None, None)
-                tool_calls = [{"index": k, **call} for k, call in enumerate(calls[1])]
-                yield chunk(
-                    i, {"tool_calls": tool_calls}, delta.logprobs, "tool_calls", choice.stop_reason
-                )
-                continue
-            visible = len(emitted[i])  # no call after all: the held-back text is content
-        text = emitted[i][sent[i] : max(sent[i], visible)]
-        sent[i] = max(sent[i], visible)
-        yield chunk(
-            i,
-            {"content": text} if text or delta.num_tokens else {},
-            delta.logprobs,
-            delta.finish_reason,
-            choice.stop_reason if delta.finish_reason else None,
-        )
+        finish = delta.finish_reason
+        if tools is None:
+            deltas = [{"content": delta.text} if delta.text or delta.num_tokens else {}]
+        else:
+            deltas, called = tool_streams[choice.index].update(delta.text, finish is not None)
+            finish = "tool_calls" if called else finish
+        for k, d in enumerate(deltas):
+            last = k == len(deltas) - 1
+            yield chunk(
+                choice.index,
+                d,
+                delta.logprobs if last else None,
+                finish if last else None,
+                choice.stop_reason if last and finish else None,
+            )
     if include_usage:
         yield sse({**head, "choices": [], "usage": usage(choices)})

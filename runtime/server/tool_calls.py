@@ -152,6 +152,52 @@ class ToolCalling:
         return None
 
 
+class ToolCallStream:
+    """One streamed choice's deltas when the request has tools.
+
+    A named function's arguments stream as they are generated (the call's id and name in
+    the first delta, as OpenAI streams them). Otherwise text that is, or may start, a tool
+    call is held back, and the calls go whole into the choice's last chunk.
+    """
+
+    def __init__(self, tools: ToolCalling) -> None:
+        self.tools = tools
+        self.text = ""
+        self.sent = 0
+        """Characters of ``text`` already sent (as content or as arguments)."""
+        self.call_id: str | None = None
+
+    def update(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
+        """The deltas to send for ``new_text`` (at least one), and whether the choice ended
+        in tool calls (its finish reason is then ``tool_calls``)."""
+        self.text += new_text
+        if self.tools.mode == "named":
+            return self._named(new_text, finished)
+        visible = self.tools.visible_len(self.text)
+        deltas: list[dict[str, Any]] = []
+        if finished:
+            found = self.tools.extract(self.text)
+            if found is not None:
+                if self.sent < visible:
+                    deltas.append({"content": self.text[self.sent : visible]})
+                calls = [{"index": k, **call} for k, call in enumerate(found[1])]
+                return [*deltas, {"tool_calls": calls}], True
+            visible = len(self.text)  # no call after all: what was held back is content
+        content = self.text[self.sent : max(self.sent, visible)]
+        self.sent = max(self.sent, visible)
+        return [{"content": content} if content else {}], False
+
+    def _named(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
+        called = finished and self.tools.extract(self.text) is not None
+        if not new_text:
+            return [{}], called
+        if self.call_id is None:
+            first = _call(self.tools.name or "", new_text)
+            self.call_id = first["id"]
+            return [{"tool_calls": [{"index": 0, **first}]}], called
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], called
+
+
 def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
     at = text.find(HERMES_OPEN)
     if at < 0:

@@ -39,11 +39,15 @@ TOOLS = [WEATHER, CLOCK]
 
 def assert_valid_call(call: Any) -> None:
     assert call.type == "function" and call.id.startswith("call_")
-    args = json.loads(call.function.arguments)
-    if call.function.name == "get_time":
+    assert_valid_arguments(call.function.name, call.function.arguments)
+
+
+def assert_valid_arguments(name: str, arguments: str) -> None:
+    args = json.loads(arguments)
+    if name == "get_time":
         assert args == {}
         return
-    assert call.function.name == "get_weather"
+    assert name == "get_weather"
     assert {"city", "unit"} <= set(args) <= {"city", "unit", "days"}, args
     assert isinstance(args["city"], str) and 1 <= len(args["city"]) <= 10, args
     assert args["unit"] in UNITS, args
@@ -204,3 +208,30 @@ def test_auto_with_a_parser_answers_in_text_when_the_model_calls_nothing(
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content
+
+
+def test_a_named_functions_arguments_stream_as_they_are_generated(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        n=2,
+        temperature=1,
+        max_tokens=200,
+        stream=True,
+    )
+    deltas: dict[int, list[Any]] = {0: [], 1: []}
+    finish: dict[int, str | None] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            deltas[c.index] += c.delta.tool_calls or []
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+    for index, parts in deltas.items():
+        assert finish[index] == "tool_calls"
+        assert len(parts) > 3  # one delta per step, not the call at the end
+        first, rest = parts[0], parts[1:]
+        assert first.id.startswith("call_") and first.function.name == "get_weather"
+        assert all(p.index == 0 and p.id is None for p in rest)
+        arguments = first.function.arguments + "".join(p.function.arguments for p in rest)
+        assert_valid_arguments("get_weather", arguments)
