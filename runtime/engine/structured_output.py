@@ -28,6 +28,10 @@ COMPILER_THREADS = 2
 """xgrammar's compiler threads per grammar: the runtime's machines share cores with the
 engine, and a test schema compiles in milliseconds."""
 
+GRAMMAR_CACHE_BYTES = 512 << 20
+"""Compiled grammars kept for reuse, by schema; vLLM's default. Unbounded, a server fed
+ever-new schemas would grow without end."""
+
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's errors start with ``[time] file.cc:line: ``; users need only the reason."""
 
@@ -95,7 +99,9 @@ class StructuredOutputs:
                     stop_token_ids=self._stop_token_ids,
                 )
                 self._vocab = _VocabMasks.build(info.decoded_vocab)
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILER_THREADS)
+                self._compiler = xgrammar.GrammarCompiler(
+                    info, max_threads=COMPILER_THREADS, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
             return self._compiler
 
     # -- the engine thread -------------------------------------------------------------
