@@ -235,3 +235,38 @@ def test_a_named_functions_arguments_stream_as_they_are_generated(client: openai
         assert all(p.index == 0 and p.id is None for p in rest)
         arguments = first.function.arguments + "".join(p.function.arguments for p in rest)
         assert_valid_arguments("get_weather", arguments)
+
+
+def test_auto_parses_the_models_own_calls_streamed_and_not(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    """A regex makes the random model write a Hermes call; the parser turns it into one."""
+    server = start_server("--tool-call-parser", "hermes")
+    forced = (
+        r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+        r'\{"city": "Oslo", "unit": "celsius"\}\}</tool_call>'
+    )
+    body = dict(
+        model=MODEL,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=200,
+        extra_body={"guided_regex": forced},
+    )
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+        r = client.chat.completions.create(**body)  # type: ignore[call-overload]
+        stream = client.chat.completions.create(**body, stream=True)  # type: ignore[call-overload]
+        content, calls, finish = "", [], None
+        for chunk in stream:
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                calls += c.delta.tool_calls or []
+                finish = c.finish_reason or finish
+    message = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and message.content == "Sure."
+    assert message.tool_calls is not None and len(message.tool_calls) == 1
+    assert_valid_call(message.tool_calls[0])
+    assert json.loads(message.tool_calls[0].function.arguments)["city"] == "Oslo"
+    assert finish == "tool_calls" and content.strip() == "Sure."  # the call text never shows
+    assert [c.function.name for c in calls] == ["get_weather"]
