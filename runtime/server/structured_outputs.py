@@ -12,7 +12,6 @@ import asyncio
 import json
 from typing import Any
 
-from conveyor.runtime.engine.structured_output import GrammarError
 from conveyor.runtime.sampling_params import StructuredOutputParams
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
@@ -144,7 +143,7 @@ async def compile_grammar(ctx: ServerContext, spec: StructuredOutputParams, para
         return await asyncio.get_running_loop().run_in_executor(
             ctx.grammar_pool, grammars.compile, spec
         )
-    except GrammarError as exc:
+    except ValueError as exc:  # GrammarError; caught by its base so torch stays unimported
         raise bad_request(
             f"{param}: the grammar library cannot compile this: {exc}",
             param=param,
