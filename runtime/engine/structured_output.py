@@ -63,9 +63,10 @@ class StructuredOutputs:
         """The compiled grammar of ``spec``; GrammarError saying what the library refused."""
         try:
             compiler = self._get_compiler()
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except (ImportError, RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(
-                f"structured outputs are not available for this model's tokenizer ({exc})"
+                f"structured outputs are not available on this server ({exc}); install "
+                "xgrammar (the runtime extra has it) or use a tokenizer it reads"
             ) from exc
         try:
             if spec.json is not None:

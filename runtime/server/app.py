@@ -207,9 +207,9 @@ async def prepare_grammars(client: EngineClient, pool: ThreadPoolExecutor) -> No
         await asyncio.get_running_loop().run_in_executor(
             pool, client.engine.structured_outputs.prepare
         )
-    except (RuntimeError, ValueError, TypeError) as exc:
+    except (ImportError, RuntimeError, ValueError, TypeError) as exc:
         # Requests with a grammar get a 400 that says so; everything else is served.
-        logger.warning("structured outputs are not available for this tokenizer: %s", exc)
+        logger.warning("structured outputs are not available: %s", exc)
 
 
 async def log_stats(client: EngineClient, interval: float) -> None:
