@@ -16,6 +16,10 @@ import httpx
 import openai
 import pytest
 from gateway_helpers import PYTHON, Process, Processes, free_port, gateway, wait_for
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conveyor.gateway.app import PROXIED_PATHS
 
 MODEL = "conveyor-tiny"
 
@@ -245,3 +249,46 @@ async def test_structured_outputs_tools_and_tokenize_pass_through(
     text, calls, _, _ = through
     assert json.loads(text)["colour"] in ("red", "green")  # type: ignore[arg-type]
     assert calls and calls[0][0] == "get_weather"  # type: ignore[index]
+
+
+def test_no_body_gets_a_5xx_through_the_gateway(replicas, processes: Processes) -> None:
+    """Random bodies on every proxied path, through the gateway to a real replica: a 4xx
+    with a message, never a 5xx, and both serve on."""
+    _, (replica, *_) = replicas
+    gw = start_gateway(processes, "--backend", replica.url)
+    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
+    text = st.text(max_size=8) | st.sampled_from([MODEL, "\ud800", "", "other-model"])
+    leaf = st.none() | st.booleans() | st.integers(-3, 10**12) | st.floats(allow_nan=False) | text
+    value = st.recursive(
+        leaf,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(text, inner, max_size=3),
+        max_leaves=6,
+    )
+    fields = st.sampled_from(["prompt", "messages", "stream", "tools", "tokens", "logit_bias"])
+    body = st.dictionaries(fields | text, value, max_size=5)
+    raw = (
+        body.map(lambda b: json.dumps(b).encode())
+        # To the model, with bounded work: these reach the replica's own checks.
+        | body.map(lambda b: json.dumps({**b, "model": MODEL, "max_tokens": 2}).encode())
+        | value.map(lambda v: json.dumps(v).encode())
+        | st.binary(max_size=40)
+    )
+    with httpx.Client(base_url=gw.url, timeout=60) as http:
+
+        @given(path=st.sampled_from(PROXIED_PATHS), content=raw)
+        @settings(
+            max_examples=120,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+        )
+        def no_5xx(path: str, content: bytes) -> None:
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code < 500, (path, content, r.text)
+            if r.status_code >= 400:
+                assert r.json()["error"]["message"]
+
+        no_5xx()
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+    assert httpx.get(replica.url + "/health", timeout=5).status_code == 200
