@@ -11,7 +11,7 @@
 //
 // Every op computes in float32 and reads/writes float32, bfloat16 or float16 tensors.
 // Inner loops are written for the compiler to vectorise (-O3, `omp simd` reductions); the
-// parallel loops use ATen's thread pool, so they follow torch.set_num_threads. Each entry
+// parallel loops use ATen's OpenMP pool, so they follow torch.set_num_threads. Each entry
 // point releases the GIL, so the server's event loop runs while a kernel does.
 
 #include <torch/extension.h>
@@ -84,9 +84,12 @@ inline float sum_of(const float* __restrict x, int64_t n) {
   return r;
 }
 
-// Rows per task so that a task has at least ~32k elements: small steps run on one thread
-// (waking the pool costs more than the work).
-inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
+// Rows per task so that a task has at least ~1M elements: the elementwise ops of a decode
+// step or a prefill chunk of SmolLM2's width (0.2 ms on one core for 2,048 x 576) run on
+// one thread. Splitting them saves a tenth of a millisecond on idle cores and costs
+// milliseconds when a core is busy (the server's event loop, a client on the same machine):
+// the split waits for its slowest thread.
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, (1 << 20) / std::max<int64_t>(1, width)); }
 
 // q . r over D floats, two vector accumulators.
 inline float dot(const float* __restrict q, const float* __restrict r, int64_t D) {
@@ -275,6 +278,25 @@ void attend(int64_t h0, int64_t h1, int64_t G, int64_t D, const T* k_cache, cons
                  sc.acc.data() + h * G * D);
 }
 
+// Tasks 0..n-1 over ATen's threads (the same OpenMP pool), handed out one at a time: a
+// thread the OS deschedules holds back at most the task it is in, where a static split
+// would make the whole step wait for that thread's share.
+template <typename F>
+void parallel_tasks(int64_t n, const F& fn) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    Scratch sc;
+    for (int64_t i = 0; i < n; ++i) fn(i, sc);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    Scratch sc;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) fn(i, sc);
+  }
+}
+
 // Tasks per sequence: every KV head at once (whole rows, in order) when the sequences alone
 // keep the threads busy; one KV head each otherwise.
 inline int64_t heads_per_task(int64_t sequences, int64_t kv_heads) {
@@ -316,14 +338,11 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t per = heads_per_task(B, Hkv), tasks_per_seq = Hkv / per;
-  at::parallel_for(0, B * tasks_per_seq, 1, [&](int64_t begin, int64_t end) {
-    Scratch sc;
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / tasks_per_seq, h0 = (i % tasks_per_seq) * per;
-      if (lens[b] <= 0) continue;
-      cache.attend_row(qp + b * q.stride(0) + h0 * G * D, op + b * out.stride(0) + h0 * G * D,
-                       h0, per, G, tables + b * block_tables.stride(0), lens[b], scale, sc);
-    }
+  parallel_tasks(B * tasks_per_seq, [&](int64_t i, Scratch& sc) {
+    const int64_t b = i / tasks_per_seq, h0 = (i % tasks_per_seq) * per;
+    if (lens[b] <= 0) return;
+    cache.attend_row(qp + b * q.stride(0) + h0 * G * D, op + b * out.stride(0) + h0 * G * D,
+                     h0, per, G, tables + b * block_tables.stride(0), lens[b], scale, sc);
   });
 }
 
@@ -345,18 +364,15 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   std::vector<int64_t> item_start(S + 1, 0);
   for (int64_t s = 0; s < S; ++s)
     item_start[s + 1] = item_start[s] + (starts[s + 1] - starts[s]) * groups;
-  at::parallel_for(0, item_start[S], 1, [&](int64_t begin, int64_t end) {
-    Scratch sc;
-    int64_t s = std::upper_bound(item_start.begin(), item_start.end(), begin) - item_start.begin() - 1;
-    for (int64_t i = begin; i < end; ++i) {
-      while (i >= item_start[s + 1]) ++s;
-      const int64_t local = i - item_start[s], j = local / groups, h0 = (local % groups) * per;
-      const int64_t qlen = starts[s + 1] - starts[s];
-      const int64_t len = ctx[s] - qlen + j + 1;  // query j sits at position ctx - qlen + j
-      const int64_t row = starts[s] + j;
-      cache.attend_row(qp + row * q.stride(0) + h0 * G * D, op + row * out.stride(0) + h0 * G * D,
-                       h0, per, G, tables + s * block_tables.stride(0), len, scale, sc);
-    }
+  parallel_tasks(item_start[S], [&](int64_t i, Scratch& sc) {
+    const int64_t s =
+        std::upper_bound(item_start.begin(), item_start.end(), i) - item_start.begin() - 1;
+    const int64_t local = i - item_start[s], j = local / groups, h0 = (local % groups) * per;
+    const int64_t qlen = starts[s + 1] - starts[s];
+    const int64_t len = ctx[s] - qlen + j + 1;  // query j sits at position ctx - qlen + j
+    const int64_t row = starts[s] + j;
+    cache.attend_row(qp + row * q.stride(0) + h0 * G * D, op + row * out.stride(0) + h0 * G * D,
+                     h0, per, G, tables + s * block_tables.stride(0), len, scale, sc);
   });
 }
 
