@@ -260,7 +260,8 @@ class History:
     """Seconds from asking for replicas to their being ready, as seen (averaged)."""
     guard_floor: tuple[int, float] | None = None
     """(replicas, demand in requests/s) when a lasting breach last added a replica: no
-    scale-down below it while demand stays within 10% of that (else it would flap)."""
+    scale-down below it while demand stays within 10% of that and the service is not idle
+    (else it would flap)."""
 
     def record(self, time: float, up: int, down: int, keep: float) -> None:
         self.recommendations.append((time, up, down))
@@ -394,9 +395,13 @@ def sized(
     if obs.demand.backlog_growth > 0 and need_panic > current * PANIC_THRESHOLD:
         history.last_panic = obs.time
     panic = history.last_panic is not None and obs.time - history.last_panic < policy.demand_window
+    # Both windows must call for more (the demand window damps the panic window's noise; the
+    # panic window forgets a load that is gone, which the demand window remembers for a
+    # minute), and something must be running, waiting or held.
+    level = min(need, need_panic)
     up, reason = current, "demand"
-    if need > current * (1 + TOLERANCE):
-        up = math.ceil(need / (1 + TOLERANCE))
+    if obs.busy and level > current * (1 + TOLERANCE):
+        up = math.ceil(level / (1 + TOLERANCE))
     up_panic = math.ceil(need_panic / (1 + TOLERANCE))
     if panic and need_panic > current * (1 + TOLERANCE) and up_panic > up:
         up, reason = up_panic, "panic"
@@ -419,7 +424,13 @@ def sized(
         history.breach_since = obs.time
         history.guard_floor = (current + 1, demand)
     guard_down, _ = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
-    down = max(math.ceil(need / (1 + TOLERANCE)), guard_down, 1 if obs.busy else 0)
+    # Down follows the lower of the two windows (a drop shows in the panic window within
+    # seconds, while the demand window remembers the load for a minute), and idle (nothing
+    # running, waiting or held) calls for none; the stabilization window is what keeps these
+    # from flapping.
+    down = 0
+    if obs.busy:
+        down = max(math.ceil(level / (1 + TOLERANCE)), guard_down, 1)
     if history.guard_floor is not None:
         floor, at = history.guard_floor
         if demand < at * (1 - TOLERANCE):
@@ -441,6 +452,9 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
         # Idle time counts only while a replica is ready: a service whose replicas are
         # still loading (just created, or woken from zero) is not idle.
         history.last_busy = now
+    else:
+        # Nothing running, waiting or held: a burst is over, and so is a breach's floor.
+        history.last_panic = history.guard_floor = None
     update_capacity(obs, policy, history)
     track_starts(obs, history)
     capacity = capacity_for(obs, policy, history)

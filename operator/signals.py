@@ -138,10 +138,11 @@ def parse_counters(text: str) -> tuple[float, float] | None:
     totals = {REQUEST_SUCCESS: 0.0, PROMPT_TOKENS: 0.0, GENERATION_TOKENS: 0.0}
     found = False
     for family in text_string_to_metric_families(text):
+        # declared is enough: a replica that finished nothing yet has no labelled sample
+        found = found or family.name in (REQUEST_SUCCESS, REQUEST_SUCCESS.removesuffix("_total"))
         for sample in family.samples:
             if sample.name in totals:
                 totals[sample.name] += sample.value
-                found = found or sample.name == REQUEST_SUCCESS
     if not found:
         return None
     return totals[REQUEST_SUCCESS], totals[PROMPT_TOKENS] + totals[GENERATION_TOKENS]

@@ -449,6 +449,10 @@ def test_counters_are_read_from_the_runtime_and_gateway_metrics():
 
     assert parse_counters(runtime_metrics(12, 1000)) == (12.0, 1000.0)
     assert parse_counters(ttft_metrics(0.1)) is None  # another engine: no demand from it
+    registry = CollectorRegistry()  # a replica that finished nothing yet: declared, no sample
+    Counter(REQUEST_SUCCESS.removesuffix("_total"), "done", ["model", "finish_reason"],
+            registry=registry)  # fmt: skip
+    assert parse_counters(generate_latest(registry).decode()) == (0.0, 0.0)
     gateway = GatewayMetrics()
     gateway.requests.labels("tiny", "", "429").inc(3)
     gateway.requests.labels("tiny", "http://a:8000", "503").inc(2)
