@@ -14,7 +14,10 @@ the replicas asked for are ready (their start time is learned). ``spec.replicas`
 replicas that are still starting, so they are capacity to come: the backlog that piles up
 on the ready ones while they start is not read again as demand for more. Within 10% of the
 current count is no change (the HPA's tolerance), and the count is rounded up only past
-10% of a replica, on the way up and down alike.
+10% of a replica, on the way up and down alike. Both the demand window and the panic window
+must call for more, and something must be running, waiting or held, for a scale-up; the
+lower of the two sizes a scale-down (the panic window forgets a load that is gone, the
+demand window damps the panic window's noise), and an idle service calls for none.
 
 A short panic window (KPA's) reacts to a burst: when the backlog grows and the demand of
 the last seconds exceeds what ready and starting replicas will carry, the count that demand
