@@ -419,7 +419,7 @@ def sized(
     )
     demand = obs.demand.arrivals.requests
     if up <= current and lasting and obs.num_ready >= current:
-        # A signal stayed above its target for a panic window, the backlog not shrinking,
+        # A signal stayed above its target for half a demand window, the backlog not shrinking,
         # though the estimate is content and nothing is starting (a closed loop of clients
         # keeps its queue whatever the rate; a load at the edge of capacity queues up): one
         # more replica, kept while demand stays where it was.
