@@ -494,13 +494,39 @@ def bench_overhead(s: BenchSettings) -> None:
             child.stop()
 
 
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it in the class body), by name."""
+    import ast
+    import inspect
+    import itertools
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for field, doc in itertools.pairwise(body):
+        if (
+            isinstance(field, ast.AnnAssign)
+            and isinstance(field.target, ast.Name)
+            and isinstance(doc, ast.Expr)
+            and isinstance(doc.value, ast.Constant)
+        ):
+            docs[field.target.id] = " ".join(str(doc.value.value).split()).rstrip(".")
+    return docs
+
+
 def main(argv: list[str]) -> int:
     defaults = BenchSettings()
     parser = argparse.ArgumentParser(
         prog="conveyor bench gateway", description=__doc__.split("\n\n")[0]
     )
+    docs = _field_docs(BenchSettings)
     for name, default in vars(defaults).items():
-        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            help=f"{docs[name]} (default {default})",
+        )
     s = BenchSettings(**vars(parser.parse_args(argv)))
     if s.part not in ("routing", "overhead", "all"):
         print("conveyor bench gateway: --part must be routing, overhead or all", file=sys.stderr)

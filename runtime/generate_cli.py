@@ -12,10 +12,21 @@ from conveyor.runtime.sampling_params import SamplingParams
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor generate", description=__doc__)
     parser.add_argument("prompts", nargs="+", help="prompts to complete")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)"
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass, 0-1 (default 1: off)"
+    )
+    parser.add_argument(
+        "--sampling-seed",
+        type=int,
+        default=None,
+        help="seed of the sampling generator, for repeatable sampled output (default: none)",
+    )
     EngineSettings.add_cli_args(parser)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:

@@ -521,7 +521,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="folder for gpu_bench.json, offline.json and the PNG (default: $OUT)",
     )
     p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {STAGES}")
-    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument(
+        "--batch-sizes",
+        default="1,2,4,8,16,32,64,128,256",
+        help="comma-separated decode batch sizes for the step-time stage",
+    )
     p.add_argument(
         "--context-len", type=int, default=1024, help="tokens in each decoding sequence's context"
     )
@@ -534,7 +538,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="GPU peak memory bandwidth in bytes/s (default: by device name; H200 4.8e12)",
     )
-    p.add_argument("--kernel-workers", type=int, default=min(12, os.cpu_count() or 1))
+    p.add_argument(
+        "--kernel-workers",
+        type=int,
+        default=min(12, os.cpu_count() or 1),
+        help="processes running the kernel checks in parallel (default: cores, at most 12)",
+    )
     p.add_argument(
         "--kernel-timeout",
         type=float,

@@ -297,12 +297,43 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, EngineSettings, Wor
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     w = Workload()
-    parser.add_argument("--num-requests", "--num-prompts", type=int, default=w.num_requests)
-    parser.add_argument("--prompt-len-min", type=int, default=w.prompt_len_min)
-    parser.add_argument("--prompt-len-max", type=int, default=w.prompt_len_max)
-    parser.add_argument("--output-len-mean", type=float, default=w.output_len_mean)
-    parser.add_argument("--output-len-max", type=int, default=w.output_len_max)
-    parser.add_argument("--workload-seed", type=int, default=w.seed)
+    parser.add_argument(
+        "--num-requests",
+        "--num-prompts",
+        type=int,
+        default=w.num_requests,
+        help=f"requests, all submitted at once (default {w.num_requests})",
+    )
+    parser.add_argument(
+        "--prompt-len-min",
+        type=int,
+        default=w.prompt_len_min,
+        help=f"shortest prompt in tokens; lengths are uniform in [min, max] (default {w.prompt_len_min})",
+    )
+    parser.add_argument(
+        "--prompt-len-max",
+        type=int,
+        default=w.prompt_len_max,
+        help=f"longest prompt in tokens (default {w.prompt_len_max})",
+    )
+    parser.add_argument(
+        "--output-len-mean",
+        type=float,
+        default=w.output_len_mean,
+        help=f"mean of the exponential output lengths in tokens (default {w.output_len_mean:g})",
+    )
+    parser.add_argument(
+        "--output-len-max",
+        type=int,
+        default=w.output_len_max,
+        help=f"cap on an output length in tokens (default {w.output_len_max})",
+    )
+    parser.add_argument(
+        "--workload-seed",
+        type=int,
+        default=w.seed,
+        help=f"seed of the prompts and output lengths, so runs compare (default {w.seed})",
+    )
     parser.add_argument(
         "--compare",
         action="store_true",
