@@ -61,17 +61,13 @@ class OperatorMetrics:
         )
         self.autoscaler_signal = Gauge(
             "conveyor_autoscaler_signal",
-            "Last observed signal (queue_depth_per_replica, ttft_p95_seconds, kv_cache_usage) and "
-            "estimate (demand_requests_per_second, demand_tokens_per_second, "
-            "capacity_requests_per_second and capacity_tokens_per_second of one replica, "
-            "utilization, replicas_needed, replica_start_seconds as learned; NaN while no "
-            "capacity figure sizes the decision)",
+            "Last observed signal (queue_depth_per_replica, ttft_p95_seconds, kv_cache_usage)",
             [*per_service, "signal"],
             registry=self.registry,
         )
         self.autoscaler_target = Gauge(
             "conveyor_autoscaler_target",
-            "Target of each signal, from spec.autoscaling (utilization: targetUtilization)",
+            "Target of each signal, from spec.autoscaling",
             [*per_service, "signal"],
             registry=self.registry,
         )
