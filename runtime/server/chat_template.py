@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import ChatMessage, FunctionCall
+from conveyor.runtime.server.tool_prompt import ToolPrompt
 
 if TYPE_CHECKING:
     from conveyor.runtime.engine.llm_engine import LLMEngine
@@ -23,24 +24,33 @@ def render_chat(
     continue_final_message: bool,
     template_kwargs: dict[str, Any] | None,
     tools: list[dict[str, Any]] | None = None,
+    tool_prompt: ToolPrompt | None = None,
     add_special_tokens: bool = False,
 ) -> list[int]:
     """Chat template, then token ids (the template brings its own special tokens, so
-    ``add_special_tokens`` is off unless asked for)."""
+    ``add_special_tokens`` is off unless asked for). With a ``tool_prompt``, tools that the
+    template would drop are written into the conversation in that model family's format."""
     tokenizer = engine.tokenizer
     if tokenizer.chat_template is None:
         raise bad_request(
             "this model's tokenizer has no chat template; use /v1/completions", param="messages"
         )
-    try:
-        text = tokenizer.apply_chat_template(
-            [_as_dict(m) for m in messages],
+    conversation = [_as_dict(m) for m in messages]
+
+    def render(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+        return tokenizer.apply_chat_template(
+            conversation,
             tokenize=False,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             continue_final_message=continue_final_message,
             **({"tools": tools} if tools else {}),
             **(template_kwargs or {}),
         )
+
+    try:
+        text = render(conversation, tools)
+        if tools and tool_prompt is not None and text == render(conversation, None):
+            text = render(tool_prompt.rewrite(conversation, tools), None)  # template ignores tools
     except (TemplateError, ValueError, TypeError) as exc:  # raise_exception, bad roles, kwargs
         raise bad_request(
             f"the chat template rejected these messages: {exc}", param="messages"

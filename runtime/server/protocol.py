@@ -165,7 +165,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
-    """Rendered by the chat template, as chat completions renders them."""
+    """Rendered by the chat template, as chat completions renders them (in the
+    ``--tool-call-parser`` format when the template ignores them, as chat does for ``auto``)."""
     return_token_strs: bool = False
 
 

@@ -70,6 +70,7 @@ async def create_chat_completion(
             continue_final_message=req.continue_final_message,
             template_kwargs=req.chat_template_kwargs,
             tools=tools.template_tools() if tools is not None else None,
+            tool_prompt=tools.tool_prompt if tools is not None else None,
         ),
         "messages",
     )
@@ -155,9 +156,11 @@ async def _collect(
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
         calls = tools.extract(c.text) if tools is not None else None
-        if calls is not None:
+        if calls is not None and calls[1]:
             message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
             finish_reason = "tool_calls"
+        elif calls is not None:  # an empty list of calls: the rest is the answer
+            message["content"] = calls[0] or ""
         out.append(
             {
                 "index": c.index,

@@ -10,6 +10,7 @@ from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 from conveyor.runtime.server.serving_common import check_engine, check_model, tokenize
+from conveyor.runtime.server.tool_prompt import TOOL_PROMPTS
 
 
 async def create_tokenize(ctx: ServerContext, req: TokenizeRequest) -> dict[str, Any]:
@@ -33,6 +34,7 @@ async def create_tokenize(ctx: ServerContext, req: TokenizeRequest) -> dict[str,
                 continue_final_message=req.continue_final_message,
                 template_kwargs=req.chat_template_kwargs,
                 tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                tool_prompt=TOOL_PROMPTS.get(ctx.settings.tool_call_parser or ""),
                 add_special_tokens=bool(req.add_special_tokens),
             ),
             "messages",

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from conveyor.runtime.config import EngineSettings
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
-TOOL_CALL_PARSERS = ("hermes",)
-"""Tool-call formats ``--tool-call-parser`` knows (``tool_calls.py`` reads them)."""
+TOOL_CALL_PARSERS = ("hermes", "smollm2")
+"""Tool-call formats ``--tool-call-parser`` knows (``tool_calls.py`` reads them, and
+``tool_prompt.py`` writes tools in them for chat templates that ignore ``tools``)."""
 
 
 @dataclass(frozen=True)
@@ -127,8 +128,10 @@ class ServerSettings:
             "--tool-call-parser",
             default=None,
             choices=list(TOOL_CALL_PARSERS),
-            help="the model's tool-call format, for tool_choice auto (hermes: Hermes, Qwen, SmolLM2 "
-            "<tool_call> JSON); default: auto is refused",
+            help="the model's tool-call format, for tool_choice auto: hermes (Hermes, Qwen: "
+            "<tool_call>{...}</tool_call>) or smollm2 (<tool_call>[{...}]</tool_call>); either reads "
+            "both, and writes the tools into the prompt in its format when the chat template "
+            "ignores them; default: auto is refused",
         )
         g.add_argument(
             "--enable-auto-tool-choice",

@@ -7,8 +7,11 @@ generated text back into OpenAI ``tool_calls``.
   of ``{"name", "parameters"}`` (one element unless ``parallel_tool_calls``); a named function
   generates its arguments object.
 - ``auto``: the model writes its own tool-call format, read by the parser the server was
-  started with (``--tool-call-parser``), e.g. Hermes / Qwen / SmolLM2
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+  started with (``--tool-call-parser``): ``hermes`` (Hermes, Qwen:
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per call) or ``smollm2``
+  (``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``). Both read either
+  form, ``parameters`` for ``arguments``, and an empty list as "no call"; they differ in how
+  ``tool_prompt.py`` shows the tools to a model whose chat template ignores them.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from conveyor.runtime.sampling_params import StructuredOutputParams
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from conveyor.runtime.server.settings import TOOL_CALL_PARSERS
+from conveyor.runtime.server.tool_prompt import TOOL_PROMPTS, ToolPrompt
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_HERMES_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,12 @@ class ToolCalling:
         """The tools as chat templates read them (Hugging Face's ``tools=`` convention)."""
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    @property
+    def tool_prompt(self) -> ToolPrompt | None:
+        """For ``auto``: how to show the tools when the chat template ignores them, in the
+        format the parser reads (forced modes are steered by their grammar instead)."""
+        return TOOL_PROMPTS[self.parser] if self.mode == "auto" and self.parser else None
+
     def constraint(self) -> StructuredOutputParams | None:
         """The grammar that forces ``required`` and ``named`` output."""
         if self.mode == "named":
@@ -132,7 +143,9 @@ class ToolCalling:
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         """``(content, tool_calls)`` from the whole output, or None when it holds no tool
-        call that parses (plain text, or a forced call cut short by max_tokens)."""
+        call that parses (plain text, or a forced call cut short by max_tokens). For ``auto``,
+        ``tool_calls`` is empty when the model wrote an empty list of calls; ``content`` is
+        then its text without that list."""
         if self.mode == "named":
             try:
                 json.loads(text)
@@ -177,6 +190,10 @@ class ToolCallStream:
         deltas: list[dict[str, Any]] = []
         if finished:
             found = self.tools.extract(self.text)
+            if found is not None and not found[1]:  # an empty list of calls: not content
+                content = (found[0] or "")[self.sent :]
+                self.sent = len(self.text)
+                return [{"content": content} if content else {}], False
             if found is not None:
                 if self.sent < visible:
                     deltas.append({"content": self.text[self.sent : visible]})
@@ -213,8 +230,8 @@ def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
                 return None
             args = c.get("arguments", c.get("parameters", {}))
             calls.append(_call(c["name"], json.dumps(args, ensure_ascii=False)))
-    if not calls:
-        return None
+    if not calls:  # "<tool_call>[]</tool_call>": the model said it calls nothing
+        return _HERMES_BLOCK.sub("", text), []
     content = text[:at].strip()
     return content or None, calls
 

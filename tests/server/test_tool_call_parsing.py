@@ -1,11 +1,14 @@
-"""The parts of tool calling that need no model: the Hermes parser and what streams."""
+"""The parts of tool calling that need no model: the parsers, what streams, and the tool
+prompts written for chat templates that ignore ``tools``."""
 
 from __future__ import annotations
 
 import json
 
 from conveyor.runtime.server.protocol import Tool
-from conveyor.runtime.server.tool_calls import ToolCalling
+from conveyor.runtime.server.settings import TOOL_CALL_PARSERS
+from conveyor.runtime.server.tool_calls import ToolCalling, ToolCallStream
+from conveyor.runtime.server.tool_prompt import TOOL_PROMPTS
 
 TOOL = Tool.model_validate({"type": "function", "function": {"name": "f"}})
 AUTO = ToolCalling([TOOL], "auto", parser="hermes")
@@ -52,3 +55,115 @@ def test_forced_output_cut_short_is_no_call() -> None:
     assert required.extract('[{"name": "f", "param') is None
     assert required.extract("[1]") is None
     assert ToolCalling([TOOL], "named", name="f").extract('{"a": ') is None
+
+
+SMOLLM2 = ToolCalling([TOOL], "auto", parser="smollm2")
+
+
+def test_smollm2_list_of_calls_with_arguments_or_parameters() -> None:
+    """SmolLM2's trained form is one ``<tool_call>`` holding a JSON list; either parser reads
+    it, and ``parameters`` (APIGen data) as well as ``arguments``."""
+    text = '<tool_call>[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "parameters": {"y": 2}}]</tool_call>'
+    for auto in (SMOLLM2, AUTO):
+        found = auto.extract(text)
+        assert found is not None and found[0] is None
+        assert [
+            (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found[1]
+        ] == [
+            ("f", {"x": 1}),
+            ("g", {"y": 2}),
+        ]
+    found = SMOLLM2.extract('<tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert found is not None and found[1][0]["function"]["arguments"] == "{}"
+
+
+def test_an_empty_list_of_calls_is_an_answer_in_text() -> None:
+    """The SmolLM2 prompt asks for ``<tool_call>[]</tool_call>`` when no call is needed: no
+    tool calls, and the list is not part of the content, streamed or not."""
+    found = SMOLLM2.extract("Hello there!<tool_call>[]</tool_call>")
+    assert found == ("Hello there!", [])
+    assert SMOLLM2.extract("<tool_call>[]</tool_call>") == ("", [])
+    stream = ToolCallStream(SMOLLM2)
+    sent = []
+    for piece, last in (("Hello", False), (" there!<tool_", False), ("call>[]</tool_call>", True)):
+        deltas, called = stream.update(piece, last)
+        assert not called
+        sent += [d.get("content", "") for d in deltas]
+    assert "".join(sent) == "Hello there!"
+
+
+def test_a_call_without_a_name_is_no_call() -> None:
+    assert SMOLLM2.extract('<tool_call>[{"arguments": {}}]</tool_call>') is None
+    assert SMOLLM2.extract("<tool_call>[1, 2]</tool_call>") is None
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_every_parser_has_a_tool_prompt_and_only_auto_uses_it() -> None:
+    assert set(TOOL_PROMPTS) == set(TOOL_CALL_PARSERS)
+    assert SMOLLM2.tool_prompt is TOOL_PROMPTS["smollm2"]
+    assert ToolCalling([TOOL], "required", parser="smollm2").tool_prompt is None
+    assert ToolCalling([TOOL], "none", parser="smollm2").tool_prompt is None
+
+
+def test_smollm2_prompt_lists_the_functions_and_asks_for_a_list_of_calls() -> None:
+    conversation = TOOL_PROMPTS["smollm2"].rewrite([{"role": "user", "content": "hi"}], [WEATHER])
+    assert [m["role"] for m in conversation] == ["system", "user"]
+    system = conversation[0]["content"]
+    listed = system[system.index("<tools>") + 7 : system.index("</tools>")]
+    assert json.loads(listed) == [WEATHER["function"]]  # the functions, as in APIGen
+    assert "<tool_call>[" in system and "'[]'" in system
+
+
+def test_hermes_prompt_lists_each_tool_and_keeps_the_users_system_text() -> None:
+    conversation = TOOL_PROMPTS["hermes"].rewrite(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], [WEATHER]
+    )
+    assert [m["role"] for m in conversation] == ["system", "user"]
+    system = conversation[0]["content"]
+    assert system.startswith("Be brief.\n\n")
+    assert f"<tools>\n{json.dumps(WEATHER)}\n</tools>" in system
+
+
+def test_tool_history_becomes_text_in_the_familys_format() -> None:
+    history = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+    ]
+    smol = TOOL_PROMPTS["smollm2"].rewrite(history, [WEATHER])
+    assert [m["role"] for m in smol] == ["system", "user", "assistant", "user"]
+    assert smol[2] == {
+        "role": "assistant",
+        "content": '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>',
+    }
+    assert smol[3] == {"role": "user", "content": "<tool_response>\n-3 C\n</tool_response>"}
+    hermes = TOOL_PROMPTS["hermes"].rewrite(history, [WEATHER])
+    assert hermes[2]["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    )
+    # what the parser reads back is the call that was written
+    for parser in TOOL_PROMPTS:
+        found = ToolCalling([TOOL], "auto", parser=parser).extract(
+            (smol if parser == "smollm2" else hermes)[2]["content"]
+        )
+        assert found is not None
+        assert json.loads(found[1][0]["function"]["arguments"]) == {"city": "Oslo"}
