@@ -1,5 +1,6 @@
 """The "Autoscaler" dashboard: desired against ready replicas within their bounds, each
-signal against its target, and the decisions with their reasons."""
+signal against its target, the decisions with their reasons, and the demand and capacity
+estimates that size the replicas."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from conveyor.observability.panels import (
     COUNT,
     PER_S,
     RATIO,
+    REQUESTS_PER_S,
     SECONDS,
     dashboard,
     events,
@@ -49,6 +51,24 @@ def _signal_panel(title: str, description: str, signal: str, unit: str, **kw: ob
         unit=unit,
         width=8,
         **kw,
+    )
+
+
+def _demand_panel(title: str, description: str, demand: str, capacity: str, unit: str) -> object:
+    """Demand against what the ready replicas carry (one replica's capacity x ready)."""
+    per_replica = _gauge(n.AS_SIGNAL, f'signal="{capacity}"')
+    return panel(
+        title,
+        description,
+        [
+            (_gauge(n.AS_SIGNAL, f'signal="{demand}"'), "{{llmservice}} demand"),
+            (
+                f"{per_replica} * {_gauge(n.AS_READY)}",
+                "{{llmservice}} capacity of the ready replicas",
+            ),
+        ],
+        unit=unit,
+        width=8,
     )
 
 
@@ -114,6 +134,52 @@ def build() -> dash.Dashboard:
                 n.SIGNAL_KV_CACHE,
                 RATIO,
                 maximum=1,
+            )
+        )
+        .with_row(dash.Row("Demand and capacity"))
+        .with_panel(
+            _demand_panel(
+                "Demand and capacity: requests",
+                "Arrivals (what finished, what the gateways turned away, and how much the backlog "
+                "grew) over the demand window, against one replica's measured capacity times the "
+                "ready replicas.",
+                n.SIGNAL_DEMAND_RPS,
+                n.SIGNAL_CAPACITY_RPS,
+                REQUESTS_PER_S,
+            )
+        )
+        .with_panel(
+            _demand_panel(
+                "Demand and capacity: tokens",
+                "Prompt and generated tokens of those arrivals, against one replica's measured "
+                "token throughput times the ready replicas.",
+                n.SIGNAL_DEMAND_TPS,
+                n.SIGNAL_CAPACITY_TPS,
+                PER_S,
+            )
+        )
+        .with_panel(
+            panel(
+                "Utilization and replicas needed",
+                "Demand over the ready replicas' capacity, against targetUtilization; and the "
+                "replicas demand and backlog call for before rounding, against those desired.",
+                [
+                    (
+                        _gauge(n.AS_SIGNAL, f'signal="{n.SIGNAL_UTILIZATION}"'),
+                        "{{llmservice}} utilization",
+                    ),
+                    (
+                        _gauge(n.AS_TARGET, f'signal="{n.SIGNAL_UTILIZATION}"'),
+                        "{{llmservice}} target",
+                    ),
+                    (
+                        _gauge(n.AS_SIGNAL, f'signal="{n.SIGNAL_REPLICAS_NEEDED}"'),
+                        "{{llmservice}} replicas needed",
+                    ),
+                    (_gauge(n.AS_DESIRED), "{{llmservice}} desired"),
+                ],
+                unit=COUNT,
+                width=8,
             )
         )
         .with_panel(

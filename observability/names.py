@@ -59,3 +59,10 @@ SIGNAL_QUEUE_DEPTH = "queue_depth_per_replica"
 SIGNAL_TTFT_P95 = "ttft_p95_seconds"
 SIGNAL_KV_CACHE = "kv_cache_usage"
 SIGNALS = (SIGNAL_QUEUE_DEPTH, SIGNAL_TTFT_P95, SIGNAL_KV_CACHE)
+# The capacity-sized decision's estimates (same label; NaN while none sizes the decision).
+SIGNAL_DEMAND_RPS = "demand_requests_per_second"
+SIGNAL_DEMAND_TPS = "demand_tokens_per_second"
+SIGNAL_CAPACITY_RPS = "capacity_requests_per_second"
+SIGNAL_CAPACITY_TPS = "capacity_tokens_per_second"
+SIGNAL_UTILIZATION = "utilization"
+SIGNAL_REPLICAS_NEEDED = "replicas_needed"

@@ -5,16 +5,21 @@ Each tick (a kopf timer per LLMService, ``--autoscale-interval``):
 1. the ready replicas from the LLMService's EndpointSlices (ready endpoints, port ``http``);
 2. each scraped directly and concurrently, with a per-replica timeout: ``GET /load`` (queue,
    running, KV usage, still loading?) and ``GET /metrics`` (the TTFT histogram, of which only
-   the change over the last ``--autoscale-ttft-window`` seconds counts);
+   the change over the last ``--autoscale-ttft-window`` seconds counts; the finished-request
+   and token counters, whose change over the LLMService's demand and panic windows, with the
+   backlog's, gives demand and, from replicas that had a queue throughout, capacity);
 3. the namespace gateway's replicas (the ``conveyor-gateway`` Service's EndpointSlices),
    ``GET /metrics``, ``conveyor_gateway_pending_requests{model=...}`` summed over gateways:
-   requests held because no replica is ready (scale from zero);
+   requests held because no replica is ready (scale from zero); and each gateway's count of
+   requests for the model it answered 429 or 503 (demand that no replica took);
 4. ``decide(observation, policy, history)``; a change of replicas is written through the scale
    subresource and posted as an Event; the decision and signals go to ``status.autoscaler``
    and to the ``conveyor_autoscaler_*`` metrics.
 
-What is kept between ticks (decision history, recent TTFT histograms per replica) is keyed by
-namespace/name and dropped when the LLMService is deleted or autoscaling is turned off.
+What is kept between ticks (decision history, recent TTFT histograms and counters per
+replica, the backlog) is keyed by namespace/name and dropped when the LLMService is deleted or
+autoscaling is turned off. The capacity estimate is also written to ``status.autoscaler.capacity``
+and read back from there when the operator starts, so a restart does not forget it.
 The HTTP client and the Kubernetes client are the two boundaries; both are passed in.
 """
 
@@ -26,7 +31,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,8 +43,10 @@ from conveyor.operator import signals
 from conveyor.operator.autoscaler import (
     AutoscalingPolicy,
     Decision,
+    Demand,
     History,
     Observation,
+    Rates,
     ReplicaSignals,
     decide,
 )
@@ -141,6 +148,8 @@ class ReplicaScrape:
     load: ReplicaSignals | None
     ready: bool
     ttft: signals.Buckets | None
+    counters: tuple[float, float] | None = None
+    """(finished requests, prompt + generated tokens) so far; None: not exposed or not read."""
 
 
 @dataclass
@@ -150,7 +159,29 @@ class ServiceState:
     history: History = field(default_factory=History)
     ttft_seen: dict[str, deque[tuple[float, signals.Buckets]]] = field(default_factory=dict)
     """Replica key (pod) -> its TTFT histograms of the last window, oldest first."""
+    counters_seen: dict[str, deque[signals.Counters]] = field(default_factory=dict)
+    """Replica key (pod) -> its counters of the last demand window, oldest first (a replica
+    gone within the window stays until its last scrape is older than the window)."""
+    backlog_seen: deque[signals.Backlog] = field(default_factory=deque)
+    """The service's backlog at each tick of the last demand window."""
+    rejected_seen: dict[str, deque[signals.Counters]] = field(default_factory=dict)
+    """Gateway key (pod) -> its count of requests turned away, over the last demand window."""
     last_scale_time: str | None = None
+    capacity_time: str | None = None
+    """When the capacity was last measured (RFC 3339, for status)."""
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any] | None) -> ServiceState:
+        """A fresh state that remembers the capacity the LLMService's status recorded."""
+        state = cls()
+        capacity = ((status or {}).get("autoscaler") or {}).get("capacity") or {}
+        requests = capacity.get("requestsPerSecond")
+        if capacity.get("source") in ("measured", "status") and requests:
+            state.history.capacity = Rates(
+                float(requests), float(capacity.get("tokensPerSecond") or 0.0)
+            )
+            state.capacity_time = capacity.get("lastMeasuredTime")
+        return state
 
 
 def build_observation(
@@ -160,15 +191,22 @@ def build_observation(
     replicas: list[ReplicaScrape],
     pending: int,
     state: ServiceState,
+    rejected: Mapping[str, float] | None = None,
     ttft_window: float = TTFT_WINDOW_S,
+    demand_window: float = AutoscalingPolicy.demand_window,
+    panic_window: float = AutoscalingPolicy.panic_window,
 ) -> Observation:
-    """The Observation for ``decide``; records this tick's TTFT histograms in ``state``.
+    """The Observation for ``decide``; records this tick's TTFT histograms, counters and
+    backlog in ``state``.
 
     A replica counts when it answered ``/load`` and says it is ready. TTFT p95 is over the
     first tokens of the last ``ttft_window`` seconds (each replica's histogram now minus its
     histogram at the window's start, or at its first scrape if younger), merged over every
     replica that answered ``/metrics``; None with fewer than ``MIN_TTFT_OBSERVATIONS``.
     Replicas gone since the previous tick are forgotten.
+
+    Demand needs the counters of every ready replica (an engine without them, or a replica
+    whose ``/metrics`` failed, would read as no throughput): without, it is None this tick.
     """
     ready = tuple(r.load for r in replicas if r.load is not None and r.ready)
     deltas = []
@@ -197,6 +235,56 @@ def build_observation(
         ready=ready,
         ttft_p95=ttft,
         pending_requests=pending,
+        demand=_demand(now, replicas, pending, rejected or {}, state, demand_window, panic_window),
+        counting=bool(ready)
+        and all(r.counters is not None for r in replicas if r.load and r.ready),
+    )
+
+
+def _demand(
+    now: float,
+    replicas: list[ReplicaScrape],
+    pending: int,
+    rejected: Mapping[str, float],
+    state: ServiceState,
+    window: float,
+    panic_window: float,
+) -> Demand | None:
+    """Record this tick's counters and backlog; the demand over the windows, or None."""
+    ready = [r for r in replicas if r.load is not None and r.ready]
+    if not ready or any(r.counters is None for r in ready):
+        state.counters_seen.clear()
+        state.backlog_seen.clear()
+        return None
+    for r in ready:
+        assert r.load is not None and r.counters is not None
+        seen = state.counters_seen.setdefault(r.endpoint.key, deque())
+        requests, tokens = r.counters
+        if seen and (requests < seen[-1].requests or tokens < seen[-1].tokens):
+            seen.clear()  # a new process counts from 0
+        seen.append(signals.Counters(now, requests, tokens, r.load.waiting > 0))
+    for key, count in rejected.items():
+        seen = state.rejected_seen.setdefault(key, deque())
+        if seen and count < seen[-1].requests:
+            seen.clear()  # a restarted gateway counts from 0
+        seen.append(signals.Counters(now, count, 0.0, False))
+    for series in (state.counters_seen, state.rejected_seen):
+        for key, seen in list(series.items()):
+            while len(seen) > 2 and seen[1].time <= now - window:
+                seen.popleft()
+            if seen[-1].time < now - window:
+                del series[key]
+    backlog = sum(r.load.waiting + r.load.running for r in ready if r.load is not None) + pending
+    state.backlog_seen.append(signals.Backlog(now, backlog))
+    while len(state.backlog_seen) > 2 and state.backlog_seen[1].time <= now - window:
+        state.backlog_seen.popleft()
+    return signals.estimate_demand(
+        state.counters_seen,
+        state.backlog_seen,
+        now=now,
+        window=window,
+        panic_window=panic_window,
+        rejected=state.rejected_seen,
     )
 
 
@@ -215,9 +303,27 @@ def status_signals(obs: Observation) -> dict[str, Any]:
     return out
 
 
+ESTIMATE_SIGNALS = (
+    "demandRequestsPerSecond",
+    "demandTokensPerSecond",
+    "utilization",
+    "replicasNeeded",
+    "panic",
+    "replicaStartSeconds",
+)
+"""Keys of ``status.autoscaler.signals`` that only a capacity-sized decision has."""
+
+
 def autoscaler_status(
-    obs: Observation, decision: Decision, *, now: str, last_scale_time: str | None
+    obs: Observation,
+    decision: Decision,
+    *,
+    now: str,
+    last_scale_time: str | None,
+    capacity_time: str | None = None,
 ) -> dict[str, Any]:
+    """``status.autoscaler``: the decision, its signals and, when it was sized by capacity,
+    the demand, utilization and the capacity it used (with where that came from)."""
     status: dict[str, Any] = {
         "lastDecisionTime": now,
         "desiredReplicas": decision.desired,
@@ -225,6 +331,25 @@ def autoscaler_status(
         "reason": decision.reason,
         "signals": status_signals(obs),
     }
+    est = decision.estimate
+    if est is not None:
+        status["signals"].update({
+            "demandRequestsPerSecond": round(est.demand.requests, 3),
+            "demandTokensPerSecond": round(est.demand.tokens, 1),
+            "utilization": round(est.utilization, 3),
+            "replicasNeeded": round(est.replicas_needed, 3),
+            "panic": est.panic,
+        })  # fmt: skip
+        if est.start_time is not None:
+            status["signals"]["replicaStartSeconds"] = round(est.start_time, 1)
+        capacity: dict[str, Any] = {
+            "requestsPerSecond": round(est.capacity.requests, 3),
+            "tokensPerSecond": round(est.capacity.tokens, 1),
+            "source": est.capacity_source,
+        }
+        if capacity_time is not None and est.capacity_source in ("measured", "status"):
+            capacity["lastMeasuredTime"] = capacity_time
+        status["capacity"] = capacity
     if last_scale_time is not None:
         status["lastScaleTime"] = last_scale_time
     return status
@@ -261,7 +386,20 @@ class HttpScraper:
 # ---- the timer ---------------------------------------------------------------------------
 
 
-SIGNAL_NAMES = ("queue_depth_per_replica", "ttft_p95_seconds", "kv_cache_usage")
+SIGNAL_NAMES = (
+    "queue_depth_per_replica",
+    "ttft_p95_seconds",
+    "kv_cache_usage",
+    "demand_requests_per_second",
+    "demand_tokens_per_second",
+    "capacity_requests_per_second",
+    "capacity_tokens_per_second",
+    "utilization",
+    "replicas_needed",
+    "replica_start_seconds",
+)
+"""Values of ``conveyor_autoscaler_signal{signal}``; those after the first three are NaN
+while the decision is the signals' own (no capacity figure or no demand yet)."""
 
 
 class AutoscalerTimer:
@@ -305,14 +443,18 @@ class AutoscalerTimer:
         if not policy.enabled:
             self.forget(namespace, name)
             return None
-        state = self._states.setdefault((namespace, name), ServiceState())
+        state = self._states.get((namespace, name))
+        if state is None:
+            state = self._states[(namespace, name)] = ServiceState.from_status(
+                llmservice.get("status")
+            )
         model = served_name(llmservice)
         runtime, gateways = await asyncio.gather(
             self._endpoints(namespace, name), self._endpoints(namespace, GATEWAY_NAME)
         )
-        replicas, pending = await asyncio.gather(
+        replicas, (pending, rejected) = await asyncio.gather(
             asyncio.gather(*(self._scrape_replica(e) for e in runtime)),
-            self._pending(gateways, model),
+            self._gateways(gateways, model),
         )
         current = int(spec.get("replicas", policy.min_replicas))
         obs = build_observation(
@@ -321,9 +463,15 @@ class AutoscalerTimer:
             replicas=list(replicas),
             pending=pending,
             state=state,
+            rejected=rejected,
             ttft_window=self.ttft_window,
+            demand_window=policy.demand_window,
+            panic_window=policy.panic_window,
         )
+        measured = state.history.capacity_time
         decision = decide(obs, policy, state.history)
+        if state.history.capacity_time != measured:
+            state.capacity_time = now_rfc3339()
         if decision.desired != current:
             await self.kube.merge_patch(
                 f"{llmservice_path(namespace, name)}/scale",
@@ -332,7 +480,7 @@ class AutoscalerTimer:
             state.last_scale_time = now_rfc3339()
             message = (
                 f"scaled {decision.direction} from {current} to {decision.desired} replicas: "
-                f"{decision.reason} ({_describe(obs, policy)})"
+                f"{decision.reason} ({_describe(obs, policy, decision)})"
             )
             log.info("%s/%s: %s", namespace, name, message)
             event = "ScaledUp" if decision.desired > current else "ScaledDown"
@@ -353,7 +501,7 @@ class AutoscalerTimer:
             self.scraper.get_text(f"{endpoint.url}/metrics"),
             return_exceptions=True,
         )
-        load, ready, ttft = None, False, None
+        load, ready, ttft, counters = None, False, None, None
         if isinstance(load_text, str):
             try:
                 load, ready = parse_load(load_text)
@@ -366,44 +514,54 @@ class AutoscalerTimer:
         if isinstance(metrics_text, str):
             try:
                 ttft = signals.parse_histogram(metrics_text)
+                counters = signals.parse_counters(metrics_text)
             except ValueError as exc:
                 log.warning("replica %s: bad /metrics: %s", endpoint.url, exc)
         elif isinstance(metrics_text, (httpx.HTTPError, OSError)):
             log.info("replica %s: /metrics not answered: %s", endpoint.url, _error(metrics_text))
         else:
             raise metrics_text
-        return ReplicaScrape(endpoint, load, ready, ttft)
+        return ReplicaScrape(endpoint, load, ready, ttft, counters)
 
-    async def _pending(self, gateways: list[Endpoint], model: str) -> int:
-        """Requests for ``model`` held by the namespace's gateways, summed over gateway replicas."""
+    async def _gateways(self, gateways: list[Endpoint], model: str) -> tuple[int, dict[str, float]]:
+        """Requests for ``model`` held by the namespace's gateways (summed over gateway
+        replicas), and each gateway's count of requests for it turned away so far."""
         texts = await asyncio.gather(
             *(self.scraper.get_text(f"{g.url}/metrics") for g in gateways), return_exceptions=True
         )
-        total = 0
+        total, rejected = 0, dict[str, float]()
         for gateway, text in zip(gateways, texts, strict=True):
             if isinstance(text, str):
                 try:
                     total += pending_requests(text, model)
+                    rejected[gateway.key] = signals.parse_rejected(text, model)
                 except ValueError as exc:
                     log.warning("gateway %s: bad /metrics: %s", gateway.url, exc)
             elif isinstance(text, (httpx.HTTPError, OSError)):
                 log.info("gateway %s: /metrics not answered: %s", gateway.url, _error(text))
             else:
                 raise text
-        return total
+        return total, rejected
 
     async def _patch_status(
         self, llmservice: dict[str, Any], obs: Observation, decision: Decision, state: ServiceState
     ) -> None:
         meta = llmservice["metadata"]
         status = autoscaler_status(
-            obs, decision, now=now_rfc3339(), last_scale_time=state.last_scale_time
+            obs,
+            decision,
+            now=now_rfc3339(),
+            last_scale_time=state.last_scale_time,
+            capacity_time=state.capacity_time,
         )
         old = (llmservice.get("status") or {}).get("autoscaler") or {}
+        if "capacity" in old and "capacity" not in status:
+            status["capacity"] = old["capacity"]  # kept: what was measured stays remembered
         if _without_time(old) == _without_time(status):
             return  # nothing new to say: spare the apiserver a write per tick
         path = f"{llmservice_path(meta['namespace'], meta['name'])}/status"
-        patch = {**status, "signals": {"ttftP95Seconds": None, **status["signals"]}}
+        cleared = dict.fromkeys(("ttftP95Seconds", *ESTIMATE_SIGNALS))
+        patch = {**status, "signals": {**cleared, **status["signals"]}}
         await self.kube.merge_patch(path, {"status": {"autoscaler": patch}})  # null removes
 
     def _record_metrics(
@@ -419,31 +577,45 @@ class AutoscalerTimer:
         m.autoscaler_ready.labels(*labels).set(obs.num_ready)
         m.autoscaler_min.labels(*labels).set(policy.min_replicas)
         m.autoscaler_max.labels(*labels).set(policy.max_replicas)
-        n = obs.num_ready
+        n, est = obs.num_ready, decision.estimate
         values = {
             "queue_depth_per_replica": obs.waiting / n if n else 0.0,
             "ttft_p95_seconds": obs.ttft_p95,
             "kv_cache_usage": sum(r.kv_cache_usage for r in obs.ready) / n if n else 0.0,
+            "demand_requests_per_second": None if est is None else est.demand.requests,
+            "demand_tokens_per_second": None if est is None else est.demand.tokens,
+            "capacity_requests_per_second": None if est is None else est.capacity.requests,
+            "capacity_tokens_per_second": None if est is None else est.capacity.tokens,
+            "utilization": None if est is None else est.utilization,
+            "replicas_needed": None if est is None else est.replicas_needed,
+            "replica_start_seconds": None if est is None else est.start_time,
         }
         targets = {
             "queue_depth_per_replica": policy.target_queue_depth,
             "ttft_p95_seconds": policy.target_ttft_p95,
             "kv_cache_usage": policy.target_kv_cache_usage,
+            "utilization": policy.target_utilization,
         }
         for signal in SIGNAL_NAMES:
-            value, target = values[signal], targets[signal]
+            value, target = values[signal], targets.get(signal)
             m.autoscaler_signal.labels(*labels, signal).set(math.nan if value is None else value)
             if target is not None:
                 m.autoscaler_target.labels(*labels, signal).set(target)
         m.autoscaler_decisions.labels(*labels, decision.direction, decision.reason).inc()
 
 
-def _describe(obs: Observation, policy: AutoscalingPolicy) -> str:
-    n = obs.num_ready
+def _describe(obs: Observation, policy: AutoscalingPolicy, decision: Decision) -> str:
+    n, est = obs.num_ready, decision.estimate
     parts = [
         f"{n} ready",
         f"queue {obs.waiting / n if n else 0:.1f}/replica (target {policy.target_queue_depth:g})",
     ]
+    if est is not None:
+        parts.append(
+            f"demand {est.demand.requests:.2f} req/s over capacity {est.capacity.requests:.2f} "
+            f"req/s per replica ({est.capacity_source}): {est.replicas_needed:.2f} replicas"
+            + (", panic" if est.panic else "")
+        )
     if obs.ttft_p95 is not None:
         target = "none" if policy.target_ttft_p95 is None else f"{policy.target_ttft_p95:g}s"
         parts.append(f"TTFT p95 {obs.ttft_p95:.2f}s (target {target})")

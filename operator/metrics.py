@@ -61,13 +61,17 @@ class OperatorMetrics:
         )
         self.autoscaler_signal = Gauge(
             "conveyor_autoscaler_signal",
-            "Last observed signal (queue_depth_per_replica, ttft_p95_seconds, kv_cache_usage)",
+            "Last observed signal (queue_depth_per_replica, ttft_p95_seconds, kv_cache_usage) and "
+            "estimate (demand_requests_per_second, demand_tokens_per_second, "
+            "capacity_requests_per_second and capacity_tokens_per_second of one replica, "
+            "utilization, replicas_needed, replica_start_seconds as learned; NaN while no "
+            "capacity figure sizes the decision)",
             [*per_service, "signal"],
             registry=self.registry,
         )
         self.autoscaler_target = Gauge(
             "conveyor_autoscaler_target",
-            "Target of each signal, from spec.autoscaling",
+            "Target of each signal, from spec.autoscaling (utilization: targetUtilization)",
             [*per_service, "signal"],
             registry=self.registry,
         )

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from conveyor.operator.autoscaler import History, ReplicaSignals
+from conveyor.operator.autoscaler import History, Rates, ReplicaSignals
 from conveyor.operator.autoscaler_timer import (
     AutoscalerTimer,
     Endpoint,
@@ -28,7 +29,12 @@ from conveyor.operator.autoscaler_timer import (
 from conveyor.operator.crd import apply_defaults
 from conveyor.operator.metrics import OperatorMetrics
 from conveyor.operator.reconciler import llmservice_path
-from conveyor.runtime.metrics_names import TIME_TO_FIRST_TOKEN
+from conveyor.runtime.metrics_names import (
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REQUEST_SUCCESS,
+    TIME_TO_FIRST_TOKEN,
+)
 
 NS = "team"
 BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -413,3 +419,117 @@ async def test_the_kopf_timer_runs_at_the_interval_setting_and_only_when_enabled
     assert world.timer.tracked == {(NS, "tiny")}
     await run(namespace=NS, name="tiny", spec={**spec, "autoscaling": {"enabled": False}})
     assert world.timer.tracked == set()  # turned off: state dropped, nothing scraped
+
+
+# ---- demand and capacity -----------------------------------------------------------------
+
+
+def runtime_metrics(finished: int, tokens: int, *ttfts: float) -> str:
+    """A runtime's /metrics with its request and token counters and TTFT histogram."""
+    registry = CollectorRegistry()
+    Counter(REQUEST_SUCCESS.removesuffix("_total"), "done", ["model", "finish_reason"],
+            registry=registry).labels("tiny", "stop").inc(finished)  # fmt: skip
+    Counter(PROMPT_TOKENS.removesuffix("_total"), "p", ["model"], registry=registry).labels(
+        "tiny"
+    ).inc(tokens // 4)
+    Counter(GENERATION_TOKENS.removesuffix("_total"), "g", ["model"], registry=registry).labels(
+        "tiny"
+    ).inc(tokens - tokens // 4)
+    hist = Histogram(
+        TIME_TO_FIRST_TOKEN, "TTFT", ["model"], buckets=BUCKETS, registry=registry
+    ).labels("tiny")
+    for value in ttfts:
+        hist.observe(value)
+    return generate_latest(registry).decode()
+
+
+def test_counters_are_read_from_the_runtime_and_gateway_metrics():
+    from conveyor.gateway.metrics import GatewayMetrics
+    from conveyor.operator.signals import parse_counters, parse_rejected
+
+    assert parse_counters(runtime_metrics(12, 1000)) == (12.0, 1000.0)
+    assert parse_counters(ttft_metrics(0.1)) is None  # another engine: no demand from it
+    registry = CollectorRegistry()  # a replica that finished nothing yet: declared, no sample
+    Counter(REQUEST_SUCCESS.removesuffix("_total"), "done", ["model", "finish_reason"],
+            registry=registry)  # fmt: skip
+    assert parse_counters(generate_latest(registry).decode()) == (0.0, 0.0)
+    gateway = GatewayMetrics()
+    gateway.requests.labels("tiny", "", "429").inc(3)
+    gateway.requests.labels("tiny", "http://a:8000", "503").inc(2)
+    gateway.requests.labels("tiny", "http://a:8000", "200").inc(50)
+    gateway.requests.labels("other", "", "429").inc(7)
+    assert parse_rejected(generate_latest(gateway.registry).decode(), "tiny") == 5.0
+
+
+async def test_demand_capacity_and_utilization_in_status_and_metrics_and_remembered(world):
+    w = world
+    kube, scraper, metrics, clock, timer = w.kube, w.scraper, w.metrics, w.clock, w.timer
+    llmservice(kube, replicas=1)
+    kube.slices = [
+        endpoint_slice("tiny", 8000, ("tiny-a", "198.18.0.5", True)),
+        endpoint_slice("conveyor-gateway", 8080, ("gw-a", "198.18.0.9", True)),
+    ]
+    scraper.pages["http://198.18.0.9:8080/metrics"] = gateway_metrics(tiny=0)
+    # One replica with a queue throughout, finishing 8 requests (800 tokens) a second.
+    decisions = []
+    for tick in range(6):
+        scraper.pages["http://198.18.0.5:8000/load"] = load(waiting=1, running=8, kv=0.5)
+        scraper.pages["http://198.18.0.5:8000/metrics"] = runtime_metrics(16 * tick, 1600 * tick)
+        decisions.append(await timer.tick(NS, "tiny"))
+        clock.now += 2
+    first = decisions[0]
+    assert first is not None and first.estimate is None  # no window yet: the next tick
+    assert (first.direction, first.reason) == ("none", "measuring-demand")
+    last = decisions[-1]
+    assert last is not None and last.estimate is not None
+    assert (last.desired, last.direction) == (1, "none")
+    status = kube.objects[llmservice_path(NS, "tiny")]["status"]["autoscaler"]
+    sig = status["signals"]
+    assert sig["demandRequestsPerSecond"] == pytest.approx(8.0)
+    assert sig["demandTokensPerSecond"] == pytest.approx(800.0)
+    assert sig["utilization"] == pytest.approx(1.0) and sig["panic"] is False
+    assert sig["replicasNeeded"] == pytest.approx(1.0 + 1 / (30 * 8), abs=1e-3)
+    capacity = status["capacity"]
+    assert (capacity["requestsPerSecond"], capacity["tokensPerSecond"], capacity["source"]) == (
+        8.0,
+        800.0,
+        "measured",
+    )
+    assert capacity["lastMeasuredTime"]
+
+    def signal(name: str) -> float | None:
+        return sample(metrics, "conveyor_autoscaler_signal", signal=name)
+
+    assert signal("demand_requests_per_second") == pytest.approx(8.0)
+    assert signal("capacity_requests_per_second") == pytest.approx(8.0)
+    assert signal("capacity_tokens_per_second") == pytest.approx(800.0)
+    assert signal("utilization") == pytest.approx(1.0)
+    assert sample(metrics, "conveyor_autoscaler_target", signal="utilization") == 1.0
+
+    # An operator restart: a new timer reads the capacity back from status.
+    again = World(kube=kube, scraper=scraper, clock=clock)
+    for tick in range(6, 8):
+        scraper.pages["http://198.18.0.5:8000/metrics"] = runtime_metrics(16 * tick, 1600 * tick)
+        decision = await again.timer.tick(NS, "tiny")
+        clock.now += 2
+    assert decision is not None and decision.estimate is not None
+    assert decision.estimate.capacity_source == "status"
+    assert decision.estimate.capacity == Rates(8.0, 800.0)
+
+
+async def test_a_replica_without_counters_gives_no_demand(world):
+    w = world
+    llmservice(w.kube, replicas=1)
+    w.kube.slices = [
+        endpoint_slice("tiny", 8000, ("tiny-a", "198.18.0.5", True)),
+        endpoint_slice("conveyor-gateway", 8080),
+    ]
+    w.scraper.pages["http://198.18.0.5:8000/load"] = load(waiting=1, running=1)
+    w.scraper.pages["http://198.18.0.5:8000/metrics"] = ttft_metrics()
+    for _ in range(4):
+        decision = await w.timer.tick(NS, "tiny")
+        w.clock.now += 2
+    assert decision is not None and decision.estimate is None
+    status = w.kube.objects[llmservice_path(NS, "tiny")]["status"]["autoscaler"]
+    assert "demandRequestsPerSecond" not in status["signals"] and "capacity" not in status
+    assert math.isnan(sample(w.metrics, "conveyor_autoscaler_signal", signal="utilization"))
