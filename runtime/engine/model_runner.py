@@ -101,6 +101,9 @@ class ModelRunner:
             self.model.tied_head_packed = pack(self.model.embed_tokens.weight)
             packed += 1
         log.info("%d linear weights packed for oneDNN (used for steps of 2 rows or more)", packed)
+        self.model.fused_layers = self.backend.decoder_layers(self.model)
+        if self.model.fused_layers is not None:
+            log.info("the decoder's layers run in one C++ call a step")
 
     # -- KV cache ------------------------------------------------------------------------
 

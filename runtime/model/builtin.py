@@ -186,6 +186,14 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),
                 p + "self_attn.v_proj.bias": normal(nkv * hd, std=0.1),
             }
+        if config.get("attention_bias") and config["model_type"] != "qwen2":
+            tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)  # Llama's bias is on all four
+        if config.get("mlp_bias"):
+            tensors |= {
+                p + "mlp.gate_proj.bias": normal(inter, std=0.1),
+                p + "mlp.up_proj.bias": normal(inter, std=0.1),
+                p + "mlp.down_proj.bias": normal(h, std=0.1),
+            }
         if config["model_type"] == "qwen3":
             tensors |= {
                 p + "self_attn.q_norm.weight": 1.0 + normal(hd, std=0.05),

@@ -8,7 +8,7 @@ the LM head to the embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,6 +43,8 @@ class DecoderShape:
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
         self.qkv_bias = self.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only.
+        self.o_bias = self.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = self.model_type == "qwen3"
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
@@ -56,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         if s.qk_norm:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
@@ -126,6 +128,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
         self.tied_head_packed: torch.Tensor | None = None
         """The tied LM head (the embedding) in oneDNN's layout, set on CPU (``layers/linear.py``)."""
+        self.fused_layers: Callable | None = None
+        """All layers in one call, (x, positions, kv_caches, meta) -> (x, residual), with the
+        loop below's result; set on CPU when the C++ kernels can (``kernels/cpu/backend.py``)."""
         if s.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -140,9 +145,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions (T,); kv_caches (L, 2, blocks, bs, Hkv, D) -> hidden (T, hidden)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, self.rotary, kv_caches[i], meta)
+        if self.fused_layers is not None:
+            x, residual = self.fused_layers(x, positions, kv_caches, meta)
+        else:
+            residual = None
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(positions, x, residual, self.rotary, kv_caches[i], meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -124,3 +124,67 @@ def test_missing_build_falls_back_and_says_how_to_build(monkeypatch, tmp_path, f
     assert cpu.load() is None
     assert "python -m conveyor.runtime.kernels.cpu build" in cpu.load_error()
     assert select_backend("auto", CPU).name == "torch"
+
+
+SMALL_DECODER = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    vocab_size=320,
+    torch_dtype="float32",
+)
+DECODERS = {
+    "llama-biases": dict(
+        SMALL_DECODER, architectures=["LlamaForCausalLM"], model_type="llama",
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        SMALL_DECODER, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+        num_key_value_heads=1, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_decoder_layers_in_one_call_match_the_python_loop(name, tmp_path, backend):
+    """Every step of an engine run (prefill chunks, decodes of one and many rows, both mixed)
+    gives the same bits through ``decoder_layers`` as through the Python loop over layers."""
+    from conveyor.runtime.engine.llm import LLM
+    from conveyor.runtime.model.builtin import generate_model
+    from conveyor.runtime.sampling_params import SamplingParams
+
+    model_dir = generate_model(tmp_path / name, DECODERS[name], seed=3)
+    llm = LLM(str(model_dir), dtype="float32", max_running_requests=4, chunked_prefill_size=48)
+    model = llm.engine.runner.model
+    fused = model.fused_layers
+    assert fused is not None, "the CPU backend did not take the model's layers into one call"
+    forward, steps = model.forward, []
+
+    def both_ways(input_ids, positions, kv_caches, meta):
+        model.fused_layers = None
+        expected = forward(input_ids, positions, kv_caches, meta)
+        model.fused_layers = fused
+        got = forward(input_ids, positions, kv_caches, meta)  # writes the same K/V again
+        assert torch.equal(got, expected)
+        steps.append((meta.num_decode_tokens, len(input_ids)))
+        return got
+
+    model.forward = both_ways
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("a", list(range(5, 70)), params)  # two chunks
+    for _ in range(3):
+        engine.step()
+    for i, n in enumerate((1, 30, 90)):  # joins while "a" decodes
+        engine.add_request(f"b{i}", [7 + i] * n, params)
+    while engine._seqs:
+        engine.step()
+    kinds = {"decode of 1" if t == d == 1 else "decodes" if t == d else "mixed" if d else "prefill"
+             for d, t in steps}  # fmt: skip
+    assert kinds == {"decode of 1", "decodes", "mixed", "prefill"}

@@ -1,13 +1,14 @@
-"""The engine's CPU kernels: ``ops.cpp``, built once per environment, loaded in milliseconds.
+"""The engine's CPU kernels: ``ops.cpp`` and ``decoder.cpp``, built once per environment,
+loaded in milliseconds.
 
 The C++ ops (paged attention read in place from the KV cache, rotary, the KV write, RMSNorm
 fused with the residual add, SiLU-and-mul) replace the torch reference on CPU, where a
 decode step is otherwise dominated by copying K/V out of the cache and by hundreds of small
-elementwise ops. ``build()`` compiles them with torch's extension builder (g++ and ninja)
-for this machine's CPU; the README's set-up runs it (``python -m
-conveyor.runtime.kernels.cpu build``). ``load()`` imports the built library, or returns None
+elementwise ops; ``decoder_layers`` runs a Llama-family model's layers on them in one call.
+``build()`` compiles them with torch's extension builder (g++ and ninja) for this machine's
+CPU; the README's set-up runs it (``python -m conveyor.runtime.kernels.cpu build``). ``load()`` imports the built library, or returns None
 (the engine then uses the plain-torch path) when it was not built, cannot build or was
-built for another torch, CPU or source: a changed ``ops.cpp`` gets a new build directory.
+built for another torch, CPU or source: changed sources get a new build directory.
 
 ``CONVEYOR_CPU_KERNELS=0`` turns them off (the torch reference runs instead).
 """
@@ -29,7 +30,10 @@ from types import ModuleType
 
 log = logging.getLogger("conveyor.runtime")
 
-SOURCE = Path(__file__).with_name("ops.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / "ops.cpp", HERE / "decoder.cpp"]
+"""What is compiled; the build key also covers ``HEADERS``."""
+HEADERS = [HERE / "ops.h"]
 MODULE = "conveyor_cpu_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-DNDEBUG"]
 # OpenMP as torch's own (its wheel ships libgomp.so.1; the loader shares one copy by soname),
@@ -49,7 +53,8 @@ def build_key() -> str:
     import torch
 
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for path in SOURCES + HEADERS:
+        digest.update(path.read_bytes())
     digest.update(
         f"{torch.__version__} {sys.version_info[:2]} {' '.join(CFLAGS + LDFLAGS)}".encode()
     )
@@ -85,7 +90,7 @@ def _library(directory: Path) -> Path:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile ``ops.cpp`` for this environment and CPU (about a minute); returns the library."""
+    """Compile the kernels for this environment and CPU (about a minute); returns the library."""
     from torch.utils import cpp_extension
 
     directory = build_dir()
@@ -98,7 +103,7 @@ def build(verbose: bool = False) -> Path:
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     cpp_extension.load(
         name=MODULE,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=LDFLAGS,
         build_directory=str(directory),

@@ -9,12 +9,19 @@ model's own temporaries), rotary rotates q and k in place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import LayerKernels
+from conveyor.runtime.layers.linear import PackedLinear
+
+DecoderLayers = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
+"""(x, positions, kv_caches, meta) -> (x, residual): every layer of a decoder, before its norm."""
 
 
 class CpuAttentionBackend:
@@ -50,6 +57,57 @@ class CpuAttentionBackend:
                 meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
             )  # fmt: skip
         return out
+
+    def decoder_layers(self, model) -> DecoderLayers | None:
+        """``model``'s layers as one C++ call (``decoder.cpp``: the same kernels, matmuls and
+        order as the Python loop, so the same bits, without a dozen Python calls a layer), or
+        None when the model does not fit it: every linear packed for oneDNN, no per-head q/k
+        norm (Qwen3), one RMSNorm epsilon, float32 rotary tables."""
+        ops = self.ops
+        shape = getattr(model, "shape", None)
+        if not hasattr(ops, "decoder_layers") or shape is None or shape.qk_norm:
+            return None
+        weights: list[torch.Tensor] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (
+                any(n.eps != shape.rms_norm_eps for n in norms)
+                or attn.scale != model.layers[0].self_attn.scale
+            ):
+                return None
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(lin, PackedLinear) for lin in linears):
+                return None
+            weights.append(norms[0].weight)
+            for lin in linears[:2]:
+                weights += _linear_weights(lin)
+            weights.append(norms[1].weight)
+            for lin in linears[2:]:
+                weights += _linear_weights(lin)
+        weights = [w.detach() for w in weights]
+        assert len(weights) == ops.weights_per_layer * len(model.layers)
+        cos, sin = model.rotary.cos, model.rotary.sin
+        if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
+            return None
+        scale = model.layers[0].self_attn.scale
+        s = shape
+
+        def run(x, positions, kv_caches, meta: AttentionMetadata):
+            return ops.decoder_layers(
+                x, positions, kv_caches, weights, cos, sin, meta.slot_mapping,
+                meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
+                meta.num_prefills > 0, meta.prefill_block_tables, meta.prefill_query_start_loc,
+                meta.prefill_context_lens, s.num_heads, s.num_kv_heads, s.head_dim,
+                s.rms_norm_eps, scale,
+            )  # fmt: skip
+
+        return run
+
+
+def _linear_weights(lin: PackedLinear) -> list[torch.Tensor]:
+    """(weight, packed weight, bias or an empty tensor), as ``decoder_layers`` takes them."""
+    return [lin.weight, lin.packed, lin.bias if lin.bias is not None else torch.empty(0)]
 
 
 def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:

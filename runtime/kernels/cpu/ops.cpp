@@ -9,12 +9,16 @@
 //   the cache at their slots.
 // - fused_add_rms_norm / rms_norm, silu_and_mul: elementwise work fused into one pass.
 //
+// decoder.cpp runs a decoder's layers on these in one call and holds the Python bindings;
+// ops.h declares the entry points it uses.
+//
 // Every op computes in float32 and reads/writes float32, bfloat16 or float16 tensors.
 // Inner loops are written for the compiler to vectorise (-O3, `omp simd` reductions); the
 // parallel loops use ATen's OpenMP pool, so they follow torch.set_num_threads. Each entry
 // point releases the GIL, so the server's event loop runs while a kernel does.
 
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -23,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-namespace {
+namespace conveyor_cpu {
 
 template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
@@ -576,16 +580,4 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode_attention", &paged_decode_attention, nogil);
-  m.def("paged_prefill_attention", &paged_prefill_attention, nogil);
-  m.def("rotary_embedding", &rotary_embedding, nogil);
-  m.def("store_kv", &store_kv, nogil);
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil);
-  m.def("rms_norm", &rms_norm, nogil);
-  m.def("silu_and_mul", &silu_and_mul, nogil);
-}
+}  // namespace conveyor_cpu

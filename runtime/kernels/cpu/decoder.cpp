@@ -1,0 +1,120 @@
+// A Llama-family decoder's layers in one call, on ops.cpp's kernels and oneDNN's matmuls, and
+// the module's Python bindings.
+//
+// The Python loop over the layers (runtime/model/llama.py) makes about a dozen calls per layer
+// through nn.Module; on a 2-core CPU that was 3-4 ms of a 45 ms decode step of SmolLM2. This
+// loop makes the same calls, in the same order, on the same tensors, so its output is the
+// Python path's bit for bit; runtime/kernels/cpu/backend.py decides when a model fits it.
+
+#include "ops.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace conveyor_cpu {
+namespace {
+
+// x @ w.T + b as runtime/layers/linear.py computes it: oneDNN's matmul on the prepacked weight
+// from two rows up, ATen's linear below. An empty tensor stands for "no bias".
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
+                  const at::Tensor& b) {
+  std::optional<at::Tensor> bias;
+  if (b.numel() > 0) bias = b;
+  if (x.size(0) >= 2) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack;
+    stack.reserve(6);
+    stack.emplace_back(x);
+    stack.emplace_back(packed);
+    stack.emplace_back(bias);
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+    stack.emplace_back(std::optional<std::string>(std::string()));
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+  }
+  return at::linear(x, w, bias);
+}
+
+// Weights of one layer, in this order; each linear is (weight, packed weight, bias or empty).
+enum Weight : int64_t {
+  kInputNorm, kQkv, kQkvPacked, kQkvBias, kO, kOPacked, kOBias,
+  kPostNorm, kGateUp, kGateUpPacked, kGateUpBias, kDown, kDownPacked, kDownBias,
+  kWeightsPerLayer
+};
+
+}  // namespace
+
+// x (T, hidden), the embedded tokens, through every layer; returns (x, residual) for the
+// final norm. kv_caches (layers, 2, blocks, block_size, Hkv, D); the step's metadata as
+// AttentionMetadata holds it; the first num_decode_tokens rows are decodes.
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    at::Tensor x, at::Tensor positions, at::Tensor kv_caches, const std::vector<at::Tensor>& weights,
+    at::Tensor cos, at::Tensor sin, at::Tensor slots, int64_t num_decode_tokens,
+    at::Tensor decode_block_tables, at::Tensor decode_context_lens, bool has_prefills,
+    at::Tensor prefill_block_tables, at::Tensor prefill_query_start_loc,
+    at::Tensor prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    double eps, double scale) {
+  const int64_t layers = kv_caches.size(0);
+  TORCH_CHECK(int64_t(weights.size()) == layers * kWeightsPerLayer, "decoder_layers needs ",
+              int64_t(kWeightsPerLayer), " weights per layer, got ", weights.size(), " for ",
+              layers, " layers");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (tokens, hidden) tensor");
+  const int64_t T = x.size(0), nd = num_decode_tokens;
+  TORCH_CHECK(nd >= 0 && nd <= T && (has_prefills || nd == T), "decode tokens out of range");
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  at::Tensor residual;
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
+    if (!residual.defined()) {
+      residual = x;
+      x = rms_norm(x, w[kInputNorm], eps);
+    } else {
+      fused_add_rms_norm(x, residual, w[kInputNorm], eps);
+    }
+    const at::Tensor qkv = linear(x, w[kQkv], w[kQkvPacked], w[kQkvBias]);
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
+    rotary_embedding(positions, q, k, cos, sin);
+    const at::Tensor layer_cache = kv_caches.select(0, l);
+    const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
+    store_kv(k, v, k_cache, v_cache, slots);
+    const at::Tensor o = at::empty(q.sizes(), q.options());
+    if (nd > 0)
+      paged_decode_attention(o.narrow(0, 0, nd), q.narrow(0, 0, nd), k_cache, v_cache,
+                             decode_block_tables, decode_context_lens, scale);
+    if (has_prefills)
+      paged_prefill_attention(o.narrow(0, nd, T - nd), q.narrow(0, nd, T - nd), k_cache, v_cache,
+                              prefill_block_tables, prefill_query_start_loc,
+                              prefill_context_lens, scale);
+    x = linear(o.flatten(1), w[kO], w[kOPacked], w[kOBias]);
+    fused_add_rms_norm(x, residual, w[kPostNorm], eps);
+    const at::Tensor gate_up = linear(x, w[kGateUp], w[kGateUpPacked], w[kGateUpBias]);
+    x = linear(silu_and_mul(gate_up), w[kDown], w[kDownPacked], w[kDownBias]);
+  }
+  return {x, residual};
+}
+
+}  // namespace conveyor_cpu
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  using namespace conveyor_cpu;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("paged_prefill_attention", &paged_prefill_attention, nogil);
+  m.def("rotary_embedding", &rotary_embedding, nogil);
+  m.def("store_kv", &store_kv, nogil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil);
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("decoder_layers", &decoder_layers, nogil);
+  m.attr("weights_per_layer") = int64_t(kWeightsPerLayer);
+}
