@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.gateway.metrics import REQUESTS_TOTAL as GATEWAY_REQUESTS
-from conveyor.operator.autoscaler import Demand, Rates
+from conveyor.operator.autoscaler_model import Demand, Rates
 from conveyor.runtime.metrics_names import (
     GENERATION_TOKENS,
     PROMPT_TOKENS,

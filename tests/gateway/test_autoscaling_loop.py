@@ -18,11 +18,8 @@ import openai
 import pytest
 from gateway_helpers import PYTHON, Process, Processes, free_port, gateway, wait_for
 
-from conveyor.operator.autoscaler_timer import (
-    MIN_TTFT_OBSERVATIONS,
-    AutoscalerTimer,
-    HttpScraper,
-)
+from conveyor.operator.autoscaler_observe import MIN_TTFT_OBSERVATIONS
+from conveyor.operator.autoscaler_timer import AutoscalerTimer, HttpScraper
 from conveyor.operator.metrics import OperatorMetrics
 
 pytestmark = pytest.mark.skipif(

@@ -9,7 +9,8 @@ from collections import deque
 
 import pytest
 
-from conveyor.operator.autoscaler import (
+from conveyor.operator.autoscaler import decide
+from conveyor.operator.autoscaler_model import (
     AutoscalingPolicy,
     Decision,
     Demand,
@@ -17,7 +18,6 @@ from conveyor.operator.autoscaler import (
     Observation,
     Rates,
     ReplicaSignals,
-    decide,
 )
 from conveyor.operator.signals import (
     Backlog,

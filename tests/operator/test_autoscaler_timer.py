@@ -14,9 +14,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from conveyor.operator.autoscaler import History, Rates, ReplicaSignals
-from conveyor.operator.autoscaler_timer import (
-    AutoscalerTimer,
+from conveyor.operator.autoscaler_model import History, Rates, ReplicaSignals
+from conveyor.operator.autoscaler_observe import (
     Endpoint,
     ReplicaScrape,
     ServiceState,
@@ -26,6 +25,7 @@ from conveyor.operator.autoscaler_timer import (
     pending_requests,
     ready_endpoints,
 )
+from conveyor.operator.autoscaler_timer import AutoscalerTimer
 from conveyor.operator.crd import apply_defaults
 from conveyor.operator.metrics import OperatorMetrics
 from conveyor.operator.reconciler import llmservice_path

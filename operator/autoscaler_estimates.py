@@ -1,0 +1,159 @@
+"""The estimates the autoscaler's decision sizes from, each kept in its ``History``.
+
+- one replica's capacity: measured from replicas that were saturated, else the spec's guess,
+  else the busy replicas' throughput as a lower bound;
+- how long a replica takes to be ready, learned from asking for replicas to their being ready;
+- whether every replica has had a queue through the demand window (the fleet is saturated,
+  so its arrivals may be its throughput, short of the demand);
+- whether a queue, TTFT or KV target has stayed breached, with every replica ready, for half a
+  demand window (by the median of its ticks).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from conveyor.operator.autoscaler_model import AutoscalingPolicy, History, Observation, Rates
+
+SATURATED = 0.9
+"""Share of the demand window's ticks at which every ready replica must have had a queue for
+the fleet to read as saturated (a tick between two of a client's requests may find one
+without)."""
+DRAINING = 0.8
+"""A backlog whose median over the later half of a breach's window is below this share of the
+earlier half's is draining: no replica is added for that breach."""
+
+
+def update_capacity(obs: Observation, policy: AutoscalingPolicy, history: History) -> None:
+    """Fold a capacity measurement into the history: the first replaces the spec's guess, later
+    ones are averaged with a time constant of the demand window (one tick's noise is damped,
+    a new model or image is followed within a minute or two)."""
+    sample = obs.demand.saturated if obs.demand is not None else None
+    if sample is None or sample.requests <= 0:
+        return
+    old, then = history.capacity, history.capacity_time
+    if old is None or then is None:
+        history.capacity = sample
+    else:
+        a = 1.0 - math.exp(-max(0.0, obs.time - then) / policy.demand_window)
+        history.capacity = Rates(
+            old.requests + a * (sample.requests - old.requests),
+            old.tokens + a * (sample.tokens - old.tokens),
+        )
+    history.capacity_time = obs.time
+
+
+def capacity_for(
+    obs: Observation, policy: AutoscalingPolicy, history: History
+) -> tuple[Rates, str] | None:
+    """The capacity of one replica to size with, and where it came from; None: no figure."""
+    if history.capacity is not None and history.capacity.requests > 0:
+        return history.capacity, "measured" if history.capacity_time is not None else "status"
+    guess = policy.capacity_guess
+    if guess is not None and guess.requests > 0:
+        return guess, "guess"
+    busy = obs.demand.busy if obs.demand is not None else None
+    if busy is not None and busy.requests > 0:
+        return busy, "lower-bound"
+    return None
+
+
+def replicas_needed(rates: Rates, capacity: Rates, utilization: float) -> float:
+    """Replicas that carry ``rates`` at ``utilization``, by the tighter of requests and tokens."""
+    need = rates.requests / (capacity.requests * utilization)
+    if capacity.tokens > 0:
+        need = max(need, rates.tokens / (capacity.tokens * utilization))
+    return need
+
+
+def guard_ratio(obs: Observation, policy: AutoscalingPolicy) -> tuple[float, str]:
+    """The signal furthest above (or least below) its target, as signal / target."""
+    n = obs.num_ready
+    ratios = [(obs.waiting / n / policy.target_queue_depth, "queue-depth")]
+    if policy.target_ttft_p95 is not None and obs.ttft_p95 is not None:
+        ratios.append((obs.ttft_p95 / policy.target_ttft_p95, "ttft-p95"))
+    kv = sum(r.kv_cache_usage for r in obs.ready) / n
+    ratios.append((kv / policy.target_kv_cache_usage, "kv-cache"))
+    return max(ratios)
+
+
+def lasting_breach(obs: Observation, policy: AutoscalingPolicy, history: History) -> str | None:
+    """The signal that has stayed above its target for half a demand window at this replica
+    count, with every replica ready; None if none has.
+
+    "Stayed" is by the median of the window's ticks and of its later half: one tick under
+    target (a queue at the line, a client between two requests) does not start the window
+    again, nor does one tick far above it make a breach; nor is a backlog that drains (its
+    median over the later half a fifth below the earlier half's) a lasting breach. Ticks
+    with a replica not ready (starting, or its scrape missed) are left out; a change of
+    count starts afresh.
+    """
+    now, current = obs.time, obs.current_replicas
+    if history.breach_count is not None and history.breach_count[0] != current:
+        history.breaches.clear()
+        history.breach_count = None
+    if obs.num_ready < current or obs.num_ready == 0:
+        return None
+    if history.breach_count is None:
+        history.breach_count = (current, now)
+    window = policy.demand_window / 2
+    history.breaches.append((now, *guard_ratio(obs, policy), obs.backlog))
+    while history.breaches[0][0] < now - window:
+        history.breaches.popleft()
+    ticks = list(history.breaches)
+    earlier = [b for b in ticks if b[0] < now - window / 2]
+    later = [b for b in ticks if b[0] >= now - window / 2]
+    if now - history.breach_count[1] < window or len(earlier) < 2 or len(later) < 2:
+        return None
+    if statistics.median(b[1] for b in ticks) <= 1 or statistics.median(b[1] for b in later) <= 1:
+        return None
+    if statistics.median(b[3] for b in later) < DRAINING * statistics.median(b[3] for b in earlier):
+        return None  # the backlog drains: replicas that came are catching up
+    above = [b[2] for b in later if b[1] > 1]
+    return max(set(above), key=above.count)
+
+
+def track_queues(obs: Observation, policy: AutoscalingPolicy, history: History) -> None:
+    """Record whether every ready replica has a queue now (ticks without one say nothing)."""
+    if obs.num_ready == 0:
+        return
+    history.queued.append((obs.time, all(r.waiting > 0 for r in obs.ready)))
+    while history.queued[0][0] < obs.time - policy.demand_window:
+        history.queued.popleft()
+
+
+def saturated(obs: Observation, policy: AutoscalingPolicy, history: History) -> bool:
+    """Whether the fleet has been saturated for the whole demand window: every ready replica
+    had a queue at nearly every tick. It then finished all it could, so the arrivals its
+    counters show may be its throughput, short of the demand (a closed loop of clients sends
+    exactly as fast as it is answered), whatever capacity figure it is compared with."""
+    first = history.first_seen
+    if first is None or obs.time - first < policy.demand_window or not history.queued:
+        return False
+    return sum(q for _, q in history.queued) >= SATURATED * len(history.queued)
+
+
+def track_starts(obs: Observation, history: History) -> None:
+    """Learn how long replicas take to be ready: a count asked for (or seen short of ready)
+    is a start; the tick at which as many are ready ends it."""
+    now, current, ready = obs.time, obs.current_replicas, obs.num_ready
+    for since, n in list(history.starts):
+        if ready >= n:
+            sample = now - since
+            old = history.start_time
+            history.start_time = sample if old is None else (old + sample) / 2
+            history.starts.remove((since, n))
+        elif n > current:  # asked for more than is now wanted: never to be reached
+            history.starts.remove((since, n))
+    if ready < current and not any(n >= current for _, n in history.starts):
+        history.starts.append((now, current))
+
+
+def time_to_capacity(obs: Observation, history: History) -> float:
+    """Seconds until replicas asked for now (or starting since) are ready, as far as the
+    learned start time tells; 0 while none was learned."""
+    if history.start_time is None:
+        return 0.0
+    oldest = min((since for since, _ in history.starts), default=obs.time)
+    return max(0.0, history.start_time - (obs.time - oldest))
