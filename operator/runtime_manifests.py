@@ -33,6 +33,7 @@ ENGINE_FLAGS: dict[str, str] = {
     "blockSize": "--block-size",
     "scheduler": "--scheduler",
     "drainTimeoutSeconds": "--drain-timeout",
+    "toolCallParser": "--tool-call-parser",
 }
 
 PRESTOP_DELAY_S = 5

@@ -60,6 +60,7 @@ FULL = llmservice(
             "blockSize": 32,
             "scheduler": "continuous",
             "drainTimeoutSeconds": 60,
+            "toolCallParser": "hermes",
             "extraArgs": ["--seed", "7"],
             "env": [{"name": "NCCL_DEBUG", "value": "WARN"}],
         },
@@ -185,6 +186,33 @@ def test_full_spec_turns_every_engine_setting_into_its_serve_flag() -> None:
     assert parsed.engine.max_running_requests == 128 and parsed.engine.block_size == 32
     assert parsed.max_queued_requests == 256 and parsed.drain_timeout == 60
     assert parsed.model_name == "qwen-7b"
+    assert parsed.tool_call_parser == "hermes"
+
+
+def test_tool_call_parser_is_typed_with_the_runtimes_parsers_and_passed_only_when_set() -> None:
+    """spec.runtime.toolCallParser: the CRD offers exactly the parsers ``conveyor serve
+    --tool-call-parser`` knows (a typo is rejected by the apiserver, not by a crash-looping
+    pod), and a spec without it passes no flag (tool_choice auto stays refused)."""
+    import yaml
+
+    from conveyor.operator.crd import CRD_FILE
+    from conveyor.runtime.server.settings import TOOL_CALL_PARSERS
+
+    crd = yaml.safe_load(CRD_FILE.read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    field = spec["properties"]["runtime"]["properties"]["toolCallParser"]
+    assert field["type"] == "string" and field["enum"] == list(TOOL_CALL_PARSERS)
+    assert "default" not in field and "toolCallParser" not in MINIMAL["spec"]["runtime"]
+    assert "--tool-call-parser" not in serve_args(MINIMAL)
+    hermes = llmservice(
+        "chat", {"model": {"builtin": "conveyor-tiny"}, "runtime": {"toolCallParser": "hermes"}}
+    )
+    args = serve_args(hermes)
+    assert flag(args, "--tool-call-parser") == "hermes"
+    assert (
+        runtime_deployment(hermes, SETTINGS)["spec"]["template"]["spec"]["containers"][0]["args"]
+        == args
+    )
 
 
 def test_full_spec_resources_placement_volumes_and_replicas() -> None:
