@@ -4,7 +4,7 @@
 //   the paged KV cache (no gather of K/V into a contiguous copy), parallel over
 //   (sequence, KV head); the query heads that share a KV head read each key once.
 // - paged_prefill_attention: chunks against their cached prefix, causal inside the chunk,
-//   also in place, parallel over (sequence, KV head, block of queries).
+//   also in place, parallel over (sequence, KV head, 64 query tokens), keys in tiles.
 // - rotary_embedding: rotate q and k in place (rotate-half layout); store_kv: k, v into
 //   the cache at their slots.
 // - fused_add_rms_norm / rms_norm, silu_and_mul: elementwise work fused into one pass.
@@ -222,7 +222,7 @@ inline void prefetch_bytes(const void* p, int64_t bytes) {
 
 // Per-thread scratch of one attention task.
 struct Scratch {
-  std::vector<float> q, acc, scores, k_f, v_f;
+  std::vector<float> q, acc, scores, k_f, v_f, kt;
   std::vector<const float*> k_rows, v_rows;
 };
 
@@ -350,6 +350,45 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
   });
 }
 
+// Query tokens per prefill task, and per pass over the task's keys.
+constexpr int64_t kPrefillTaskQueries = 64;
+constexpr int64_t kPrefillPassQueries = 8;
+
+// Scores of `rows` query rows (q: rows x D, pre-scaled) against key tiles kt (per W keys, D
+// vectors of W keys: the keys transposed), for the first `n` keys (a multiple of W):
+// scores[i * stride + t]. Four rows at a time share each load of a key vector; no
+// horizontal sums.
+inline void tile_scores(const float* __restrict q, int64_t rows, int64_t D,
+                        const float* __restrict kt, int64_t n, float* __restrict scores,
+                        int64_t stride) {
+  for (int64_t t0 = 0; t0 < n; t0 += W) {
+    const float* tile = kt + t0 * D;  // D vectors of W keys
+    int64_t i = 0;
+    for (; i + 4 <= rows; i += 4) {
+      const float *q0 = q + i * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+      vf a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < D; ++d) {
+        const vf k = loadv(tile + d * W);
+        a0 += q0[d] * k, a1 += q1[d] * k, a2 += q2[d] * k, a3 += q3[d] * k;
+      }
+      storev(scores + i * stride + t0, a0);
+      storev(scores + (i + 1) * stride + t0, a1);
+      storev(scores + (i + 2) * stride + t0, a2);
+      storev(scores + (i + 3) * stride + t0, a3);
+    }
+    for (; i < rows; ++i) {
+      const float* qi = q + i * D;
+      vf a = {};
+      for (int64_t d = 0; d < D; ++d) a += qi[d] * loadv(tile + d * W);
+      storev(scores + i * stride + t0, a);
+    }
+  }
+}
+
+// Chunks of queries against their cached prefix and themselves (causal). One task per
+// (sequence, KV head, 64 query tokens): the task's keys are transposed once into tiles of W
+// keys, so a query row's scores come W at a time from plain multiply-adds; the values are
+// then read once per query token for its G query heads.
 template <typename T>
 void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
@@ -363,20 +402,54 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int32_t* ctx = context_lens.data_ptr<int32_t>();
-  // Work items: (sequence, one query token, a group of KV heads); keys up to the token.
-  const int64_t per = heads_per_task(starts[S] - starts[0], Hkv), groups = Hkv / per;
-  std::vector<int64_t> item_start(S + 1, 0);
-  for (int64_t s = 0; s < S; ++s)
-    item_start[s + 1] = item_start[s] + (starts[s + 1] - starts[s]) * groups;
-  parallel_tasks(item_start[S], [&](int64_t i, Scratch& sc) {
-    const int64_t s =
-        std::upper_bound(item_start.begin(), item_start.end(), i) - item_start.begin() - 1;
-    const int64_t local = i - item_start[s], j = local / groups, h0 = (local % groups) * per;
+  const int64_t qstride = q.stride(0), ostride = out.stride(0);
+  // Tasks: per sequence, ceil(chunk / 64) query blocks x Hkv heads.
+  std::vector<int64_t> task_start(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) {
     const int64_t qlen = starts[s + 1] - starts[s];
-    const int64_t len = ctx[s] - qlen + j + 1;  // query j sits at position ctx - qlen + j
-    const int64_t row = starts[s] + j;
-    cache.attend_row(qp + row * q.stride(0) + h0 * G * D, op + row * out.stride(0) + h0 * G * D,
-                     h0, per, G, tables + s * block_tables.stride(0), len, scale, sc);
+    task_start[s + 1] = task_start[s] + (qlen + kPrefillTaskQueries - 1) / kPrefillTaskQueries * Hkv;
+  }
+  parallel_tasks(task_start[S], [&](int64_t i, Scratch& sc) {
+    const int64_t s =
+        std::upper_bound(task_start.begin(), task_start.end(), i) - task_start.begin() - 1;
+    const int64_t local = i - task_start[s], h = local % Hkv;
+    const int64_t qlen = starts[s + 1] - starts[s], prefix = ctx[s] - qlen;
+    const int64_t j0 = local / Hkv * kPrefillTaskQueries;
+    const int64_t j1 = std::min(qlen, j0 + kPrefillTaskQueries);
+    const int64_t keys = prefix + j1, padded = (keys + W - 1) / W * W;
+    const int32_t* table = tables + s * block_tables.stride(0);
+    context_rows(cache.k, table, keys, cache.block_size, cache.token_stride, cache.block_stride,
+                 h, h + 1, D, sc.k_rows, sc.k_f);
+    context_rows(cache.v, table, keys, cache.block_size, cache.token_stride, cache.block_stride,
+                 h, h + 1, D, sc.v_rows, sc.v_f);
+    // Keys transposed in tiles of W (zeros past the last key).
+    sc.kt.assign(padded * D, 0.f);
+    for (int64_t t = 0; t < keys; ++t) {
+      const float* r = sc.k_rows[t];
+      float* tile = sc.kt.data() + (t / W) * W * D + t % W;
+      for (int64_t d = 0; d < D; ++d) tile[d * W] = r[d];
+    }
+    for (int64_t a = j0; a < j1; a += kPrefillPassQueries) {
+      const int64_t b = std::min(j1, a + kPrefillPassQueries), rows = (b - a) * G;
+      const int64_t n = (prefix + b + W - 1) / W * W;  // keys the pass's last query sees, padded
+      sc.q.resize(rows * D);
+      for (int64_t j = a; j < b; ++j) {
+        const T* src = qp + (starts[s] + j) * qstride + h * G * D;
+        float* dst = sc.q.data() + (j - a) * G * D;
+        for (int64_t e = 0; e < G * D; ++e) dst[e] = to_f(src[e]) * float(scale);
+      }
+      sc.scores.resize(rows * n);
+      tile_scores(sc.q.data(), rows, D, sc.kt.data(), n, sc.scores.data(), n);
+      sc.acc.resize(G * D);
+      for (int64_t j = a; j < b; ++j) {
+        const int64_t len = prefix + j + 1;  // query j sees keys [0, len)
+        float* p = sc.scores.data() + (j - a) * G * n;
+        for (int64_t g = 0; g < G; ++g) softmax(p + g * n, len);
+        weighted_sum(p, n, sc.v_rows.data(), 0, len, D, G, sc.acc.data());
+        T* dst = op + (starts[s] + j) * ostride + h * G * D;
+        for (int64_t e = 0; e < G * D; ++e) dst[e] = from_f<T>(sc.acc[e]);
+      }
+    }
   });
 }
 
