@@ -16,9 +16,12 @@ from conveyor.runtime.server.process import ServerProcess
 
 def test_sigterm_drains_then_exits_zero(start_server: Callable[..., ServerProcess]) -> None:
     server = start_server("--drain-timeout", "120")
+    # Long enough (seconds on the tiny model) that the request is still in flight while the
+    # checks below run: with 100 tokens it could finish, and the server exit, before them.
+    max_tokens = 3000
     body = {
         "prompt": "in flight",
-        "max_tokens": 100,
+        "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -57,6 +60,6 @@ def test_sigterm_drains_then_exits_zero(start_server: Callable[..., ServerProces
         assert http.get("/health").status_code == 200
     t.join(120)
     assert done == [True]
-    assert events[-1]["usage"]["completion_tokens"] == 100
+    assert events[-1]["usage"]["completion_tokens"] == max_tokens
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
     assert server.wait(60) == 0
