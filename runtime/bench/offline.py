@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         f"workload: {workload.num_requests} requests at once, prompts {workload.prompt_len_min}-"
         f"{workload.prompt_len_max} tokens, outputs exp(mean {workload.output_len_mean:g}) capped at "
         f"{workload.output_len_max}, ignore_eos; model {settings.model}; max running "
-        f"{settings.max_running_requests}; chunked prefill {settings.chunked_prefill_size}; "
+        f"{settings.max_running_requests}; chunked prefill {engine.scheduler.token_budget}; "
         f"{engine.runner.device}, {engine.state.num_threads} threads"
     )
     print(engine.kv_cache_summary())

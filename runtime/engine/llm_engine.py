@@ -56,7 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager,
             max_running=settings.max_running_requests,
-            token_budget=settings.chunked_prefill_size,
+            token_budget=settings.token_budget(self.runner.device.type),
             mode=settings.scheduler,
             watermark_blocks=max(1, self.state.num_blocks // 100)
             if self.state.num_blocks > 100

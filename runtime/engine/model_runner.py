@@ -138,7 +138,7 @@ class ModelRunner:
         forward pass over a full step's tokens."""
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = min(self.settings.chunked_prefill_size, self.model.shape.max_position)
+        tokens = min(self.settings.token_budget("cuda"), self.model.shape.max_position)
         self.allocate_kv_cache(-(-tokens // self.block_size) + 1, capture_graphs=False)
         fake = Sequence("warmup", [0] * tokens, tokens, params=None, arrival_time=0.0)  # type: ignore[arg-type]
         fake.block_table = list(range(-(-tokens // self.block_size)))
