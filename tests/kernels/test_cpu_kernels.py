@@ -126,6 +126,19 @@ def test_missing_build_falls_back_and_says_how_to_build(monkeypatch, tmp_path, f
     assert select_backend("auto", CPU).name == "torch"
 
 
+def test_a_user_who_cannot_write_the_environment_loads_its_build(
+    monkeypatch, tmp_path, fresh_loader
+):
+    """A runtime pod's user: its build directory is its cache (it cannot write the
+    environment), where nothing is built; the environment's own build still loads."""
+    shared = cpu.build_dir()
+    assert (shared / f"{cpu.MODULE}.so").exists(), "the set-up builds the kernels"
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu.os, "access", lambda path, mode: False)
+    assert cpu.build_dir() == tmp_path / "kernels" / cpu.build_key()
+    assert cpu.load() is not None, cpu.load_error()
+
+
 SMALL_DECODER = dict(
     hidden_size=128,
     intermediate_size=256,

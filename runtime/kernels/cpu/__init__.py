@@ -89,6 +89,16 @@ def _library(directory: Path) -> Path:
     return directory / f"{MODULE}.so"
 
 
+def _built_library() -> Path | None:
+    """The build ``load()`` uses: ``build_dir()``'s, else (unless ``CONVEYOR_KERNEL_DIR``
+    names the place) this environment's own, which a user who cannot write the environment
+    (a runtime pod's) can still read."""
+    candidates = [build_dir()]
+    if not os.environ.get("CONVEYOR_KERNEL_DIR"):
+        candidates.append(Path(sys.prefix) / "lib" / "conveyor-kernels" / build_key())
+    return next((_library(d) for d in candidates if _library(d).exists()), None)
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the kernels for this environment and CPU (about a minute); returns the library."""
     from torch.utils import cpp_extension
@@ -124,10 +134,10 @@ def load() -> ModuleType | None:
         _load_error = "turned off by CONVEYOR_CPU_KERNELS=0"
         return None
     try:
-        path = _library(build_dir())
-        if not path.exists():
+        path = _built_library()
+        if path is None:
             _load_error = (
-                f"not built for this environment and CPU ({path} is missing): run "
+                f"not built for this environment and CPU ({_library(build_dir())} is missing): run "
                 "`python -m conveyor.runtime.kernels.cpu build` (scripts/bootstrap.sh does)"
             )
             return None
@@ -166,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "status":
         module = load()
-        print(f"{_library(build_dir())}: {'loads' if module else load_error()}")
+        print(f"{_built_library() or _library(build_dir())}: {'loads' if module else load_error()}")
         return 0 if module else 1
     started = time.monotonic()
     try:
