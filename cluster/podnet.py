@@ -43,6 +43,16 @@ def pod_key_digest(namespace: str, name: str) -> str:
     return hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:10]
 
 
+def mac_for(address: ipaddress.IPv4Address) -> str:
+    """A pod's MAC address, from its IP (locally administered, Docker's 02:42 scheme).
+
+    Addresses are reused as soon as a pod is gone; with a random MAC per veth, a peer that had
+    talked to the old pod (a gateway polling its replicas) kept the old MAC in its ARP cache
+    and its packets went nowhere until that entry went stale and failed: 8-13 s of a replica's
+    wake-up from zero. The same IP now always has the same MAC."""
+    return "02:42:" + ":".join(f"{b:02x}" for b in address.packed)
+
+
 class PodNetworks:
     """Makes and removes pod networks on one cluster's bridge."""
 
@@ -77,6 +87,7 @@ class PodNetworks:
             run("ip", "link", "set", host_veth, "up")
             ns = ("ip", "-n", netns)
             run(*ns, "link", "set", peer, "name", "eth0")
+            run(*ns, "link", "set", "eth0", "address", mac_for(address))
             run(*ns, "addr", "add", f"{address}/{self.plan.pod_cidr.prefixlen}", "dev", "eth0")
             run(*ns, "link", "set", "eth0", "up")
             run(*ns, "link", "set", "lo", "up")

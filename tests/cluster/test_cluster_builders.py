@@ -188,6 +188,18 @@ def test_pod_network_names_are_stable_and_fit_interface_limits() -> None:
     assert nets.names("ns-a", "b") != nets.names("ns", "a-b")
 
 
+def test_a_pod_address_always_gets_the_same_locally_administered_mac() -> None:
+    """A reused address keeps its MAC, so peers' ARP caches stay right across pods."""
+    import ipaddress
+
+    from conveyor.cluster.podnet import mac_for
+
+    a, b = ipaddress.IPv4Address("198.18.0.5"), ipaddress.IPv4Address("198.18.1.5")
+    assert mac_for(a) == mac_for(ipaddress.IPv4Address("198.18.0.5")) == "02:42:c6:12:00:05"
+    assert mac_for(a) != mac_for(b)
+    assert int(mac_for(a).split(":")[0], 16) & 0b11 == 0b10  # unicast, locally administered
+
+
 def test_settings_round_trip_through_the_state_file() -> None:
     s = ClusterSettings(name="x", gpu_nodes=3, tools_dir=Path("/opt/tools"))
     assert ClusterSettings.from_json(s.to_json()) == s
