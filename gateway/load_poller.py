@@ -39,11 +39,14 @@ class LoadPoller:
         self._timeout = timeout_s
         self._headers = {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
         self._polls: dict[str, asyncio.Task[None]] = {}
+        self._unanswered: set[str] = set()
+        """Replicas whose last /load poll failed (its first failure is logged, not each)."""
         self._wake = asyncio.Event()
         registry.listeners.append(self._on_change)
 
     def _on_change(self, added: list[Replica], removed: list[Replica]) -> None:
         for replica in removed:
+            self._unanswered.discard(replica.url)
             task = self._polls.pop(replica.url, None)
             if task is not None:
                 task.cancel()
@@ -79,12 +82,19 @@ class LoadPoller:
             report = LoadReport.from_json(json.loads(response.content))
         except (httpx.HTTPError, ValueError) as exc:
             was_admitted = replica.admitted(loop.time())
+            if replica.url not in self._unanswered:
+                self._unanswered.add(replica.url)
+                if not was_admitted:  # a replica that never answered, or came back unready
+                    log.info(
+                        "replica %s does not answer /load yet: %s", replica.url, _describe(exc)
+                    )
             replica.record_poll_failure()
             if was_admitted:
                 log.warning("replica %s stopped answering /load: %s", replica.url, _describe(exc))
                 for model in replica.pools:
                     self._metrics.ejections.labels(model, replica.url).inc()
             return
+        self._unanswered.discard(replica.url)
         was_admitted = replica.admitted(loop.time())
         was_ready = replica.load is not None and replica.load.ready
         replica.record_poll(report, sent_at, in_flight)

@@ -143,3 +143,47 @@ def test_flags_that_cannot_work_say_what_to_change() -> None:
         parse_settings(["--backend", "localhost:8000"])
     settings = parse_settings(["--backend", "http://h:1", "--api-key", "secret"])
     assert "secret" not in repr(settings)
+
+
+def test_a_joining_replica_that_does_not_answer_load_is_logged_once(caplog) -> None:
+    """Polls of a replica not yet admitted used to fail silently; the first failure is logged
+    (once, not every 0.2 s), and the replica is admitted when it answers."""
+    import asyncio
+    import logging
+
+    import httpx
+
+    from conveyor.gateway.load_poller import LoadPoller
+    from conveyor.gateway.metrics import GatewayMetrics
+    from conveyor.gateway.pool import Registry
+    from conveyor.gateway.round_robin import RoundRobin
+
+    answers = iter([None, None, None])  # three refused connections, then ready
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if next(answers, "ready") is None:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(
+            200, json={"ready": True, "running": 0, "waiting": 0, "kv_cache_usage": 0.0,
+                       "max_running_requests": 4}
+        )  # fmt: skip
+
+    async def run() -> bool:
+        registry = Registry(lambda _name: RoundRobin())
+        registry.sync("test", {"m": {"http://replica"}})
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            poller = LoadPoller(
+                registry=registry, client=client, metrics=GatewayMetrics(),
+                interval_s=0.0, timeout_s=1.0, backend_api_key=None,
+            )  # fmt: skip
+            replica = registry.replicas["http://replica"]
+            for _ in range(5):
+                await poller._poll(replica)
+            return replica.admitted(asyncio.get_running_loop().time())
+
+    with caplog.at_level(logging.INFO, logger="conveyor.gateway"):
+        assert asyncio.run(run())
+    said = [r.getMessage() for r in caplog.records]
+    unanswered = [m for m in said if "does not answer /load yet" in m]
+    assert len(unanswered) == 1 and "connection refused" in unanswered[0]
+    assert any("replica http://replica is ready" in m for m in said)
