@@ -62,7 +62,8 @@ class CpuAttentionBackend:
         """``model``'s layers as one C++ call (``decoder.cpp``: the same kernels, matmuls and
         order as the Python loop, so the same bits, without a dozen Python calls a layer), or
         None when the model does not fit it: every linear packed for oneDNN, no per-head q/k
-        norm (Qwen3), one RMSNorm epsilon, float32 rotary tables."""
+        norm (Qwen3), float32 rotary tables. Epsilon and scale come from the shape, as the
+        layers' own do."""
         ops = self.ops
         shape = getattr(model, "shape", None)
         if not hasattr(ops, "decoder_layers") or shape is None or shape.qk_norm:
@@ -71,11 +72,6 @@ class CpuAttentionBackend:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (
-                any(n.eps != shape.rms_norm_eps for n in norms)
-                or attn.scale != model.layers[0].self_attn.scale
-            ):
-                return None
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(lin, PackedLinear) for lin in linears):
                 return None
@@ -90,8 +86,7 @@ class CpuAttentionBackend:
         cos, sin = model.rotary.cos, model.rotary.sin
         if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
-        scale = model.layers[0].self_attn.scale
-        s = shape
+        s, scale = shape, shape.head_dim**-0.5  # LlamaAttention.scale
 
         def run(x, positions, kv_caches, meta: AttentionMetadata):
             return ops.decoder_layers(
