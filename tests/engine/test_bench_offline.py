@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conveyor.runtime.bench.offline import main
+from conveyor.bench.engine.offline import main
 
 KEYS = {
     "mode",

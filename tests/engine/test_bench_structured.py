@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conveyor.runtime.bench.structured import main
+from conveyor.bench.engine.structured import main
 
 
 def test_writes_compile_times_and_a_step_time_per_fraction(tmp_path, capsys):

@@ -105,7 +105,7 @@ class Process:
 
 def stub(port: int | None = None, **options: object) -> Process:
     port = port or free_port()
-    argv = [PYTHON, "-m", "conveyor.gateway.bench_stub", "--port", str(port)]
+    argv = [PYTHON, "-m", "conveyor.bench.gateway.stub", "--port", str(port)]
     for key, value in options.items():
         argv += ["--" + key.replace("_", "-"), str(value)]
     return Process(f"stub-{port}", argv, port)

@@ -1,4 +1,4 @@
-"""A real gateway process in front of minimal streaming replicas (``bench_stub``) on loopback.
+"""A real gateway process in front of minimal streaming replicas (``bench.gateway.stub``) on loopback.
 
 The stubs answer like runtime replicas without a model, so these tests exercise the
 gateway itself (streaming, failures, discovery, auth) in seconds. The same behaviours

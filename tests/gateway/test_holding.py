@@ -3,7 +3,7 @@
 Held requests are counted in ``conveyor_gateway_pending_requests{model}`` (what the operator's
 autoscaler scrapes to scale from zero), released to a replica as soon as one says ready, and
 answered with 503 and Retry-After only after ``--hold-timeout``. Real gateway processes, with
-the stub replicas of ``bench_stub`` started on a port the gateway already knows.
+the stub replicas of ``conveyor.bench.gateway.stub`` started on a port the gateway already knows.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from conveyor.operator.bench_autoscale import describe_status, parse, parser
+from conveyor.bench.autoscale.command import describe_status, parse, parser
 
 
 def test_every_option_has_a_help_text_and_reaches_the_settings():

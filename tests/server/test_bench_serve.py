@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.runtime.bench import serve as bench
+from conveyor.bench.serve import load as bench
 from conveyor.runtime.server.process import ServerProcess
 
 

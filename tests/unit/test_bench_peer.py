@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from conveyor.runtime.bench import peer, vllm_env
+from conveyor.bench.peers import peer, vllm_env
 
 
 def _wheel(tmp_path, requires: list[str]):

@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from conveyor.bench_cli import BENCHMARKS
+from conveyor.bench.cli import BENCHMARKS
 from conveyor.cli import COMMANDS
 from conveyor.cli import main as conveyor_main
 

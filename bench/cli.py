@@ -7,19 +7,19 @@ import sys
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "offline": (
-        "conveyor.runtime.bench.offline",
+        "conveyor.bench.engine.offline",
         "engine throughput: continuous vs static vs none vs HF",
     ),
     "structured": (
-        "conveyor.runtime.bench.structured",
+        "conveyor.bench.engine.structured",
         "grammar compile time and step time with constrained requests in the batch",
     ),
-    "serve": ("conveyor.runtime.bench.serve", "HTTP load generator against a server or gateway"),
-    "serve-compare": ("conveyor.runtime.bench.serve_compare", "the seed's comparison over HTTP"),
-    "peer": ("conveyor.runtime.bench.peer", "Conveyor vs vLLM for CPU, side by side"),
-    "gateway": ("conveyor.gateway.bench", "routing policies and gateway overhead"),
-    "autoscale": ("conveyor.operator.bench_autoscale", "step load against the autoscaler"),
-    "gpu": ("conveyor.runtime.bench.gpu", "kernels, decode MBU and the seed comparison on a GPU"),
+    "serve": ("conveyor.bench.serve.load", "HTTP load generator against a server or gateway"),
+    "serve-compare": ("conveyor.bench.serve.compare", "continuous vs static vs none scheduling, over HTTP"),
+    "peer": ("conveyor.bench.peers.peer", "Conveyor vs vLLM for CPU, side by side"),
+    "gateway": ("conveyor.bench.gateway.command", "routing policies and gateway overhead"),
+    "autoscale": ("conveyor.bench.autoscale.command", "step load against the autoscaler"),
+    "gpu": ("conveyor.bench.gpu.command", "kernels, decode MBU and continuous vs static batching on a GPU"),
 }
 
 

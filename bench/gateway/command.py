@@ -8,7 +8,7 @@ them, which is when routing decides the cache hit rate. Each policy gets fresh t
 no policy inherits another's cache. Prints TTFT p50/p95, throughput, the prefix-cache hit
 rate from the replicas' /metrics and the spread of requests over replicas.
 
-Part ``overhead``: a minimal streaming server (``bench_stub``), reached directly and
+Part ``overhead``: a minimal streaming server (``conveyor.bench.gateway.stub``), reached directly and
 through the gateway at the same concurrency: added TTFT and end-to-end latency; then
 N streams held open at once through the gateway, for growing N, counting errors.
 
@@ -437,7 +437,7 @@ def bench_overhead(s: BenchSettings) -> None:
         flush=True,
     )
     stub_port = free_port()
-    stub = Child(f"stub-{stub_port}", [sys.executable, "-m", "conveyor.gateway.bench_stub",
+    stub = Child(f"stub-{stub_port}", [sys.executable, "-m", "conveyor.bench.gateway.stub",
                  "--port", str(stub_port), "--token-interval-ms", "250"], stub_port)  # fmt: skip
     # A generous connect timeout: on a shared 2-core machine the stub, not the gateway, is
     # slow to accept thousands of connections at once.

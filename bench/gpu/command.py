@@ -376,7 +376,7 @@ def peak_bandwidth(device: str) -> float:
 def stage_offline(args, workdir: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from conveyor.runtime.bench import offline
+    from conveyor.bench.engine import offline
 
     shape = TINY if args.smoke else LLAMA_1B
     model_dir = write_model_dir(workdir / "llama-1b-shape", shape)

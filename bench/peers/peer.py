@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from conveyor.runtime.bench import vllm_env
-from conveyor.runtime.bench.serve import BenchSettings, WorkloadSettings, run
+from conveyor.bench.peers import vllm_env
+from conveyor.bench.serve.load import BenchSettings, WorkloadSettings, run
 
 # Random-weight shapes the issue measured, besides the built-in real model.
 PRESETS: dict[str, dict[str, Any]] = {

@@ -5,7 +5,7 @@ or not, ``/v1/models``, ``/load``, ``/health``, ``/ready``) without a model, so 
 measurement through the gateway measures the gateway. Each completion's text names the
 stub (``--name``), so a test can tell which replica answered.
 
-``python -m conveyor.gateway.bench_stub --port P [--tokens N --token-interval-ms MS]``
+``python -m conveyor.bench.gateway.stub --port P [--tokens N --token-interval-ms MS]``
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ async def _json(send: Any, doc: dict[str, Any], status: int = 200) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     defaults = StubSettings()
-    parser = argparse.ArgumentParser(prog="python -m conveyor.gateway.bench_stub")
+    parser = argparse.ArgumentParser(prog="python -m conveyor.bench.gateway.stub")
     for field, default in vars(defaults).items():
         parser.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
     settings = StubSettings(**vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))

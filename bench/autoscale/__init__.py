@@ -1,0 +1,1 @@
+"""A step load against the autoscaler on the one-machine cluster."""

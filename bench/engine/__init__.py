@@ -1,0 +1,1 @@
+"""The engine in process: scheduling modes side by side, structured outputs."""

@@ -1,0 +1,1 @@
+"""The GPU path end to end: kernels, decode step time and bandwidth, the engine comparison."""

@@ -1,0 +1,1 @@
+"""Conveyor against its peers (vLLM for CPU), each installed into its own cached environment."""
