@@ -5,8 +5,9 @@ and stopped as one object (``Cluster``), simulated GPU nodes kept alive by kwok,
 network of network namespaces on a bridge (``PodNetworks``), which the node agent uses.
 """
 
-from conveyor.cluster.cluster import Cluster, ClusterAlreadyRunning
+from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.podnet import PodNetwork, PodNetworks
 from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.teardown import ClusterAlreadyRunning
 
 __all__ = ["Cluster", "ClusterAlreadyRunning", "ClusterSettings", "PodNetwork", "PodNetworks"]

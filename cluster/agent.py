@@ -1,6 +1,6 @@
 """The node agent: what a kubelet does, for every simulated node of the cluster, with processes.
 
-``python -m conveyor.cluster.agent WORK_DIR`` (the cluster starts it after kwok). It lists
+``python -m conveyor.cluster.agent WORK_DIR`` (the cluster starts it last). It lists
 and watches the pods bound to the simulated nodes (those kwok manages) and gives each a
 ``PodWorker``. Only one agent runs per cluster (a lock in its directory). Killed, it leaves
 the pods running; started again, it adopts them from their directories (never a second
@@ -26,15 +26,15 @@ from typing import Any
 import httpx
 
 from conveyor.cluster.agent_api import AsyncApi
+from conveyor.cluster.agent_process import SKIP_ANNOTATION
 from conveyor.cluster.agent_settings import AgentSettings
 from conveyor.cluster.api import ApiError, credentials_from_kubeconfig
-from conveyor.cluster.cluster import read_state
 from conveyor.cluster.kwok_logs import KwokLogs
-from conveyor.cluster.node_agent import SKIP_ANNOTATION
 from conveyor.cluster.nodes import KWOK_ANNOTATION
 from conveyor.cluster.pod_worker import AgentContext, PodWorker, cleanup_pod_dir
 from conveyor.cluster.podcgroups import sweep_pod_cgroups
 from conveyor.cluster.podnet import PodNetworks
+from conveyor.cluster.state import read_state
 
 LOCK_FILE = "agent.lock"
 READY_FILE = "ready"

@@ -9,10 +9,12 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from conveyor.cluster.cluster import Cluster, ClusterAlreadyRunning, ClusterState, read_state
+from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.figures import figures, format_figures
 from conveyor.cluster.leftovers import find_leftovers
 from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.state import ClusterState, read_state
+from conveyor.cluster.teardown import ClusterAlreadyRunning
 from conveyor.cluster.tools import build_tools
 
 

@@ -1,4 +1,4 @@
-"""The simulated nodes: pure builders of the Node objects and of kwok's Node stages.
+"""The simulated nodes: pure builders of the Node objects and kwok's Node stages; when one is Ready.
 
 GPU nodes advertise ``nvidia.com/gpu``, carry the labels GPU feature discovery writes
 (``nvidia.com/gpu.product``, ``.memory``, ``.count``) and the ``nvidia.com/gpu:NoSchedule``
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 GPU_RESOURCE = "nvidia.com/gpu"
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
@@ -127,6 +128,16 @@ conditions:
 {{ end }}
 phase: Running
 """
+
+
+def node_ready(node: dict[str, Any]) -> bool:
+    """Ready, and the node lifecycle controller has lifted its not-ready taints (until then the
+    scheduler would leave pods Pending)."""
+    conditions = node["status"].get("conditions", [])
+    taints = node["spec"].get("taints", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions) and not any(
+        t["key"].startswith("node.kubernetes.io/") for t in taints
+    )
 
 
 def kwok_stages(heartbeat_s: int = 30) -> list[dict]:

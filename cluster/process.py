@@ -59,6 +59,32 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
+
+PROXY_VARIABLES = (
+    "http_proxy",
+    "https_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "all_proxy",
+    "ALL_PROXY",
+    "KUBECONFIG",
+)
+"""Left out of the components' environment: what they reach is on this machine, and each is
+told its own kubeconfig."""
+
+
+def component_env() -> dict[str, str]:
+    """The environment of the cluster's components: this one without ``PROXY_VARIABLES``, with
+    ``/usr/sbin`` and ``/sbin`` on ``PATH`` (``ip``, ``nft``)."""
+    env = {k: v for k, v in os.environ.items() if k not in PROXY_VARIABLES}
+    path = env.get("PATH", "/usr/bin:/bin")
+    for d in ("/usr/sbin", "/sbin"):
+        if d not in path.split(":"):
+            path = f"{path}:{d}"
+    env["PATH"] = path
+    return env
+
+
 @dataclass(frozen=True)
 class ProcessRecord:
     """What is written down about a running process so that any later process can stop it."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from agent_helpers import create, pod, wait_gone, wait_ready
 
 from conveyor.cluster import Cluster
-from conveyor.cluster.node_agent import AGENT_NAME
+from conveyor.cluster.agent_process import AGENT_NAME
 from conveyor.cluster.testing import ECHO_SERVER
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cluster import Cluster
+from conveyor.cluster.agent_process import AGENT_NAME
 from conveyor.cluster.api import ApiClient, ApiError, wait_for
-from conveyor.cluster.node_agent import AGENT_NAME
 from conveyor.cluster.process import ManagedProcess
 
 TIMEOUT_S = 120

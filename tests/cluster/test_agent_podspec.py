@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.cluster.node_agent import cri_lines_to_text
+from conveyor.cluster.pod_logs import cri_lines_to_text
 from conveyor.cluster.podspec import (
     ConfigError,
     conditions,

@@ -20,6 +20,7 @@ from conveyor.cluster.nodes import (
     kwok_stages,
     node_manifest,
     node_names,
+    node_ready,
 )
 from conveyor.cluster.settings import ClusterSettings
 
@@ -125,6 +126,19 @@ def test_kwok_stages_touch_nodes_only() -> None:
     assert all(s["kind"] == "Stage" for s in stages)
     # Round-trips through YAML as kwok reads it.
     assert list(yaml.safe_load_all(yaml.safe_dump_all(stages))) == stages
+
+
+def test_a_node_is_ready_once_ready_and_without_not_ready_taints() -> None:
+    def node(ready: str, taints: list[str]) -> dict:
+        return {
+            "status": {"conditions": [{"type": "Ready", "status": ready}]},
+            "spec": {"taints": [{"key": k, "effect": "NoSchedule"} for k in taints]},
+        }
+
+    assert node_ready(node("True", [GPU_RESOURCE]))
+    assert not node_ready(node("False", []))
+    assert not node_ready(node("True", ["node.kubernetes.io/not-ready"]))
+    assert not node_ready({"status": {}, "spec": {}})
 
 
 def test_network_plan_defaults_and_checks() -> None:

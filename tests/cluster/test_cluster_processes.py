@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.cluster.cluster import ClusterAlreadyRunning, ClusterState, clean_leftovers
 from conveyor.cluster.process import (
     ManagedProcess,
     ProcessRecord,
     group_members,
     process_start_time,
 )
+from conveyor.cluster.state import ClusterState
+from conveyor.cluster.teardown import ClusterAlreadyRunning, clean_leftovers
 from conveyor.cluster.tools import BUILD_SCRIPT, GO_MODULES, build_times, pinned_version
 
 
