@@ -29,7 +29,7 @@ import httpx
 from conveyor.cluster.agent_api import AsyncApi
 from conveyor.cluster.agent_settings import AgentSettings
 from conveyor.cluster.api import ApiError
-from conveyor.cluster.containers import ContainerRun, Exit
+from conveyor.cluster.container_attempt import ContainerAttempt, Exit
 from conveyor.cluster.podcgroups import ContainerCgroup, remove_pod_cgroups
 from conveyor.cluster.podnet import NETNS_DIR, PodNetworks
 from conveyor.cluster.podspec import (
@@ -101,7 +101,7 @@ class ContainerRunner:
         self.backoff_s = 0.0
         self.ready = False
         self.started = False
-        self.run: ContainerRun | None = None
+        self.run: ContainerAttempt | None = None
         self.attempt = -1
         self.done = False
         self.stopping = asyncio.Event()
@@ -167,7 +167,7 @@ class ContainerRunner:
 
     async def loop(self) -> None:
         """Run the container until the pod stops or ``restartPolicy`` says it is finished."""
-        run = ContainerRun.find(self.dir / str(self.attempt)) if self.attempt >= 0 else None
+        run = ContainerAttempt.find(self.dir / str(self.attempt)) if self.attempt >= 0 else None
         if run is not None and run.alive():
             # Adopted after an agent restart: keep what was reported until the probes say otherwise.
             for cs in (self.worker.pod.get("status") or {}).get("containerStatuses") or []:
@@ -266,7 +266,7 @@ class ContainerRunner:
             out["containerID"] = cid
         return out
 
-    async def _start(self, spec: dict[str, Any]) -> ContainerRun:
+    async def _start(self, spec: dict[str, Any]) -> ContainerAttempt:
         self.attempt += 1
         limits = container_limits(self.spec)
         await asyncio.to_thread(self.cgroup.kill)
@@ -277,7 +277,7 @@ class ContainerRunner:
         if current.exists():
             current.replace(logs / "previous.log")
         self._save()
-        run = ContainerRun(self.dir / str(self.attempt))
+        run = ContainerAttempt(self.dir / str(self.attempt))
         await run.start(spec)
         self.worker.ctx.log.info(
             "%s/%s: started run %d (shim pid %s)",
@@ -290,7 +290,7 @@ class ContainerRunner:
 
     # ---- probes ------------------------------------------------------------------------
 
-    def exec_target(self, run: ContainerRun) -> ExecTarget | None:
+    def exec_target(self, run: ContainerAttempt) -> ExecTarget | None:
         pid = run.pid()
         if pid is None:
             return None
@@ -300,7 +300,7 @@ class ContainerRunner:
             return None
         return ExecTarget(pid, spec.get("uid"), spec.get("gid"), spec["env"])
 
-    async def _check(self, probe: ProbeSpec, run: ContainerRun) -> tuple[bool, str]:
+    async def _check(self, probe: ProbeSpec, run: ContainerAttempt) -> tuple[bool, str]:
         return await run_handler(
             probe.handler,
             pod_ip=self.worker.pod_ip or "",
@@ -309,7 +309,7 @@ class ContainerRunner:
             timeout_s=probe.timeout_s,
         )
 
-    async def _probes(self, run: ContainerRun) -> None:
+    async def _probes(self, run: ContainerAttempt) -> None:
         startup = ProbeSpec.of(self.spec.get("startupProbe"))
         readiness = ProbeSpec.of(self.spec.get("readinessProbe"))
         liveness = ProbeSpec.of(self.spec.get("livenessProbe"))
@@ -336,7 +336,7 @@ class ContainerRunner:
                 t.cancel()
 
     async def _probe_loop(
-        self, probe: ProbeSpec, run: ContainerRun, kind: str, *, until_success: bool = False
+        self, probe: ProbeSpec, run: ContainerAttempt, kind: str, *, until_success: bool = False
     ) -> bool:
         """Probe every period; returns True once a startup probe succeeded, False after a kill."""
         await asyncio.sleep(probe.initial_delay_s)
@@ -374,7 +374,7 @@ class ContainerRunner:
 
     # ---- stopping ----------------------------------------------------------------------
 
-    async def stop_run(self, run: ContainerRun, grace_s: float, *, pre_stop: bool = True) -> None:
+    async def stop_run(self, run: ContainerAttempt, grace_s: float, *, pre_stop: bool = True) -> None:
         """``preStop``, SIGTERM, up to ``grace_s`` in all, then SIGKILL of what is left."""
         deadline = time.monotonic() + grace_s
         handler = (self.spec.get("lifecycle") or {}).get("preStop")
@@ -891,7 +891,7 @@ def cleanup_pod_dir(ctx: AgentContext, pod_dir: Path, namespace: str, name: str,
     containers = pod_dir / "containers"
     if containers.exists():
         for run_dir in containers.glob("*/*"):
-            run = ContainerRun.find(run_dir) if run_dir.name.isdigit() else None
+            run = ContainerAttempt.find(run_dir) if run_dir.name.isdigit() else None
             deadline = time.monotonic() + 10
             while run is not None and run.alive() and time.monotonic() < deadline:
                 time.sleep(0.02)

@@ -1,10 +1,12 @@
-"""One run of one container: its shim process, its files, its end.
+"""One attempt at running a container: its shim process, its files, its end.
 
-A run lives in ``<pod dir>/containers/<name>/<attempt>/``: ``spec.json`` (what the shim
-does), ``shim.json`` (the shim's pid and start time, so that a restarted agent finds it and
-never mistakes a recycled pid for it), ``pid.json`` (the container's process) and, once it
-ended, ``exit.json``. The agent waits for the shim through a pidfd, so a run it adopted
-after its own restart is waited for like one it started.
+Each start or restart of a container is a new attempt (``ContainerAttempt``); the pod
+worker's ``ContainerRunner`` keeps a container going across its attempts (probes, restarts
+with back-off). An attempt lives in ``<pod dir>/containers/<name>/<attempt>/``:
+``spec.json`` (what the shim does), ``shim.json`` (the shim's pid and start time, so that a
+restarted agent finds it and never mistakes a recycled pid for it), ``pid.json`` (the
+container's process) and, once it ended, ``exit.json``. The agent waits for the shim through
+a pidfd, so an attempt it adopted after its own restart is waited for like one it started.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ SHIM = Path(__file__).with_name("shim.py")
 
 @dataclass(frozen=True)
 class Exit:
-    """How a run ended."""
+    """How an attempt ended."""
 
     exit_code: int
     signal: int | None
@@ -43,8 +45,9 @@ class Exit:
         return "Completed" if self.exit_code == 0 else "Error"
 
 
-class ContainerRun:
-    """A shim and the container process it keeps, started here or found again after a restart."""
+class ContainerAttempt:
+    """One attempt's shim and the container process it keeps, started here or found again after
+    the agent's restart."""
 
     def __init__(self, run_dir: Path) -> None:
         self.dir = run_dir
@@ -57,8 +60,8 @@ class ContainerRun:
         return int(self.dir.name)
 
     @classmethod
-    def find(cls, run_dir: Path) -> ContainerRun | None:
-        """The run recorded in ``run_dir`` (alive or ended), or ``None`` if it never started."""
+    def find(cls, run_dir: Path) -> ContainerAttempt | None:
+        """The attempt recorded in ``run_dir`` (alive or ended), or ``None`` if it never started."""
         try:
             data = json.loads((run_dir / "shim.json").read_text())
         except FileNotFoundError:
@@ -115,7 +118,7 @@ class ContainerRun:
             return None
 
     async def wait(self) -> Exit:
-        """Wait until the run has ended and say how."""
+        """Wait until the attempt has ended and say how."""
         if self.shim is not None and self.alive():
             loop = asyncio.get_running_loop()
             try:
@@ -123,8 +126,13 @@ class ContainerRun:
             except ProcessLookupError:
                 fd = None
             if fd is not None:
-                done = loop.create_future()
-                loop.add_reader(fd, lambda: done.done() or done.set_result(None))
+                done: asyncio.Future[None] = loop.create_future()
+
+                def wake() -> None:
+                    if not done.done():
+                        done.set_result(None)
+
+                loop.add_reader(fd, wake)
                 try:
                     if self.alive():
                         await done
