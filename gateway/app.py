@@ -21,14 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.routing import Route
 
 from conveyor.gateway.auth import ApiKeyAuth
-from conveyor.gateway.errors import error_body
+from conveyor.gateway.errors import error_json
 from conveyor.gateway.k8s_discovery import K8sPoolSpec, KubernetesDiscovery, KubernetesSliceSource
 from conveyor.gateway.llmservice_discovery import KubernetesLLMServiceSource, LLMServiceWatcher
 from conveyor.gateway.load_poller import LoadPoller
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.proxy import Proxy
-from conveyor.gateway.routing import make_policy
+from conveyor.gateway.routing import RoutingPolicy, make_policy
 from conveyor.gateway.settings import GatewaySettings
 from conveyor.gateway.static_discovery import StaticDiscovery
 
@@ -89,7 +89,7 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
     """Build every component, start discovery and load polling; stop all of it on exit."""
     metrics = GatewayMetrics()
 
-    def policy_factory(name: str | None):
+    def policy_factory(name: str | None) -> RoutingPolicy:
         return make_policy(
             name or settings.routing,
             bounded_load_factor=settings.bounded_load_factor,
@@ -213,7 +213,8 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         if gateway.auth.allows(request.headers.get("authorization", "").encode()):
             return None
         message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
-        return Response(error_body(401, message), status_code=401, media_type="application/json")
+        body = error_json(401, message, code="invalid_api_key")
+        return Response(body, status_code=401, media_type="application/json")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

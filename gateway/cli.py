@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 from conveyor.gateway.auth import API_KEY_ENV, load_api_keys
 from conveyor.gateway.settings import ROUTING_POLICIES, GatewaySettings, setting_docs
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, name in FLAGS.items():
         default = getattr(defaults, name)
         kind = type(default) if default is not None and not isinstance(default, str) else str
-        kwargs: dict = {
+        kwargs: dict[str, Any] = {
             "type": kind,
             "default": default,
             "help": f"{docs[name]} (default: %(default)s)",

@@ -1,37 +1,40 @@
-"""Errors in OpenAI's format: ``{"error": {"message", "type", "param", "code"}}``."""
+"""What the gateway answers instead of a replica: the OpenAI error body of
+``conveyor.contracts.openai_error`` as bytes, a request it refuses itself, and a failure
+before the first byte reached the client."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    502: "upstream_error",
-    503: "service_unavailable",
-    504: "upstream_error",
-}
+from conveyor.contracts.openai_error import error_body
 
 
-def error_body(
+def error_json(
     status: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> bytes:
-    return json.dumps(
-        {
-            "error": {
-                "message": message,
-                "type": ERROR_TYPES.get(status, "api_error"),
-                "param": param,
-                "code": code if code is not None else status,
-            }
-        }
-    ).encode()
+    """The body of an error answered with HTTP ``status``."""
+    return json.dumps(error_body(status, message, param=param, code=code)).encode()
 
 
-def sse_error_event(message: str, status: int = 502) -> bytes:
-    """The last event of a stream that broke after its first byte went out."""
-    return b"data: " + error_body(status, message) + b"\n\ndata: [DONE]\n\n"
+class ClientError(Exception):
+    """A request the gateway refuses itself; the message says what to change."""
+
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class Failure:
+    """A request that got no answer from a replica, before its first byte reached the client."""
+
+    status: int
+    message: str
+    retry_after: bytes | None = None
+    """The ``Retry-After`` header to send, if any."""
+    code: str | None = None

@@ -1,4 +1,5 @@
-"""Kubernetes discovery: a pool's replicas are the ready endpoints of EndpointSlices picked by label.
+"""Kubernetes discovery: a pool's replicas are the ready endpoints of EndpointSlices picked by label
+(ready and not terminating, as ``conveyor.contracts.endpoint_slice`` reads them).
 
 A pool is (model name, routing policy, EndpointSlice label selector in a namespace). The
 command line gives one (``--k8s-service`` or ``--k8s-selector``), or, with
@@ -21,6 +22,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from conveyor.contracts import endpoint_slice
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.static_discovery import fetch_models
 
@@ -52,22 +54,9 @@ class K8sPoolSpec:
 
 
 def endpoint_urls(slice_: dict[str, Any], port_name: str | None) -> set[str]:
-    """``http://ADDRESS:PORT`` for each ready endpoint of one EndpointSlice (API JSON, camelCase)."""
-    ports = slice_.get("ports") or []
-    port = next(
-        (p.get("port") for p in ports if port_name is None or p.get("name") == port_name), None
-    )
-    if port is None:
-        return set()
-    urls = set()
-    for endpoint in slice_.get("endpoints") or []:
-        conditions = endpoint.get("conditions") or {}
-        if conditions.get("ready") is False:  # unset means ready (API docs)
-            continue
-        for address in (endpoint.get("addresses") or [])[:1]:  # all addresses are one pod
-            host = f"[{address}]" if ":" in address else address
-            urls.add(f"http://{host}:{port}")
-    return urls
+    """``http://ADDRESS:PORT`` of each endpoint of one EndpointSlice that may take requests
+    (``conveyor.contracts.endpoint_slice``: ready, not terminating)."""
+    return {endpoint.url for endpoint in endpoint_slice.ready_endpoints(slice_, port_name)}
 
 
 class EndpointSliceTracker:
@@ -210,7 +199,7 @@ class KubernetesSliceSource:
         from kubernetes_asyncio import client, config
 
         try:
-            config.load_incluster_config()
+            config.load_incluster_config()  # type: ignore[no-untyped-call]  # untyped library
         except config.ConfigException:
             await config.load_kube_config()
         return cls(client.ApiClient())

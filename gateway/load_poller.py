@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 
 import httpx
 
+from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
-from conveyor.gateway.replica import LoadReport, Replica
+from conveyor.gateway.replica import Replica
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -61,7 +63,7 @@ class LoadPoller:
                     if url not in self._polls:
                         task = asyncio.create_task(self._poll(replica), name=f"poll {url}")
                         self._polls[url] = task
-                        task.add_done_callback(lambda _t, url=url: self._polls.pop(url, None))
+                        task.add_done_callback(functools.partial(self._forget_poll, url))
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):  # the interval passed: poll again
                     await asyncio.wait_for(self._wake.wait(), self._interval)
@@ -69,6 +71,9 @@ class LoadPoller:
             for task in list(self._polls.values()):
                 task.cancel()
             await asyncio.gather(*self._polls.values(), return_exceptions=True)
+
+    def _forget_poll(self, url: str, _task: asyncio.Task[None]) -> None:
+        self._polls.pop(url, None)
 
     async def _poll(self, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
@@ -79,7 +84,7 @@ class LoadPoller:
                 f"{replica.url}/load", headers=self._headers, timeout=self._timeout
             )
             response.raise_for_status()
-            report = LoadReport.from_json(json.loads(response.content))
+            report = ReplicaLoad.from_json(json.loads(response.content))
         except (httpx.HTTPError, ValueError) as exc:
             was_admitted = replica.admitted(loop.time())
             if replica.url not in self._unanswered:

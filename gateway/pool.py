@@ -10,13 +10,22 @@ and in-flight count are shared.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 
+from conveyor.gateway.prefix_key import RouteRequest
 from conveyor.gateway.replica import Replica
-from conveyor.gateway.routing import RoutingPolicy
+from conveyor.gateway.routing import Decision, LoadView, RoutingPolicy
 
 log = logging.getLogger("conveyor.gateway")
+
+
+class NoCandidate(enum.Enum):
+    """Why a pool has no replica to try."""
+
+    NONE_READY = "no replica said ready"
+    QUEUES_FULL = "every replica that could be tried has a full queue"
 
 
 class Pool:
@@ -29,9 +38,28 @@ class Pool:
         """Requests waiting for a ready replica (scale from zero)."""
 
     def has_ready(self) -> bool:
-        """Whether any replica said ready in its last /load poll (ejected ones included: the
-        proxy's panic mode tries those rather than refuse)."""
+        """Whether any replica said ready in its last /load poll (ejected ones included: panic
+        mode tries those rather than refuse)."""
         return any(r.load is not None and r.load.ready for r in self.replicas.values())
+
+    def choose(
+        self, request: RouteRequest, view: LoadView, tried: Set[str]
+    ) -> Decision | NoCandidate:
+        """A replica that may be tried for ``request``, by the pool's policy, none of ``tried``.
+
+        The policy picks among the admitted replicas (ready, not ejected) whose queue is not
+        full. In panic mode, when every replica is ejected (as Envoy's: every ejection is a
+        guess gone wrong), those whose last /load poll said ready are tried rather than
+        refusing the request.
+        """
+        untried = [r for r in self.replicas.values() if r.url not in tried]
+        admitted = [r for r in untried if r.admitted(view.now)]
+        if not admitted:
+            admitted = [r for r in untried if r.load is not None and r.load.ready]
+        candidates = [r for r in admitted if not r.queue_full(view.now, view.stale_after)]
+        if candidates:
+            return self.policy.choose(candidates, request, view)
+        return NoCandidate.QUEUES_FULL if admitted else NoCandidate.NONE_READY
 
     def set_replicas(self, replicas: list[Replica]) -> None:
         self.replicas = {replica.url: replica for replica in replicas}

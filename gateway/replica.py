@@ -1,49 +1,11 @@
-"""One runtime replica as the gateway sees it: its last /load report and its own in-flight count."""
+"""One runtime replica as the gateway sees it: its last /load record and its own in-flight count."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
-
-@dataclass(frozen=True)
-class LoadReport:
-    """A replica's ``GET /load`` document (ARCHITECTURE.md); extra fields are ignored."""
-
-    running: int
-    waiting: int
-    kv_cache_usage: float
-    max_running_requests: int
-    max_queued_requests: int | None
-    ready: bool
-
-    @classmethod
-    def from_json(cls, doc: Any) -> LoadReport:
-        """Validate a /load document; raises ValueError naming the field that is wrong."""
-        if not isinstance(doc, dict):
-            raise ValueError(f"/load must return a JSON object, got {type(doc).__name__}")
-
-        def number(name: str, kind: type) -> Any:
-            value = doc.get(name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"/load field {name!r} must be a number, got {value!r}")
-            return kind(value)
-
-        max_queued = doc.get("max_queued_requests")
-        if max_queued is not None:
-            max_queued = number("max_queued_requests", int)
-        ready = doc.get("ready")
-        if not isinstance(ready, bool):
-            raise ValueError(f"/load field 'ready' must be true or false, got {ready!r}")
-        return cls(
-            running=number("running", int),
-            waiting=number("waiting", int),
-            kv_cache_usage=number("kv_cache_usage", float),
-            max_running_requests=max(1, number("max_running_requests", int)),
-            max_queued_requests=max_queued,
-            ready=ready,
-        )
+from conveyor.contracts.load import ReplicaLoad
 
 
 @dataclass(eq=False)
@@ -52,7 +14,7 @@ class Replica:
 
     url: str
     """Base URL without a trailing slash, e.g. ``http://10.0.0.7:8000``."""
-    load: LoadReport | None = None
+    load: ReplicaLoad | None = None
     load_time: float = -math.inf
     """Monotonic time the last successful /load poll was sent."""
     in_flight: int = 0
@@ -97,7 +59,7 @@ class Replica:
         self.ejected_until = now + duration
         return was_admitted
 
-    def record_poll(self, report: LoadReport, sent_at: float, in_flight_at_send: int) -> None:
+    def record_poll(self, report: ReplicaLoad, sent_at: float, in_flight_at_send: int) -> None:
         """A /load poll sent at ``sent_at`` succeeded; one sent after the last ejection re-admits."""
         if sent_at < self.load_time:
             return  # an older poll finished after a newer one

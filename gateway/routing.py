@@ -1,8 +1,9 @@
 """The routing interface: a policy picks one replica of a pool for one request.
 
 Policies are small classes (``round_robin``, ``least_load``, ``prefix_aware``) behind
-:class:`RoutingPolicy`. The proxy hands them only candidates that may take a request
-(admitted, queue not full), never an empty list, and a :class:`LoadView` to read load with.
+:class:`RoutingPolicy`. The pool (``Pool.choose``) hands them only candidates that may take a
+request (admitted, queue not full), never an empty list, and a :class:`LoadView` to read load
+with.
 """
 
 from __future__ import annotations

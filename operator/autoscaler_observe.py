@@ -19,6 +19,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from conveyor.contracts import endpoint_slice
+from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.metrics import PENDING_REQUESTS
 from conveyor.operator import signals
 from conveyor.operator.autoscaler_model import (
@@ -55,46 +57,27 @@ class Endpoint:
 
 
 def ready_endpoints(slices: Iterable[dict[str, Any]], port_name: str) -> list[Endpoint]:
-    """Ready endpoints of EndpointSlices (API JSON), at the port named ``port_name``.
-
-    ``conditions.ready`` unset means ready (the API's convention); a terminating endpoint is
-    never ready. The same address in several slices appears once.
-    """
+    """Endpoints of EndpointSlices (API JSON) that may take requests
+    (``conveyor.contracts.endpoint_slice``), at the port named ``port_name``; the same address
+    in several slices appears once."""
     found: dict[str, Endpoint] = {}
     for slice_ in slices:
-        ports = [p for p in slice_.get("ports") or [] if p.get("name") == port_name]
-        if not ports or ports[0].get("port") is None:
-            continue
-        port = int(ports[0]["port"])
-        for endpoint in slice_.get("endpoints") or []:
-            conditions = endpoint.get("conditions") or {}
-            if conditions.get("ready") is False or conditions.get("terminating") is True:
-                continue
-            addresses = endpoint.get("addresses") or []
-            if not addresses:
-                continue
-            host = addresses[0]
-            url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-            pod = (endpoint.get("targetRef") or {}).get("name")
-            found.setdefault(url, Endpoint(key=pod or url, url=url))
+        for ready in endpoint_slice.ready_endpoints(slice_, port_name):
+            found.setdefault(ready.url, Endpoint(key=ready.pod or ready.url, url=ready.url))
     return sorted(found.values(), key=lambda e: e.url)
 
 
 def parse_load(text: str) -> tuple[ReplicaSignals, bool]:
-    """A replica's ``/load`` JSON as (signals, ready); ValueError naming what is wrong."""
-    doc = json.loads(text)
-    if not isinstance(doc, dict):
-        raise ValueError(f"/load must be a JSON object, got {type(doc).__name__}")
-    try:
-        replica = ReplicaSignals(
-            waiting=int(doc["waiting"]),
-            running=int(doc["running"]),
-            max_running=max(1, int(doc["max_running_requests"])),
-            kv_cache_usage=float(doc["kv_cache_usage"]),
-        )
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"/load lacks or mistypes {exc}") from None
-    return replica, doc.get("ready") is True
+    """A replica's ``/load`` JSON (``conveyor.contracts.load``) as (signals, ready);
+    ValueError naming what is wrong."""
+    load = ReplicaLoad.from_json(json.loads(text))
+    replica = ReplicaSignals(
+        waiting=load.waiting,
+        running=load.running,
+        max_running=load.max_running_requests,
+        kv_cache_usage=load.kv_cache_usage,
+    )
+    return replica, load.ready
 
 
 def pending_requests(text: str, model: str) -> int:

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from conveyor.contracts.load import ReplicaLoad
 from conveyor.runtime.server.context import Drain, ServerContext
 from conveyor.runtime.server.engine_client import EngineClient, EngineDeadError
 from conveyor.runtime.server.errors import (
@@ -26,6 +27,7 @@ from conveyor.runtime.server.errors import (
     UNAVAILABLE,
     APIError,
     api_error_handler,
+    draining,
     http_error_handler,
     internal_error_handler,
     validation_error_handler,
@@ -175,17 +177,17 @@ def build_app(
     async def load(request: Request) -> dict[str, Any]:
         ctx: ServerContext = request.state.ctx
         snap = ctx.client.snapshot()
-        return {
-            "running": snap.num_running,
-            "waiting": snap.num_waiting,
-            "kv_cache_usage": snap.kv_cache_usage,
-            "max_running_requests": snap.max_running_requests
+        return ReplicaLoad(
+            running=snap.num_running,
+            waiting=snap.num_waiting,
+            kv_cache_usage=snap.kv_cache_usage,
+            max_running_requests=snap.max_running_requests
             or settings.engine.max_running_requests,
-            "max_queued_requests": settings.max_queued_requests,
-            "ready": ctx.ready,
-            "model": ctx.model_name,
-            "in_flight": ctx.drain.in_flight,
-        }
+            max_queued_requests=settings.max_queued_requests,
+            ready=ctx.ready,
+            model=ctx.model_name,
+            in_flight=ctx.drain.in_flight,
+        ).to_json()
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -247,7 +249,7 @@ class AdmissionMiddleware:
     def __init__(self, app: ASGIApp, *, settings: ServerSettings, drain: Drain) -> None:
         self.app = app
         self.drain = drain
-        self.retry_after = str(settings.retry_after)
+        self.retry_after = settings.retry_after
         self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -265,13 +267,7 @@ class AdmissionMiddleware:
             await err.response()(scope, receive, send)
             return
         if self.drain.draining and scope["method"] == "POST":
-            err = APIError(
-                UNAVAILABLE,
-                "this replica is shutting down; retry on another one",
-                code="draining",
-                headers={"Retry-After": self.retry_after},
-            )
-            await err.response()(scope, receive, send)
+            await draining(self.retry_after).response()(scope, receive, send)
             return
         self.drain.enter()
         try:

@@ -1,24 +1,26 @@
-"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status.
+"""OpenAI-style errors (``conveyor.contracts.openai_error``: the body and its vocabulary),
+raised in handlers and rendered with their status.
 
 Every message says what to change. Bad input never becomes a 500.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from conveyor.contracts.openai_error import ErrorBody, error_body, error_type
+
 # (status, OpenAI error type)
-INVALID_REQUEST = (400, "invalid_request_error")
-UNAUTHORIZED = (401, "authentication_error")
-NOT_FOUND = (404, "not_found_error")
-TOO_MANY_REQUESTS = (429, "rate_limit_error")
-INTERNAL = (500, "internal_server_error")
-UNAVAILABLE = (503, "service_unavailable_error")
+INVALID_REQUEST = (400, error_type(400))
+UNAUTHORIZED = (401, error_type(401))
+NOT_FOUND = (404, error_type(404))
+TOO_MANY_REQUESTS = (429, error_type(429))
+CLIENT_CLOSED = (499, error_type(499))
+INTERNAL = (500, error_type(500))
+UNAVAILABLE = (503, error_type(503))
 
 
 class APIError(Exception):
@@ -35,22 +37,27 @@ class APIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status, self.type = kind
+        assert self.type == error_type(self.status), f"{kind} is not in the error vocabulary"
         self.message = message
         self.param = param
         self.code = code
         self.headers = headers
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
+    def body(self) -> ErrorBody:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(
-    message: str, type_: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def draining(retry_after: int) -> APIError:
+    """The refusal of a new request while the replica shuts down (SIGTERM)."""
+    return APIError(
+        UNAVAILABLE,
+        "this replica is shutting down; retry on another one",
+        code="draining",
+        headers={"Retry-After": str(retry_after)},
+    )
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -105,8 +112,7 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    kinds = {404: NOT_FOUND, 405: (405, "invalid_request_error"), 401: UNAUTHORIZED}
-    kind = kinds.get(exc.status_code, (exc.status_code, "invalid_request_error"))
+    kind = (exc.status_code, error_type(exc.status_code))
     message = str(exc.detail)
     if exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see GET /v1/models and POST /v1/chat/completions"

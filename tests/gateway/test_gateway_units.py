@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.auth import ApiKeyAuth, load_api_keys
 from conveyor.gateway.cli import parse_settings
 from conveyor.gateway.hash_ring import HashRing
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.prefix_key import prefix_key, routing_text, stable_hash
-from conveyor.gateway.replica import LoadReport, Replica
+from conveyor.gateway.replica import Replica
 from conveyor.gateway.routing import make_policy
 from conveyor.gateway.static_discovery import parse_backend, parse_backends
 
@@ -50,19 +51,19 @@ def test_hash_ring_walks_each_member_once_and_moves_few_keys() -> None:
 
 
 def test_load_report_validation() -> None:
-    assert LoadReport.from_json(LOAD) == LoadReport(1, 2, 0.5, 8, 4, True)
-    assert LoadReport.from_json({**LOAD, "max_queued_requests": None}).max_queued_requests is None
+    assert ReplicaLoad.from_json(LOAD) == ReplicaLoad(1, 2, 0.5, 8, 4, True)
+    assert ReplicaLoad.from_json({**LOAD, "max_queued_requests": None}).max_queued_requests is None
     with pytest.raises(ValueError, match="'running'"):
-        LoadReport.from_json({**LOAD, "running": "1"})
+        ReplicaLoad.from_json({**LOAD, "running": "1"})
     with pytest.raises(ValueError, match="'ready'"):
-        LoadReport.from_json({**LOAD, "ready": 1})
+        ReplicaLoad.from_json({**LOAD, "ready": 1})
     with pytest.raises(ValueError, match="object"):
-        LoadReport.from_json([])
+        ReplicaLoad.from_json([])
 
 
 def test_ejection_lasts_until_a_poll_sent_after_it_succeeds() -> None:
     replica = Replica("http://r:1")
-    report = LoadReport.from_json(LOAD)
+    report = ReplicaLoad.from_json(LOAD)
     replica.record_poll(report, sent_at=1.0, in_flight_at_send=0)
     assert replica.admitted(1.5)
     assert replica.eject(now=2.0, duration=5.0)
@@ -79,7 +80,7 @@ def test_ejection_lasts_until_a_poll_sent_after_it_succeeds() -> None:
 def test_queue_full_and_outstanding() -> None:
     replica = Replica("http://r:1")
     replica.record_poll(
-        LoadReport.from_json({**LOAD, "waiting": 4}), sent_at=1.0, in_flight_at_send=2
+        ReplicaLoad.from_json({**LOAD, "waiting": 4}), sent_at=1.0, in_flight_at_send=2
     )
     replica.in_flight = 5  # three sent since the poll
     assert replica.queue_full(1.5, 1.0)

@@ -46,6 +46,13 @@ def test_endpoint_urls_take_ready_endpoints_and_the_named_port() -> None:
     )
 
 
+def test_endpoint_urls_drop_terminating_endpoints() -> None:
+    """A pod that is shutting down gets no new requests, even where its slice says ready."""
+    slice_ = endpoint_slice("a", "10.0.0.1", "10.0.0.2")
+    slice_["endpoints"][1]["conditions"] = {"ready": True, "terminating": True}
+    assert endpoint_urls(slice_, "http") == {"http://10.0.0.1:8000"}
+
+
 def test_tracker_follows_slices_being_added_changed_and_deleted() -> None:
     tracker = EndpointSliceTracker(None)
     tracker.reset([endpoint_slice("a", "10.0.0.1")])

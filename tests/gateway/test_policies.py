@@ -7,11 +7,12 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.least_load import LeastLoad, load_score
-from conveyor.gateway.pool import Registry
+from conveyor.gateway.pool import NoCandidate, Registry
 from conveyor.gateway.prefix_aware import PrefixAware, load_bound
 from conveyor.gateway.prefix_key import RouteRequest
-from conveyor.gateway.replica import LoadReport, Replica
+from conveyor.gateway.replica import Replica
 from conveyor.gateway.round_robin import RoundRobin
 from conveyor.gateway.routing import LoadView, make_policy
 
@@ -28,8 +29,8 @@ def request(text: str) -> RouteRequest:
     )
 
 
-def report(running: int = 0, waiting: int = 0, kv: float = 0.0, max_running: int = 8) -> LoadReport:
-    return LoadReport(running, waiting, kv, max_running, None, True)
+def report(running: int = 0, waiting: int = 0, kv: float = 0.0, max_running: int = 8) -> ReplicaLoad:
+    return ReplicaLoad(running, waiting, kv, max_running, None, True)
 
 
 @given(n=st.integers(1, 12), rounds=st.integers(1, 20))
@@ -157,3 +158,29 @@ def test_least_load_counts_what_the_gateway_sent_since_the_last_poll() -> None:
         chosen.in_flight += 1
         picks.append(chosen)
     assert picks.count(a) == picks.count(b) == 5
+
+
+def test_pool_offers_admitted_replicas_with_room_then_panics_then_says_why_not() -> None:
+    registry = Registry(lambda _name: RoundRobin())
+    urls = [f"http://10.0.0.{i}:8000" for i in range(3)]
+    registry.sync("static", {"m": set(urls)})
+    pool = registry.pools["m"]
+    a, b, c = (pool.replicas[url] for url in urls)
+    route = request("hello")
+    assert pool.choose(route, VIEW, set()) is NoCandidate.NONE_READY  # nobody polled yet
+    for replica in (a, b, c):
+        replica.record_poll(report(), sent_at=VIEW.now, in_flight_at_send=0)
+    b.eject(VIEW.now, 5.0)
+    c.record_poll(
+        ReplicaLoad(0, 4, 0.0, 8, 4, True), sent_at=VIEW.now + 0.1, in_flight_at_send=0
+    )  # queue full
+    offered = {pool.choose(route, VIEW, set()).replica.url for _ in range(4)}
+    assert offered == {a.url}
+    # a tried, b ejected, c admitted but full: panic mode waits until no untried one is admitted
+    assert pool.choose(route, VIEW, {a.url}) is NoCandidate.QUEUES_FULL
+    a.eject(VIEW.now, 5.0)
+    c.eject(VIEW.now, 5.0)
+    assert pool.choose(route, VIEW, {a.url}).replica is b  # panic mode: ready, all ejected
+    assert pool.choose(route, VIEW, {a.url, b.url}) is NoCandidate.QUEUES_FULL
+    c.record_poll_failure()
+    assert pool.choose(route, VIEW, {a.url, b.url}) is NoCandidate.NONE_READY

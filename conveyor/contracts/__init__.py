@@ -1,0 +1,10 @@
+"""What two components exchange, one torch-free module per document.
+
+``load``: a replica's ``GET /load`` record (the runtime writes it, the gateway and the
+autoscaler read it). ``endpoint_slice``: which endpoints of a Kubernetes EndpointSlice may
+take new requests (the gateway's discovery and the autoscaler). ``openai_error``: the OpenAI
+error body (the runtime and the gateway).
+
+Nothing here imports the runtime, the gateway or the operator, nor torch, FastAPI, aiohttp
+or a Kubernetes client: every side can import it.
+"""

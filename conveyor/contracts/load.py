@@ -1,0 +1,94 @@
+"""The load record of one replica: Conveyor's ``GET /load`` document (ARCHITECTURE.md).
+
+The runtime writes it (:meth:`ReplicaLoad.to_json`); the gateway's poller and the
+autoscaler read it (:meth:`ReplicaLoad.from_json`). The reader is tolerant of what the
+document may grow (unknown fields are ignored; ``max_queued_requests``, ``model`` and
+``in_flight`` may be missing) and strict about what it needs: a field of the wrong type is a
+``ValueError`` that names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """How busy one replica is, and whether it takes requests."""
+
+    running: int
+    """Requests in the running batch."""
+    waiting: int
+    """Requests queued (the queue depth)."""
+    kv_cache_usage: float
+    """Used KV blocks / total KV blocks, 0..1."""
+    max_running_requests: int
+    """Batch capacity; at least 1."""
+    max_queued_requests: int | None
+    """Queue bound (a request past it gets 429); None: unbounded."""
+    ready: bool
+    """Loaded, alive and not draining."""
+    model: str | None = None
+    """The served model name, where the replica says it."""
+    in_flight: int | None = None
+    """API requests the replica's server has open, where it says it."""
+
+    def to_json(self) -> dict[str, JsonValue]:
+        """The ``/load`` document; ``model`` and ``in_flight`` only where known."""
+        doc: dict[str, JsonValue] = {
+            "running": self.running,
+            "waiting": self.waiting,
+            "kv_cache_usage": self.kv_cache_usage,
+            "max_running_requests": self.max_running_requests,
+            "max_queued_requests": self.max_queued_requests,
+            "ready": self.ready,
+        }
+        if self.model is not None:
+            doc["model"] = self.model
+        if self.in_flight is not None:
+            doc["in_flight"] = self.in_flight
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: object) -> ReplicaLoad:
+        """Read a parsed ``/load`` document; ValueError naming the field that is wrong."""
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"/load must return a JSON object, got {type(doc).__name__}")
+        running = _integer(doc, "running")
+        waiting = _integer(doc, "waiting")
+        kv_cache_usage = float(_number(doc, "kv_cache_usage"))
+        max_running = max(1, _integer(doc, "max_running_requests"))
+        max_queued = (
+            None if doc.get("max_queued_requests") is None else _integer(doc, "max_queued_requests")
+        )
+        ready = doc.get("ready")
+        if not isinstance(ready, bool):
+            raise ValueError(f"/load field 'ready' must be true or false, got {ready!r}")
+        model = doc.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"/load field 'model' must be a string, got {model!r}")
+        in_flight = None if doc.get("in_flight") is None else _integer(doc, "in_flight")
+        return cls(
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=kv_cache_usage,
+            max_running_requests=max_running,
+            max_queued_requests=max_queued,
+            ready=ready,
+            model=model,
+            in_flight=in_flight,
+        )
+
+
+def _number(doc: Mapping[str, object], name: str) -> int | float:
+    value = doc.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"/load field {name!r} must be a number, got {value!r}")
+    return value
+
+
+def _integer(doc: Mapping[str, object], name: str) -> int:
+    return int(_number(doc, name))

@@ -1,0 +1,53 @@
+"""Server-Sent Events on the proxied path: where a stream's first token is, and the event
+that ends a stream which broke after its first byte went out."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from conveyor.gateway.errors import error_json
+
+
+async def read_to_first_token(chunks: AsyncIterator[bytes]) -> bytes:
+    """Read ``chunks`` until they hold an event beyond a role-only opening chunk (or end).
+
+    A chat stream's role-only opening chunk is sent before prefill: holding it back makes the
+    first byte the client sees carry the first token, so a replica that dies while queueing or
+    prefilling is still retried elsewhere.
+    """
+    first = b""
+    async for chunk in chunks:
+        first += chunk
+        if has_token(first):
+            break
+    return first
+
+
+def has_token(buffer: bytes) -> bool:
+    """Whether ``buffer`` holds a complete SSE event beyond a role-only opening chunk."""
+    return any(not is_role_only(event) for event in buffer.split(b"\n\n")[:-1])
+
+
+def is_role_only(event: bytes) -> bool:
+    data = event.strip().removeprefix(b"data:").strip()
+    if not data.startswith(b"{") or b'"role"' not in data:
+        return False
+    try:
+        choices = json.loads(data).get("choices")
+    except ValueError:
+        return False
+    if not isinstance(choices, list) or not choices:
+        return False
+    for choice in choices:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict) or choice.get("finish_reason") is not None:
+            return False
+        if delta.get("content") or delta.keys() - {"role", "content"}:
+            return False
+    return True
+
+
+def error_event(message: str, status: int = 502) -> bytes:
+    """The last event of a stream that broke after its first byte went out."""
+    return b"data: " + error_json(status, message) + b"\n\ndata: [DONE]\n\n"

@@ -1,0 +1,167 @@
+"""One try of a proxied request on one replica.
+
+Until the first byte goes to the client, a failure (the replica unreachable, a 5xx, a stream
+that breaks before its first token) is returned as a :class:`Failure` for the caller to retry
+elsewhere, and the replica is ejected for ``--ejection`` seconds; after it, a failure ends the
+stream with an OpenAI-style error event. Streams pass through chunk by chunk as the replica
+sends them. Closing the upstream response before its end is what aborts the request on the
+replica (its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from starlette.types import Send
+
+from conveyor.gateway import sse
+from conveyor.gateway.errors import Failure
+from conveyor.gateway.metrics import GatewayMetrics
+from conveyor.gateway.pool import Pool
+from conveyor.gateway.replica import Replica
+from conveyor.gateway.settings import GatewaySettings
+
+log = logging.getLogger("conveyor.gateway")
+
+HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server",
+     b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer", b"upgrade"}
+)  # fmt: skip
+BACKEND_HEADER = b"x-conveyor-backend"
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+"""What a replica that is gone, hung or broken looks like from the data path."""
+
+
+@dataclass(frozen=True)
+class UpstreamRequest:
+    """A request as it is sent to each replica tried."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    stream: bool
+    """The client asked for a stream (``"stream": true``)."""
+    arrival: float
+    """Event-loop time the request reached the gateway."""
+
+
+class Upstream:
+    """Sends requests to replicas over the data path's one pooled client."""
+
+    def __init__(
+        self,
+        *,
+        session: aiohttp.ClientSession,
+        metrics: GatewayMetrics,
+        settings: GatewaySettings,
+    ) -> None:
+        self._session = session
+        self._metrics = metrics
+        self._s = settings
+
+    async def attempt(
+        self, pool: Pool, replica: Replica, request: UpstreamRequest, send: Send
+    ) -> Failure | None:
+        """One try on one replica; a Failure means nothing reached the client yet."""
+        loop = asyncio.get_running_loop()
+        in_flight = self._metrics.in_flight.labels(pool.model, replica.url)
+        replica.in_flight += 1
+        in_flight.inc()
+        response: aiohttp.ClientResponse | None = None
+        done = False
+        try:
+            try:
+                response = await self._session.post(
+                    replica.url + request.path, data=request.body, headers=request.headers
+                )
+            except UPSTREAM_ERRORS as exc:
+                return self._eject(
+                    pool, replica, f"could not reach {replica.url}: {_describe(exc)}"
+                )
+            status = response.status
+            if status >= 500:
+                return self._eject(pool, replica, f"{replica.url} answered {status}", response)
+            if status == 429:
+                return Failure(
+                    429,
+                    f"every replica of model {pool.model!r} is over its queue bound; retry later",
+                    response.headers.get("retry-after", str(self._s.retry_after_s)).encode(),
+                    code="queue_full",
+                )
+            out_headers = [(k, v) for k, v in response.raw_headers if k.lower() not in HOP_BY_HOP]
+            out_headers.append((BACKEND_HEADER, replica.url.encode()))
+            if not (request.stream and response.content_type == "text/event-stream"):
+                try:
+                    content = await response.read()
+                except UPSTREAM_ERRORS as exc:
+                    return self._eject(pool, replica, f"{replica.url} broke off: {_describe(exc)}")
+                out_headers.append((b"content-length", str(len(content)).encode()))
+                await send(
+                    {"type": "http.response.start", "status": status, "headers": out_headers}
+                )
+                await send({"type": "http.response.body", "body": content})
+                done = True
+                self._finish(pool, replica, status, request.arrival)
+                return None
+
+            chunks = response.content.iter_any()
+            try:
+                first = await sse.read_to_first_token(chunks)
+            except UPSTREAM_ERRORS as exc:
+                return self._eject(pool, replica, f"{replica.url} broke off: {_describe(exc)}")
+            # The first byte goes out now: from here on there is no retry.
+            await send({"type": "http.response.start", "status": status, "headers": out_headers})
+            await send({"type": "http.response.body", "body": first, "more_body": True})
+            self._metrics.ttft.labels(pool.model).observe(loop.time() - request.arrival)
+            try:
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                done = True
+            except UPSTREAM_ERRORS as exc:
+                message = f"replica {replica.url} failed mid-stream: {_describe(exc)}"
+                log.warning("model %s: %s", pool.model, message)
+                self._eject(pool, replica, message)
+                event = sse.error_event(message)
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            self._finish(pool, replica, status, request.arrival)
+            return None
+        finally:
+            if response is not None:
+                if done:
+                    response.release()  # read to the end: the connection goes back to the pool
+                else:
+                    response.close()  # closing the connection is what aborts the request upstream
+            replica.in_flight -= 1
+            in_flight.dec()
+
+    def _eject(
+        self,
+        pool: Pool,
+        replica: Replica,
+        message: str,
+        response: aiohttp.ClientResponse | None = None,
+    ) -> Failure:
+        now = asyncio.get_running_loop().time()
+        if replica.eject(now, self._s.ejection_s):
+            log.warning("ejected %s for %.1fs: %s", replica.url, self._s.ejection_s, message)
+            self._metrics.ejections.labels(pool.model, replica.url).inc()
+        status = 502
+        retry_after = None
+        if response is not None and response.status in (502, 503, 504):
+            status = response.status
+            retry_after = response.headers.get("retry-after", str(self._s.retry_after_s)).encode()
+        return Failure(status, message, retry_after)
+
+    def _finish(self, pool: Pool, replica: Replica, status: int, arrival: float) -> None:
+        self._metrics.requests.labels(pool.model, replica.url, str(status)).inc()
+        self._metrics.duration.labels(pool.model).observe(
+            asyncio.get_running_loop().time() - arrival
+        )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
