@@ -1,4 +1,10 @@
-"""The node agent's settings: one dataclass, parsed once in ``conveyor.cluster.agent.main``."""
+"""The node agent's settings: one dataclass, parsed once in ``conveyor.cluster.agent.main``.
+
+The node agent runs as its own process (``python -m conveyor.cluster.agent``), so it has its
+own settings: how it runs pods (images, restart back-off, grace). The cluster's layout is in
+``settings.py`` (``ClusterSettings``); the agent reads what it needs of it from the cluster's
+``state.json``.
+"""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class Credentials:
 def kubeconfig(
     *,
     server: str,
-    ca: Path,
+    ca: Path | None,
     user: str,
     cert: Path | None = None,
     key: Path | None = None,

@@ -1,4 +1,4 @@
-"""Figures for the closing note: cold build time, start to /readyz, idle control-plane memory.
+"""The cluster's figures: cold build time, start to /readyz, idle control-plane memory.
 
 Printed, never asserted: ``conveyor cluster status --figures`` or
 ``python -m conveyor.cluster.figures``.

@@ -58,9 +58,9 @@ class ContainerCgroup:
             (d / "memory.max").write_text("max" if memory_bytes is None else str(memory_bytes))
             return
         if "cpu" in self.dirs:
-            quota = -1 if cpu_cores is None else max(1000, int(cpu_cores * CFS_PERIOD_US))
+            cfs_quota = -1 if cpu_cores is None else max(1000, int(cpu_cores * CFS_PERIOD_US))
             (self.dirs["cpu"] / "cpu.cfs_period_us").write_text(str(CFS_PERIOD_US))
-            (self.dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota))
+            (self.dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(cfs_quota))
         if "memory" in self.dirs:
             limit = -1 if memory_bytes is None else memory_bytes
             (self.dirs["memory"] / "memory.limit_in_bytes").write_text(str(limit))

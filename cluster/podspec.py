@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -172,7 +172,7 @@ def kubernetes_env(host: str, port: int) -> dict[str, str]:
     }
 
 
-def service_env(services: list[Mapping[str, Any]]) -> dict[str, str]:
+def service_env(services: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     """Docker-link style variables for the namespace's Services (``enableServiceLinks``)."""
     env: dict[str, str] = {}
     for svc in services:

@@ -1,4 +1,9 @@
-"""The one-machine cluster's settings: one dataclass, parsed once by the CLI or built by a caller."""
+"""The one-machine cluster's settings: one dataclass, parsed once by the CLI or built by a caller.
+
+These are the settings of the cluster as a whole (nodes, address ranges, where its work
+directory is, timeouts of its components). The node agent, a component of its own with its
+own process, has its settings in ``agent_settings.py``.
+"""
 
 from __future__ import annotations
 

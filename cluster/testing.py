@@ -1,8 +1,8 @@
-"""Helpers for tests against a cluster (``e2e/`` and later issues' tests): no pytest inside.
+"""Helpers for tests against a cluster (``e2e/`` and any test given a cluster): no pytest inside.
 
-``KubeUnderTest`` is the cluster a test session runs against, ours or the one ``KUBECONFIG``
+``KubeUnderTest`` is the cluster a test run uses, ours or the one ``KUBECONFIG``
 names. ``PodProcesses`` makes pods by hand: a network from ``PodNetworks``, a server process
-in it, the pod's status patched through the API, as the node agent will do for real.
+in it, the pod's status patched through the API, as the node agent does for the pods it runs.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class KubeUnderTest:
     cluster: Cluster | None
     baseline_rulesets: dict[str, str] = field(default_factory=dict)
     owned: bool = True
-    """False when the session found a cluster already running and only uses it."""
+    """False when the tests found a cluster already running and only use it."""
 
     @property
     def api(self) -> ApiClient:
