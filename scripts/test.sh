@@ -7,7 +7,7 @@
 #   1. the Go build of the cluster's tools starts in the background (cold:
 #      ~15 minutes on 2 cores; cached by a hash of the pins afterwards),
 #   2. the virtual environment is created or refreshed alongside it,
-#   3. lint (ruff),
+#   3. lint: ruff, then mypy and import-linter (scripts/typecheck.sh),
 #   4. unit and integration tests (tests/),
 #   5. the Go build is waited for, then the end-to-end tests (e2e/) run on one
 #      cluster for the whole session,
@@ -48,9 +48,10 @@ if ! scripts/bootstrap.sh; then
 fi
 phase_done "python install" $t
 
-say "phase 3: lint"
+say "phase 3: lint (ruff, then types and layering: scripts/typecheck.sh)"
 t=$SECONDS
 "$venv/bin/ruff" check . || { phase_done "lint" $t; summary; exit 1; }
+CONVEYOR_VENV="$venv" scripts/typecheck.sh || { phase_done "lint" $t; summary; exit 1; }
 phase_done "lint" $t
 
 run_pytest() {  # name, then pytest args; exit 5 (no tests) is a failure
