@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from conveyor.runtime.config import EngineSettings
-from conveyor.runtime.engine.detokenizer import IncrementalDetokenizer
+from conveyor.runtime.detokenizer import IncrementalDetokenizer
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.engine.outputs import RequestOutput
 from conveyor.runtime.engine.sequence import TokenLogprob
@@ -88,8 +88,8 @@ class LLM:
         ]
         request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
         detoks = {
-            rid: IncrementalDetokenizer(self.tokenizer, p, ids)
-            for rid, p, ids in zip(request_ids, params, encoded, strict=True)
+            rid: IncrementalDetokenizer(self.tokenizer, p)
+            for rid, p in zip(request_ids, params, strict=True)
         }
         for rid, ids, p, g in zip(request_ids, encoded, params, grammars, strict=True):
             self.engine.add_request(rid, ids, p, grammar=g)

@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
+
 MAX_N = 128
 """Most choices per request: each is one engine request holding its own KV blocks."""
 
@@ -53,6 +55,57 @@ class _Sampling(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    def to_sampling_params(
+        self,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        structured_output: StructuredOutputParams | None,
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` of this request, the one shape they keep down to
+        the sampler. A field left out (None) keeps ``SamplingParams``' default. ValueError
+        (naming the field first) for a value it refuses."""
+        d = SamplingParams  # its class attributes are the defaults
+        return SamplingParams(
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            temperature=d.temperature if self.temperature is None else self.temperature,
+            top_p=d.top_p if self.top_p is None else self.top_p,
+            top_k=d.top_k if self.top_k is None else self.top_k,
+            min_p=d.min_p if self.min_p is None else self.min_p,
+            repetition_penalty=(
+                d.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
+            ),
+            presence_penalty=(
+                d.presence_penalty if self.presence_penalty is None else self.presence_penalty
+            ),
+            frequency_penalty=(
+                d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty
+            ),
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_logit_bias(self.logit_bias),
+            structured_output=structured_output,
+        )
+
+
+def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise ValueError(
+                f'logit_bias keys must be token ids such as "50256", got {key!r}'
+            ) from None
+    return out
 
 
 Prompt = str | list[str] | list[int] | list[list[int]]

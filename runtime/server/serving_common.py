@@ -1,44 +1,31 @@
-"""What completions and chat completions share: admission, sampling parameters, the
-per-choice detokenising state, logprobs, usage and Server-Sent Events.
+"""What every endpoint that reaches the engine shares: admission (the model, the engine, the
+queue bound), tokenising off the event loop, and the transport of a response (Server-Sent
+Events, a client that goes away). The generating endpoints' request path is
+``serving_generate.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from conveyor.runtime.engine.detokenizer import IncrementalDetokenizer
-from conveyor.runtime.sampling_params import SEED_MIN, SamplingParams, StructuredOutputParams
 from conveyor.runtime.server.context import ServerContext
-from conveyor.runtime.server.engine_client import EngineDeadError, EngineRequest, OutputStream
+from conveyor.runtime.server.engine_client import OutputStream
 from conveyor.runtime.server.errors import (
-    INTERNAL,
     NOT_FOUND,
     TOO_MANY_REQUESTS,
     UNAVAILABLE,
     APIError,
     bad_request,
-    from_value_error,
 )
-from conveyor.runtime.server.protocol import _Sampling
-
-if TYPE_CHECKING:
-    from conveyor.runtime.engine.outputs import RequestOutput
-    from conveyor.runtime.engine.sequence import TokenLogprob
-
-SAMPLING_PARAM_NAMES = {f.name for f in SamplingParams.__dataclass_fields__.values()}
-MIN_LOGPROB = -9999.0
-"""-inf is not JSON; OpenAI clients expect a finite number."""
 
 
 def new_id(prefix: str) -> str:
@@ -112,223 +99,6 @@ async def tokenize(ctx: ServerContext, fn: Callable[[], list[int]], param: str) 
     return await asyncio.get_running_loop().run_in_executor(ctx.tokenize_pool, timed)
 
 
-def sampling_params(
-    req: _Sampling,
-    *,
-    max_tokens: int | None,
-    default_max_tokens: int,
-    prompt_len: int,
-    max_model_len: int,
-    logprobs: int | None,
-    max_tokens_param: str = "max_tokens",
-    structured: tuple[StructuredOutputParams, str] | None = None,
-) -> SamplingParams:
-    """The request's sampling fields as engine ``SamplingParams``; 400 naming the bad field."""
-    room = max_model_len - prompt_len
-    if max_tokens is None:
-        max_tokens = max(1, min(default_max_tokens, room))
-    elif max_tokens >= 1 and max_tokens > room:
-        raise bad_request(
-            f"this model's context length is {max_model_len} tokens, but the prompt is {prompt_len} "
-            f"tokens and {max_tokens_param} is {max_tokens}; lower {max_tokens_param} to at most "
-            f"{max(room, 0)} or shorten the prompt",
-            param=max_tokens_param,
-            code="context_length_exceeded",
-        )
-    fields: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "min_tokens": req.min_tokens,
-        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        "stop_token_ids": list(req.stop_token_ids or []),
-        "ignore_eos": req.ignore_eos,
-        "logprobs": logprobs,
-        "seed": req.seed,
-        "skip_special_tokens": req.skip_special_tokens,
-        "include_stop_str_in_output": req.include_stop_str_in_output,
-        "logit_bias": _logit_bias(req.logit_bias),
-        "structured_output": structured[0] if structured else None,
-    }
-    for name in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        value = getattr(req, name)
-        if value is not None:
-            fields[name] = value
-    try:
-        return SamplingParams(**fields)
-    except ValueError as exc:
-        err = from_value_error(exc, SAMPLING_PARAM_NAMES)
-        if err.param == "max_tokens":
-            err.param = max_tokens_param
-            err.message = err.message.replace("max_tokens", max_tokens_param, 1)
-        if err.param == "structured_output" and structured:
-            err.param = structured[1]
-            err.message = err.message.replace("structured_output", structured[1], 1)
-        raise err from None
-
-
-def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
-    """OpenAI sends token ids as JSON object keys, so as strings."""
-    out: dict[int, float] = {}
-    for key, value in (raw or {}).items():
-        try:
-            out[int(key)] = value
-        except ValueError:
-            raise bad_request(
-                f'logit_bias keys must be token ids such as "50256", got {key!r}',
-                param="logit_bias",
-            ) from None
-    return out
-
-
-def check_prompt(
-    ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, param: str
-) -> None:
-    assert ctx.client.engine is not None
-    try:
-        ctx.client.engine.check_request(prompt_ids, params)
-    except ValueError as exc:
-        code = "context_length_exceeded" if "context length" in str(exc) else None
-        named = str(exc).split(" ", 1)[0]
-        param = named if named in SAMPLING_PARAM_NAMES else param
-        raise bad_request(str(exc), param=param, code=code) from None
-
-
-def choice_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The ``index``-th of ``n`` choices: distinct but reproducible when a seed is given."""
-    if params.seed is None or index == 0:
-        return params
-    seed = (params.seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wraps within 64 bits
-    return SamplingParams(**{**params.__dict__, "seed": seed})
-
-
-@dataclass
-class Delta:
-    """What one engine output adds to one choice."""
-
-    text: str
-    """May be empty while tokens arrive (a character not complete yet, a special token)."""
-    num_tokens: int
-    logprobs: list[TokenLogprob]
-    finish_reason: str | None
-
-
-class Choice:
-    """One choice of a response: an engine request and its incremental detokeniser."""
-
-    def __init__(
-        self,
-        ctx: ServerContext,
-        index: int,
-        request_id: str,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        prompt_index: int = 0,
-    ) -> None:
-        assert ctx.client.engine is not None
-        self.index = index
-        self.prompt_index = prompt_index
-        self.request_id = request_id
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.want_logprobs = params.logprobs is not None
-        self._detok = IncrementalDetokenizer(ctx.client.engine.tokenizer, params, prompt_ids)
-        self._observe = ctx.metrics.detokenize.observe
-        self.emitted_len = 0
-        """Characters of text handed out so far."""
-        self.logprobs: list[TokenLogprob] = []
-        self.num_output_tokens = 0
-        self.num_cached_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-
-    @property
-    def text(self) -> str:
-        """The whole output text (complete once the choice has finished)."""
-        return self._detok.text
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt_ids)
-
-    def update(self, out: RequestOutput) -> Delta | None:
-        """Detokenise ``out``; None once finished (the engine's final abort after a stop string)."""
-        if self.finish_reason is not None:
-            return None
-        start = time.perf_counter()
-        text = self._detok.update(out.new_token_ids)
-        finish = None
-        if self._detok.stopped_by is not None:
-            finish, self.stop_reason = "stop", self._detok.stopped_by
-        elif out.finished:
-            text += self._detok.flush()
-            finish, self.stop_reason = out.finish_reason, out.stop_reason
-        self._observe(time.perf_counter() - start)
-        self.emitted_len += len(text)
-        self.num_output_tokens = len(out.output_token_ids)
-        self.num_cached_tokens = out.num_cached_tokens
-        logprobs = out.new_logprobs if self.want_logprobs else []
-        if logprobs:
-            self.logprobs.extend(logprobs)
-        self.finish_reason = finish
-        return Delta(text, len(out.new_token_ids), logprobs, finish)
-
-
-def submit(
-    ctx: ServerContext, choices: list[Choice], arrival: float, grammar: object | None = None
-) -> OutputStream:
-    """Admit the choices (429 above the queue bound) and hand them to the engine, with no
-    ``await`` in between, so concurrent requests cannot all pass the same check.
-    ``grammar``: the choices' compiled structured output, if they have one."""
-    check_queue(ctx, len(choices))
-    try:
-        return ctx.client.submit(
-            [EngineRequest(c.request_id, c.prompt_ids, c.params, arrival, grammar) for c in choices]
-        )
-    except EngineDeadError as exc:
-        raise APIError(UNAVAILABLE, f"the engine stopped: {exc}", code="engine_dead") from exc
-
-
-async def run_choices(
-    ctx: ServerContext, choices: list[Choice], stream: OutputStream
-) -> AsyncIterator[tuple[Choice, Delta]]:
-    """Yield each choice's non-empty deltas as steps complete, until every choice finished.
-
-    A choice stopped by a stop string is aborted in the engine at once (its finish reason
-    stays ``stop``). Leaving early, for any reason, aborts what is still running.
-    """
-    by_id = {c.request_id: c for c in choices}
-    remaining = len(choices)
-    try:
-        async for out in stream:
-            choice = by_id[out.request_id]
-            delta = choice.update(out)
-            if delta is None:
-                continue
-            if delta.finish_reason is not None:
-                remaining -= 1
-                if not out.finished:  # a stop string: the engine does not know yet
-                    ctx.client.abort(out.request_id, finish_reason="stop")
-            # One chunk per step that produced tokens, even when their text is not out yet
-            # (as vLLM does): clients time every token.
-            if delta.num_tokens or delta.text or delta.finish_reason is not None:
-                yield choice, delta
-            if remaining == 0:
-                return
-    except EngineDeadError as exc:
-        raise APIError(
-            INTERNAL, f"the engine stopped: {exc}; the replica needs a restart", code="engine_dead"
-        ) from exc
-    finally:
-        stream.close()
-
-
 class EngineStreamingResponse(StreamingResponse):
     """An SSE response that closes its engine stream however the response ends (finished,
     client gone before the first byte, or cancelled)."""
@@ -346,36 +116,6 @@ class EngineStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
-
-
-def usage(choices: list[Choice]) -> dict[str, Any]:
-    """OpenAI's usage: each prompt counted once, however many choices it has."""
-    per_prompt: dict[int, Choice] = {}
-    for c in choices:
-        per_prompt.setdefault(c.prompt_index, c)
-    prompt_tokens = sum(c.prompt_len for c in per_prompt.values())
-    completion_tokens = sum(c.num_output_tokens for c in choices)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {
-            "cached_tokens": sum(c.num_cached_tokens for c in per_prompt.values())
-        },
-    }
-
-
-def token_text(ctx: ServerContext, token_id: int) -> str:
-    text = ctx.token_text.get(token_id)
-    if text is None:
-        assert ctx.client.engine is not None
-        text = ctx.client.engine.tokenizer.decode([token_id])
-        ctx.token_text[token_id] = text
-    return text
-
-
-def finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
 def sse(payload: dict[str, Any]) -> str:

@@ -50,7 +50,7 @@ def test_scheduler_block_manager_and_sequence_import_no_torch():
         "import conveyor.runtime, conveyor.runtime.sampling_params\n"
         "import conveyor.runtime.engine.scheduler, conveyor.runtime.engine.block_manager\n"
         "import conveyor.runtime.engine.sequence, conveyor.runtime.engine.outputs\n"
-        "import conveyor.runtime.engine.detokenizer\n"
+        "import conveyor.runtime.detokenizer\n"
         "heavy = [m for m in ('torch', 'transformers', 'fastapi', 'kopf') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

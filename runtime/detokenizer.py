@@ -1,4 +1,8 @@
-"""Incremental detokenisation with stop strings, outside the engine step.
+"""Incremental detokenisation with stop strings, where the engine's outputs are read.
+
+The engine hands back token ids only. Their text is made by whoever reads its outputs: the
+HTTP server on its event loop, one detokeniser per choice (``server/serving_generate.py``),
+and the offline ``LLM`` between steps; never inside a step. Torch-free.
 
 Text is produced from token ids as they arrive (the ``tokenizers`` library's
 ``DecodeStream`` keeps multi-byte characters whole). Stop strings are searched
@@ -8,13 +12,13 @@ a stop string is held back, so a client never sees text that is then retracted.
 
 from __future__ import annotations
 
+from typing import Any
+
 from conveyor.runtime.sampling_params import SamplingParams
 
 
 class IncrementalDetokenizer:
-    def __init__(
-        self, tokenizer, params: SamplingParams, prompt_token_ids: list[int] | None = None
-    ):
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
         from tokenizers.decoders import DecodeStream
 
         self._backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer._tokenizer

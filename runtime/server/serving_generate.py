@@ -1,0 +1,396 @@
+"""The request path of the generating endpoints, in the order a request takes it.
+
+``GenerateRequest.create`` is the whole path of ``POST /v1/completions`` and
+``POST /v1/chat/completions``: check the request, tokenise each prompt, turn the request
+into ``SamplingParams`` (once: the engine and the sampler take them as they are), make one
+``Choice`` per generated choice, submit them to the engine, then stream or collect the
+engine's outputs. Each endpoint (``serving_completions.py``, ``serving_chat.py``) is a
+subclass holding only what differs: its checks, its prompts, its ``max_tokens``, and how it
+writes a choice in a response body and in a stream chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from conveyor.runtime.detokenizer import IncrementalDetokenizer
+from conveyor.runtime.sampling_params import SEED_MIN, SamplingParams, StructuredOutputParams
+from conveyor.runtime.server.context import ServerContext
+from conveyor.runtime.server.engine_client import EngineDeadError, EngineRequest, OutputStream
+from conveyor.runtime.server.errors import (
+    INTERNAL,
+    UNAVAILABLE,
+    APIError,
+    bad_request,
+    from_value_error,
+)
+from conveyor.runtime.server.protocol import _Sampling
+from conveyor.runtime.server.serving_common import (
+    EngineStreamingResponse,
+    check_engine,
+    check_model,
+    check_queue,
+    new_id,
+    sse,
+    sse_stream,
+    unless_disconnected,
+)
+from conveyor.runtime.server.structured_outputs import compile_grammar, structured_output
+
+if TYPE_CHECKING:
+    from conveyor.runtime.engine.llm_engine import LLMEngine
+    from conveyor.runtime.engine.outputs import RequestOutput
+    from conveyor.runtime.engine.sequence import TokenLogprob
+
+SAMPLING_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
+MIN_LOGPROB = -9999.0
+"""-inf is not JSON; OpenAI clients expect a finite number."""
+
+RequestT = TypeVar("RequestT", bound=_Sampling)
+
+
+class GenerateRequest(ABC, Generic[RequestT]):
+    """One API call of a generating endpoint, from its request body to its response."""
+
+    id_prefix: ClassVar[str]
+    """Of the response's ``id``: ``cmpl``, ``chatcmpl``."""
+    body_object: ClassVar[str]
+    """The response body's ``object``."""
+    chunk_object: ClassVar[str]
+    """A stream chunk's ``object``."""
+    prompt_param: ClassVar[str]
+    """The field a prompt the engine refuses is reported under."""
+
+    def __init__(self, ctx: ServerContext, req: RequestT) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.request_id = new_id(self.id_prefix)
+        self.choices: list[Choice] = []
+        self.created = 0
+        """When the choices were submitted (Unix seconds), as OpenAI reports it."""
+
+    async def create(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        ctx, req = self.ctx, self.req
+        check_model(ctx, req.model)
+        check_engine(ctx)
+        self.check()
+        structured = self.structured_output()
+        prompt_index = 0
+        async for prompt_ids in self.prompts():
+            params = self.sampling_params(len(prompt_ids), structured)
+            check_prompt(ctx, prompt_ids, params, self.prompt_param)
+            for i in range(req.n):
+                index = prompt_index * req.n + i
+                self.choices.append(
+                    Choice(
+                        ctx,
+                        index,
+                        f"{self.request_id}-{index}",
+                        prompt_ids,
+                        choice_params(params, i),
+                        prompt_index,
+                    )
+                )
+            prompt_index += 1
+        grammar = await compile_grammar(ctx, *structured) if structured else None
+        stream = submit(ctx, self.choices, arrival, grammar)
+
+        self.created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EngineStreamingResponse(sse_stream(self._stream(include_usage, stream)), stream)
+        body = await unless_disconnected(request, self._collect(stream), stream)
+        return JSONResponse(body)
+
+    # -- what each endpoint says -----------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse what this endpoint does not support (400), before any tokenising."""
+
+    def structured_output(self) -> tuple[StructuredOutputParams, str] | None:
+        """The constraint on the output and the field it came in, if any."""
+        return structured_output(self.req)
+
+    @abstractmethod
+    def prompts(self) -> AsyncIterator[list[int]]:
+        """Each prompt's token ids, in order; the next one is tokenised only once the one
+        before was checked."""
+
+    @abstractmethod
+    def max_tokens(self) -> tuple[int | None, str]:
+        """The requested most tokens to generate (None: the default) and its field's name."""
+
+    @abstractmethod
+    def default_max_tokens(self) -> int:
+        """Most tokens to generate when the request names none (the context caps it too)."""
+
+    @abstractmethod
+    def num_logprobs(self) -> int | None:
+        """Top alternatives to report with each token's logprob; None: no logprobs."""
+
+    def absorb(self, choice: Choice, delta: Delta) -> None:
+        """Take note of ``delta`` while a response body is being collected."""
+
+    @abstractmethod
+    def choice_body(self, choice: Choice) -> dict[str, Any]:
+        """A finished choice, as the response body lists it."""
+
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chunk choices streamed before any output."""
+        return []
+
+    @abstractmethod
+    def chunk_choices(self, choice: Choice, delta: Delta) -> list[dict[str, Any]]:
+        """The chunk choices that stream ``delta`` (one chunk each)."""
+
+    # -- the shared steps ------------------------------------------------------------------
+
+    @property
+    def engine(self) -> LLMEngine:
+        engine = self.ctx.client.engine
+        assert engine is not None  # check_engine() refused the request otherwise
+        return engine
+
+    def sampling_params(
+        self, prompt_len: int, structured: tuple[StructuredOutputParams, str] | None
+    ) -> SamplingParams:
+        """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens; 400 naming
+        the field at fault."""
+        max_tokens, param = self.max_tokens()
+        max_model_len = self.engine.max_model_len
+        room = max_model_len - prompt_len
+        if max_tokens is None:
+            max_tokens = max(1, min(self.default_max_tokens(), room))
+        elif max_tokens >= 1 and max_tokens > room:
+            raise bad_request(
+                f"this model's context length is {max_model_len} tokens, but the prompt is "
+                f"{prompt_len} tokens and {param} is {max_tokens}; lower {param} to at most "
+                f"{max(room, 0)} or shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            return self.req.to_sampling_params(
+                max_tokens=max_tokens,
+                logprobs=self.num_logprobs(),
+                structured_output=structured[0] if structured else None,
+            )
+        except ValueError as exc:
+            err = from_value_error(exc, SAMPLING_PARAM_NAMES)
+            if err.param == "max_tokens":
+                err.param = param
+                err.message = err.message.replace("max_tokens", param, 1)
+            if err.param == "structured_output" and structured:
+                err.param = structured[1]
+                err.message = err.message.replace("structured_output", structured[1], 1)
+            raise err from None
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, for logprobs (cached for the server's lifetime)."""
+        text = self.ctx.token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id])
+            self.ctx.token_text[token_id] = text
+        return text
+
+    def _head(self, object_: str) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": object_,
+            "created": self.created,
+            "model": self.ctx.model_name,
+        }
+
+    async def _collect(self, stream: OutputStream) -> dict[str, Any]:
+        async for choice, delta in run_choices(self.ctx, self.choices, stream):
+            self.absorb(choice, delta)
+        return {
+            **self._head(self.body_object),
+            "choices": [self.choice_body(c) for c in self.choices],
+            "usage": usage(self.choices),
+        }
+
+    async def _stream(self, include_usage: bool, stream: OutputStream) -> AsyncIterator[str]:
+        head = self._head(self.chunk_object)
+        extra = {"usage": None} if include_usage else {}
+        for part in self.first_chunks():
+            yield sse({**head, "choices": [part], **extra})
+        async for choice, delta in run_choices(self.ctx, self.choices, stream):
+            for part in self.chunk_choices(choice, delta):
+                yield sse({**head, "choices": [part], **extra})
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": usage(self.choices)})
+
+
+def check_prompt(
+    ctx: ServerContext, prompt_ids: list[int], params: SamplingParams, param: str
+) -> None:
+    """What the engine would refuse, as a 400 naming the field at fault."""
+    assert ctx.client.engine is not None
+    try:
+        ctx.client.engine.check_request(prompt_ids, params)
+    except ValueError as exc:
+        code = "context_length_exceeded" if "context length" in str(exc) else None
+        named = str(exc).split(" ", 1)[0]
+        param = named if named in SAMPLING_PARAM_NAMES else param
+        raise bad_request(str(exc), param=param, code=code) from None
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The ``index``-th of ``n`` choices: distinct but reproducible when a seed is given."""
+    if params.seed is None or index == 0:
+        return params
+    seed = (params.seed + index - SEED_MIN) % 2**64 + SEED_MIN  # wraps within 64 bits
+    return dataclasses.replace(params, seed=seed)
+
+
+@dataclass
+class Delta:
+    """What one engine output adds to one choice."""
+
+    text: str
+    """May be empty while tokens arrive (a character not complete yet, a special token)."""
+    num_tokens: int
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+class Choice:
+    """One choice of a response: an engine request and its incremental detokeniser."""
+
+    def __init__(
+        self,
+        ctx: ServerContext,
+        index: int,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_index: int = 0,
+    ) -> None:
+        assert ctx.client.engine is not None
+        self.index = index
+        self.prompt_index = prompt_index
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.want_logprobs = params.logprobs is not None
+        self._detok = IncrementalDetokenizer(ctx.client.engine.tokenizer, params)
+        self._observe = ctx.metrics.detokenize.observe
+        self.emitted_len = 0
+        """Characters of text handed out so far."""
+        self.logprobs: list[TokenLogprob] = []
+        self.num_output_tokens = 0
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        """The whole output text (complete once the choice has finished)."""
+        return self._detok.text
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    def update(self, out: RequestOutput) -> Delta | None:
+        """Detokenise ``out``; None once finished (the engine's final abort after a stop string)."""
+        if self.finish_reason is not None:
+            return None
+        start = time.perf_counter()
+        text = self._detok.update(out.new_token_ids)
+        finish = None
+        if self._detok.stopped_by is not None:
+            finish, self.stop_reason = "stop", self._detok.stopped_by
+        elif out.finished:
+            text += self._detok.flush()
+            finish, self.stop_reason = out.finish_reason, out.stop_reason
+        self._observe(time.perf_counter() - start)
+        self.emitted_len += len(text)
+        self.num_output_tokens = len(out.output_token_ids)
+        self.num_cached_tokens = out.num_cached_tokens
+        logprobs = out.new_logprobs if self.want_logprobs else []
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        self.finish_reason = finish
+        return Delta(text, len(out.new_token_ids), logprobs, finish)
+
+
+def submit(
+    ctx: ServerContext, choices: list[Choice], arrival: float, grammar: object | None = None
+) -> OutputStream:
+    """Admit the choices (429 above the queue bound) and hand them to the engine, with no
+    ``await`` in between, so concurrent requests cannot all pass the same check.
+    ``grammar``: the choices' compiled structured output, if they have one."""
+    check_queue(ctx, len(choices))
+    try:
+        return ctx.client.submit(
+            [EngineRequest(c.request_id, c.prompt_ids, c.params, arrival, grammar) for c in choices]
+        )
+    except EngineDeadError as exc:
+        raise APIError(UNAVAILABLE, f"the engine stopped: {exc}", code="engine_dead") from exc
+
+
+async def run_choices(
+    ctx: ServerContext, choices: list[Choice], stream: OutputStream
+) -> AsyncIterator[tuple[Choice, Delta]]:
+    """Yield each choice's non-empty deltas as steps complete, until every choice finished.
+
+    A choice stopped by a stop string is aborted in the engine at once (its finish reason
+    stays ``stop``). Leaving early, for any reason, aborts what is still running.
+    """
+    by_id = {c.request_id: c for c in choices}
+    remaining = len(choices)
+    try:
+        async for out in stream:
+            choice = by_id[out.request_id]
+            delta = choice.update(out)
+            if delta is None:
+                continue
+            if delta.finish_reason is not None:
+                remaining -= 1
+                if not out.finished:  # a stop string: the engine does not know yet
+                    ctx.client.abort(out.request_id, finish_reason="stop")
+            # One chunk per step that produced tokens, even when their text is not out yet
+            # (as vLLM does): clients time every token.
+            if delta.num_tokens or delta.text or delta.finish_reason is not None:
+                yield choice, delta
+            if remaining == 0:
+                return
+    except EngineDeadError as exc:
+        raise APIError(
+            INTERNAL, f"the engine stopped: {exc}; the replica needs a restart", code="engine_dead"
+        ) from exc
+    finally:
+        stream.close()
+
+
+def usage(choices: list[Choice]) -> dict[str, Any]:
+    """OpenAI's usage: each prompt counted once, however many choices it has."""
+    per_prompt: dict[int, Choice] = {}
+    for c in choices:
+        per_prompt.setdefault(c.prompt_index, c)
+    prompt_tokens = sum(c.prompt_len for c in per_prompt.values())
+    completion_tokens = sum(c.num_output_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(c.num_cached_tokens for c in per_prompt.values())
+        },
+    }
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
