@@ -47,9 +47,9 @@ def mac_for(address: ipaddress.IPv4Address) -> str:
     """A pod's MAC address, from its IP (locally administered, Docker's 02:42 scheme).
 
     Addresses are reused as soon as a pod is gone; with a random MAC per veth, a peer that had
-    talked to the old pod (a gateway polling its replicas) kept the old MAC in its ARP cache
-    and its packets went nowhere until that entry went stale and failed: 8-13 s of a replica's
-    wake-up from zero. The same IP now always has the same MAC."""
+    talked to the old pod (a gateway polling its replicas) would keep the old MAC in its ARP
+    cache and its packets would go nowhere until that entry went stale and failed: 8-13 s of a
+    replica's wake-up from zero. So the same IP always has the same MAC."""
     return "02:42:" + ":".join(f"{b:02x}" for b in address.packed)
 
 

@@ -95,7 +95,7 @@ class KubeUnderTest:
 class PodProcesses:
     """Hand-made pods for tests: a network from ``PodNetworks``, a server process in it, the status patched.
 
-    What the node agent will do for real; here each piece is owned by the test and removed.
+    What the node agent does for the pods it runs; here each piece is owned by the test and removed.
     """
 
     def __init__(self, cluster: Cluster) -> None:
