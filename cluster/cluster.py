@@ -67,6 +67,7 @@ from conveyor.cluster.tools import CLUSTER_BINARIES, Tools, build_tools, pinned_
 
 TIMINGS_FILE = "timings.json"
 
+
 def free_port(host: str) -> int:
     """A TCP port free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -428,5 +429,3 @@ class Cluster:
                     if line.startswith("VmRSS:"):
                         usage[record.name] = int(line.split()[1]) * 1024
         return usage
-
-

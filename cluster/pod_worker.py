@@ -374,7 +374,9 @@ class ContainerRunner:
 
     # ---- stopping ----------------------------------------------------------------------
 
-    async def stop_run(self, run: ContainerAttempt, grace_s: float, *, pre_stop: bool = True) -> None:
+    async def stop_run(
+        self, run: ContainerAttempt, grace_s: float, *, pre_stop: bool = True
+    ) -> None:
         """``preStop``, SIGTERM, up to ``grace_s`` in all, then SIGKILL of what is left."""
         deadline = time.monotonic() + grace_s
         handler = (self.spec.get("lifecycle") or {}).get("preStop")

@@ -59,7 +59,6 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(data.splitlines()[-lines:])
 
 
-
 PROXY_VARIABLES = (
     "http_proxy",
     "https_proxy",

@@ -94,8 +94,10 @@ def test_apiserver_serves_on_the_host_address_with_its_certificates(
     assert flags["secure-port"] == "6443"
     assert flags["tls-cert-file"] == str(WORK / "pki" / "apiserver.crt")
     assert flags["tls-private-key-file"] == str(WORK / "pki" / "apiserver.key")
-    assert flags["client-ca-file"] == flags["requestheader-client-ca-file"] == str(
-        WORK / "pki" / "ca.crt"
+    assert (
+        flags["client-ca-file"]
+        == flags["requestheader-client-ca-file"]
+        == str(WORK / "pki" / "ca.crt")
     )
     assert flags["kubelet-client-certificate"] == str(WORK / "pki" / "apiserver-kubelet.crt")
     assert flags["proxy-client-cert-file"] == str(WORK / "pki" / "front-proxy.crt")
@@ -150,7 +152,9 @@ def test_kube_proxy_config_routes_the_pod_network_in_nftables_mode(
     assert config["kind"] == "KubeProxyConfiguration"
     assert config["mode"] == "nftables"
     assert config["hostnameOverride"] == "cpu-node-0"
-    assert config["clientConnection"]["kubeconfig"] == str(WORK / "config" / "kube-proxy.kubeconfig")
+    assert config["clientConnection"]["kubeconfig"] == str(
+        WORK / "config" / "kube-proxy.kubeconfig"
+    )
     assert config["bindAddress"] == HOST
     assert config["healthzBindAddress"] == "127.0.0.1:10256"
     assert config["metricsBindAddress"] == "127.0.0.1:10249"
