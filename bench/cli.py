@@ -14,12 +14,18 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "conveyor.bench.engine.structured",
         "grammar compile time and step time with constrained requests in the batch",
     ),
-    "serve": ("conveyor.bench.serve.load", "HTTP load generator against a server or gateway"),
-    "serve-compare": ("conveyor.bench.serve.compare", "continuous vs static vs none scheduling, over HTTP"),
+    "serve": ("conveyor.bench.serve.command", "HTTP load generator against a server or gateway"),
+    "serve-compare": (
+        "conveyor.bench.serve.compare",
+        "continuous vs static vs none scheduling, over HTTP",
+    ),
     "peer": ("conveyor.bench.peers.peer", "Conveyor vs vLLM for CPU, side by side"),
     "gateway": ("conveyor.bench.gateway.command", "routing policies and gateway overhead"),
     "autoscale": ("conveyor.bench.autoscale.command", "step load against the autoscaler"),
-    "gpu": ("conveyor.bench.gpu.command", "kernels, decode MBU and continuous vs static batching on a GPU"),
+    "gpu": (
+        "conveyor.bench.gpu.command",
+        "kernels, decode MBU and continuous vs static batching on a GPU",
+    ),
 }
 
 

@@ -1,6 +1,6 @@
-"""``conveyor bench offline``: the seed's comparison, continuous vs static vs one-at-a-time.
+"""``conveyor bench offline``: continuous vs static vs one-at-a-time scheduling, side by side.
 
-The seed workload: many requests submitted at once, prompt lengths uniform in
+The workload: many requests submitted at once, prompt lengths uniform in
 a range, output lengths exponential (so a static batch waits for its longest
 member), ``ignore_eos`` so every request runs to its length. The same requests
 go through the engine in each scheduling mode, and through Hugging Face
@@ -18,15 +18,15 @@ import argparse
 import cProfile
 import io
 import json
-import math
 import pstats
 import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 
+from conveyor.bench.engine.hf_generate import run_hf
+from conveyor.bench.engine.results import ModeResult, summarise
 from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ MODES = ("continuous", "static", "none")
 @dataclass(frozen=True)
 class Workload:
     num_requests: int = 128
-    """Requests, all submitted at once (the seed's 'many requests at once')."""
+    """Requests, all submitted at once."""
     prompt_len_min: int = 16
     prompt_len_max: int = 128
     output_len_mean: float = 64.0
@@ -56,39 +56,6 @@ class Workload:
             )
             out.append((prompt, length))
         return out
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    duration: float
-    num_requests: int
-    output_tokens: int
-    output_throughput: float
-    request_throughput: float
-    ttft_p50: float
-    ttft_p95: float
-    ttft_p99: float
-    tpot_p50: float
-    tpot_p95: float
-    tpot_p99: float
-    mean_running: float
-    max_running: int
-    occupancy_while_waiting: float | None
-    preemptions: int
-    prefix_cache_hit_rate: float
-    steps: int
-    throughput_ratio_to_continuous: float | None = None
-    step_times: list[tuple[int, float]] = field(default_factory=list, repr=False)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def run_engine(engine: LLMEngine, requests, mode: str) -> ModeResult:
@@ -140,96 +107,6 @@ def run_engine(engine: LLMEngine, requests, mode: str) -> ModeResult:
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         steps=len(running),
         step_times=step_times,
-    )
-
-
-def summarise(mode, duration, num_requests, tokens, ttfts, tpots, **rest) -> ModeResult:
-    """Throughput and latency percentiles of one mode's run."""
-    return ModeResult(
-        mode=mode,
-        duration=duration,
-        num_requests=num_requests,
-        output_tokens=tokens,
-        output_throughput=tokens / duration,
-        request_throughput=num_requests / duration,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p95=percentile(ttfts, 95),
-        ttft_p99=percentile(ttfts, 99),
-        tpot_p50=percentile(tpots, 50),
-        tpot_p95=percentile(tpots, 95),
-        tpot_p99=percentile(tpots, 99),
-        **rest,
-    )
-
-
-def run_hf(model_path: str, requests, batch_size: int, device: str, threads: int) -> ModeResult:
-    """Hugging Face ``generate`` on padded static batches: the baseline users know."""
-    import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-
-    torch.set_num_threads(threads)
-    dev = torch.device(
-        "cuda"
-        if device == "auto" and torch.cuda.is_available()
-        else ("cpu" if device == "auto" else device)
-    )
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    path = Path(model_path)
-    if path.suffix.lower() == ".gguf":  # transformers dequantizes the same file itself
-        source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
-    else:
-        source = {"pretrained_model_name_or_path": path}
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).to(dev).eval()
-    pad = model.generation_config.pad_token_id or 0
-
-    class FirstToken(LogitsProcessor):
-        def __init__(self) -> None:
-            self.at: float | None = None
-
-        def __call__(self, input_ids, scores):
-            if self.at is None:
-                self.at = time.monotonic()
-            return scores
-
-    start = time.monotonic()
-    ttfts, tpots, tokens, batches = [], [], 0, 0
-    for b in range(0, len(requests), batch_size):
-        batch = requests[b : b + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch], device=dev)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=dev)
-        longest = max(n for _, n in batch)
-        first = FirstToken()
-        with torch.inference_mode():
-            model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=pad,
-                logits_processor=LogitsProcessorList([first]),
-            )
-        end = time.monotonic()
-        for _, n in batch:
-            ttfts.append(first.at - start)
-            tpots.append((end - first.at) / max(1, longest - 1))
-            tokens += n  # only the tokens the request asked for are useful
-        batches += 1
-    duration = time.monotonic() - start
-    return summarise(
-        "hf-generate",
-        duration,
-        len(requests),
-        tokens,
-        ttfts,
-        tpots,
-        mean_running=float(batch_size),
-        max_running=batch_size,
-        occupancy_while_waiting=None,
-        preemptions=0,
-        prefix_cache_hit_rate=0.0,
-        steps=batches,
     )
 
 

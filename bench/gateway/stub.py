@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -24,7 +25,7 @@ class StubSettings:
     host: str = "127.0.0.1"
     """Loopback: a stub is never meant to be reachable from elsewhere."""
     port: int = 8000
-    """Port to listen on (the runtime's port by default)."""
+    """Port to listen on (the runtime's port by default; 0: any free port, printed)."""
     model: str = "stub"
     """Model name served."""
     name: str = ""
@@ -157,10 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     settings = StubSettings(**vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
     import uvicorn
 
-    uvicorn.run(
-        StubApp(settings), host=settings.host, port=settings.port, log_level="warning",
-        access_log=False, backlog=4096,
-    )  # fmt: skip
+    # Bound here, so that port 0 works: the port it got is printed for whoever started it.
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((settings.host, settings.port))
+    settings = replace(settings, port=sock.getsockname()[1])
+    print(f"listening on http://{settings.host}:{settings.port}", flush=True)
+    config = uvicorn.Config(StubApp(settings), log_level="warning", access_log=False, backlog=4096)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 

@@ -27,16 +27,16 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from conveyor.bench.peers import vllm_env
-from conveyor.bench.serve.load import BenchSettings, WorkloadSettings, run
+from conveyor.bench.peers.report import format_table, plot, summarize
+from conveyor.bench.peers.servers import SERVED_NAME, RssSampler, conveyor_server, vllm_server
+from conveyor.bench.serve.load import BenchSettings, run
+from conveyor.bench.serve.workload import WorkloadSettings
 
-# Random-weight shapes the issue measured, besides the built-in real model.
+# Random-weight model shapes to measure, besides the built-in real model.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen2-3l-192": {
         "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 192,
@@ -54,7 +54,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "torch_dtype": "float32",
     },
 }  # fmt: skip
-SERVED_NAME = "peer-model"
 
 
 def say(msg: str) -> None:
@@ -85,109 +84,11 @@ def model_dir(model: str, dtype: str) -> Path:
     return files.gguf.save_pretrained(dest, getattr(torch, dtype))
 
 
-# -- servers -----------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    name: str
-    cmd: list[str]
-    env: dict[str, str]
-    ready_path: str
-    port: int
-    proc: subprocess.Popen[bytes] | None = None
-    log: Path | None = None
-    startup_s: float | None = None
-    peak_rss: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _sampler: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, log_dir: Path, timeout: float) -> None:
-        self.log = log_dir / f"{self.name}-{int(time.time())}.log"
-        started = time.monotonic()
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                self.cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env},
-                start_new_session=True,
-            )  # fmt: skip
-        self._sampler = threading.Thread(target=self._sample_rss, daemon=True)
-        self._sampler.start()
-        deadline = started + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode}; see {self.log}"
-                )
-            try:
-                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                    self.startup_s = time.monotonic() - started
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"{self.name} was not ready after {timeout:.0f}s; see {self.log}")
-
-    def _sample_rss(self) -> None:
-        import psutil
-
-        while not self._stop.is_set() and self.proc is not None:
-            try:
-                root = psutil.Process(self.proc.pid)
-                procs = [root, *root.children(recursive=True)]
-                rss = sum(p.memory_info().rss for p in procs if p.is_running())
-                self.peak_rss = max(self.peak_rss, rss)
-            except psutil.Error:
-                pass
-            self._stop.wait(0.5)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def conveyor_server(args: argparse.Namespace, path: Path, port: int) -> Server:
-    cmd = [
-        sys.executable, "-m", "conveyor", "serve", "--host", "127.0.0.1", "--port", str(port),
-        "--model", str(path), "--served-model-name", SERVED_NAME, "--dtype", args.dtype,
-        "--max-running-requests", str(args.max_running_requests),
-        "--cpu-kv-cache-bytes", str(int(args.kv_cache_gib * (1 << 30))),
-        "--log-stats-interval", "0", *args.conveyor_arg,
-    ]  # fmt: skip
-    return Server("conveyor", cmd, {}, "/ready", port)
-
-
-def vllm_server(args: argparse.Namespace, venv: Path, path: Path, port: int) -> Server:
-    cmd = [
-        str(vllm_env.vllm_command(venv)), "serve", str(path), "--host", "127.0.0.1",
-        "--port", str(port), "--served-model-name", SERVED_NAME, "--dtype", args.dtype,
-        "--max-num-seqs", str(args.max_running_requests), *args.vllm_arg,
-    ]  # fmt: skip
-    cores = len(os.sched_getaffinity(0))
-    env = {
-        "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_cache_gib:g}",
-        # By default vLLM computes on all cores but one; given all of them it is faster here.
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
-    }
-    return Server("vllm", cmd, env, "/health", port)
-
-
 # -- clients -----------------------------------------------------------------------------
 
 
 def vllm_client(args: argparse.Namespace, venv: Path, path: Path, url: str) -> dict[str, Any]:
-    """``vllm bench serve --dataset-name random``, the issue's command; its figures in ms."""
+    """``vllm bench serve --dataset-name random``, vLLM's own client; its figures in ms."""
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
         cmd = [
             str(vllm_env.vllm_command(venv)), "bench", "serve", "--backend", "openai",
@@ -273,14 +174,6 @@ class LoadSampler:
         }
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="conveyor bench peer",
@@ -326,7 +219,7 @@ def main(argv: list[str]) -> int:
         metavar="FLAG",
         help="extra flag for vllm serve (repeatable)",
     )
-    w = parser.add_argument_group("workload (the issue's command)")
+    w = parser.add_argument_group("workload (as vllm bench serve --dataset-name random)")
     w.add_argument("--num-prompts", type=int, default=128, help="requests per run (default 128)")
     w.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
     w.add_argument("--output-len", type=int, default=128, help="output tokens (default 128)")
@@ -367,15 +260,17 @@ def main(argv: list[str]) -> int:
     with LoadSampler() as load:
         for round_ in range(1, args.rounds + 1):
             for name in servers:
-                port = free_port()
                 server = (
-                    conveyor_server(args, path, port)
+                    conveyor_server(args, path, out)
                     if name == "conveyor"
-                    else vllm_server(args, venv, path, port)
+                    else vllm_server(args, venv, path, out)
                 )
+                rss = RssSampler(server)
                 say(f"round {round_}/{args.rounds}: starting {name}")
                 try:
-                    server.start(out, args.startup_timeout)
+                    server.launch()
+                    rss.start()
+                    server.wait_ready()
                     say(f"{name} ready in {server.startup_s:.1f}s")
                     for client in clients:
                         say(f"round {round_}: {client} client against {name}")
@@ -388,11 +283,12 @@ def main(argv: list[str]) -> int:
                         say(f"  {figures['output_tok_s']:.1f} tok/s, TPOT p50 "
                             f"{figures['tpot_p50_ms']:.0f} ms")  # fmt: skip
                 finally:
+                    rss.stop()
                     server.stop()
                 for r in runs:
                     if r["server"] == name and r["round"] == round_:
                         r["startup_s"] = server.startup_s
-                        r["peak_rss_mib"] = server.peak_rss / (1 << 20)
+                        r["peak_rss_mib"] = rss.peak_rss / (1 << 20)
     summary = summarize(runs, servers, clients)
     machine = load.summary()
     table = format_table(runs, summary, machine, args, path)
@@ -406,93 +302,6 @@ def main(argv: list[str]) -> int:
     except ImportError:
         say(f"wrote {out / 'results.json'} (no matplotlib: no PNG)")
     return 0
-
-
-METRICS = ("output_tok_s", "ttft_p50_ms", "ttft_p95_ms", "tpot_p50_ms", "tpot_p95_ms",
-           "peak_rss_mib", "startup_s")  # fmt: skip
-
-
-def summarize(runs: list[dict[str, Any]], servers: list[str], clients: list[str]) -> dict:
-    """Median over rounds per (client, server), and Conveyor / vLLM per client."""
-    out: dict[str, Any] = {}
-    for client in clients:
-        per: dict[str, dict[str, float | None]] = {}
-        for server in servers:
-            rows = [r for r in runs if r["client"] == client and r["server"] == server]
-            per[server] = {
-                m: statistics.median(v) if (v := [r[m] for r in rows if r.get(m) is not None])
-                else None
-                for m in METRICS
-            }  # fmt: skip
-        if "conveyor" in per and "vllm" in per:
-            per["ratio"] = {
-                m: (a / b if (a := per["conveyor"][m]) is not None and (b := per["vllm"][m])
-                    else None)
-                for m in METRICS
-            }  # fmt: skip
-        out[client] = per
-    return out
-
-
-def format_table(runs, summary, machine, args, path: Path) -> str:
-    labels = {
-        "output_tok_s": ("output tok/s", "{:.1f}"), "ttft_p50_ms": ("TTFT p50 ms", "{:.0f}"),
-        "ttft_p95_ms": ("TTFT p95 ms", "{:.0f}"), "tpot_p50_ms": ("TPOT p50 ms", "{:.1f}"),
-        "tpot_p95_ms": ("TPOT p95 ms", "{:.1f}"), "peak_rss_mib": ("peak RSS MiB", "{:.0f}"),
-        "startup_s": ("start-up s", "{:.1f}"),
-    }  # fmt: skip
-    lines = [
-        f"conveyor bench peer: {path.name}, {args.dtype}, max running {args.max_running_requests}, "
-        f"{args.num_prompts} prompts {args.input_len} in / {args.output_len} out, concurrency "
-        f"{args.max_concurrency}, {args.rounds} rounds alternating",
-        f"machine: {machine['cores']:.0f} cores, load average (1 min) mean "
-        f"{machine['load1_mean']:.2f}, max {machine['load1_max']:.2f}",
-        "",
-        f"{'round':<6}{'server':<10}{'client':<10}"
-        + "".join(f"{labels[m][0]:>14}" for m in METRICS),
-    ]
-    for r in runs:
-        cells = "".join(
-            f"{(labels[m][1].format(r[m]) if r.get(m) is not None else '-'):>14}" for m in METRICS
-        )
-        lines.append(f"{r['round']:<6}{r['server']:<10}{r['client']:<10}{cells}")
-    lines.append("")
-    lines.append("median over rounds; ratio = conveyor / vllm (tok/s: higher is better; "
-                 "TTFT, TPOT, RSS, start-up: lower is better)")  # fmt: skip
-    for client, per in summary.items():
-        for server, figures in per.items():
-            fmt = "{:.2f}x" if server == "ratio" else None
-            cells = "".join(
-                f"{((fmt or labels[m][1]).format(v) if (v := figures[m]) is not None else '-'):>14}"
-                for m in METRICS
-            )
-            lines.append(f"{'':<6}{server:<10}{client:<10}{cells}")
-    return "\n".join(lines)
-
-
-def plot(summary: dict, servers: list[str], clients: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shown = ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "peak_rss_mib")
-    titles = ("output tok/s (higher is better)", "TTFT p50 ms", "TPOT p50 ms", "peak RSS MiB")
-    fig, axes = plt.subplots(1, len(shown), figsize=(4 * len(shown), 3.6))
-    width = 0.8 / max(1, len(servers))
-    for ax, metric, title in zip(axes, shown, titles, strict=True):
-        for i, server in enumerate(servers):
-            values = [summary[c][server][metric] or 0 for c in clients]
-            xs = [j + i * width for j in range(len(clients))]
-            ax.bar(xs, values, width, label=server)
-        ax.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(clients))])
-        ax.set_xticklabels([f"{c} client" for c in clients])
-        ax.set_title(title, fontsize=10)
-    axes[0].legend(loc="lower left", fontsize=8, framealpha=0.9)
-    fig.suptitle("conveyor bench peer: Conveyor vs vLLM for CPU (median over rounds)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

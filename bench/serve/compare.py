@@ -1,4 +1,4 @@
-"""``conveyor bench serve-compare``: the seed's comparison over HTTP.
+"""``conveyor bench serve-compare``: continuous vs static vs none scheduling, over HTTP.
 
 The same workload against servers started with ``--scheduler continuous``, ``static``
 and ``none``, one after another, on the same model and flags; prints the figures side by
@@ -13,17 +13,12 @@ import asyncio
 import sys
 from typing import Any
 
-from conveyor.bench.serve.load import (
-    WorkloadSettings,
-    add_load_args,
-    add_workload_args,
-    format_table,
-    run,
-    settings_from_args,
-    write_json,
-)
+from conveyor.bench.procs import conveyor_serve
+from conveyor.bench.serve.command import add_load_args, settings_from_args
+from conveyor.bench.serve.load import run
+from conveyor.bench.serve.report import format_table, write_json
+from conveyor.bench.serve.workload import WorkloadSettings, add_workload_args
 from conveyor.runtime.config import SCHEDULER_MODES
-from conveyor.runtime.server.process import ServerProcess
 
 # Small enough that `none` (one request at a time) finishes in minutes on a CPU.
 DEFAULT_WORKLOAD = WorkloadSettings(
@@ -35,7 +30,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="conveyor bench serve-compare",
         description=(
-            "The seed's comparison over HTTP: the same workload against servers started with "
+            "Continuous vs static vs none scheduling over HTTP: the same workload against servers started with "
             "--scheduler continuous, static and none, one after another; prints them side by side."
         ),
     )
@@ -85,7 +80,7 @@ def main(argv: list[str]) -> int:
             f"== --scheduler {mode}: starting `conveyor serve {' '.join(server_args)}`",
             file=sys.stderr,
         )
-        with ServerProcess([*server_args, "--scheduler", mode]) as server:
+        with conveyor_serve([*server_args, "--scheduler", mode]) as server:
             settings = settings_from_args(args, server.url)
             summaries[mode] = asyncio.run(run(settings))
         print(format_table(summaries[mode]), file=sys.stderr)

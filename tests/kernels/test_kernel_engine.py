@@ -52,6 +52,6 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
 def test_cuda_graphs_greedy_equals_torch():
     """Decode replayed from CUDA graphs (batches padded to captured sizes, requests finishing at
     different steps) gives the torch backend's greedy ids, as does the eager Triton path."""
-    from conveyor.bench.gpu.command import check_engine_greedy
+    from conveyor.bench.gpu.kernels import check_engine_greedy
 
     check_engine_greedy()

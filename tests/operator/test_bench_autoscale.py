@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from conveyor.bench.autoscale.command import describe_status, parse, parser
+from conveyor.bench.autoscale.command import parse, parser
+from conveyor.bench.autoscale.load import describe_status
 
 
 def test_every_option_has_a_help_text_and_reaches_the_settings():

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.bench.serve import load as bench
+from conveyor.bench.serve import command as bench
+from conveyor.bench.serve import workload
+from conveyor.bench.stats import percentile
 from conveyor.runtime.server.process import ServerProcess
 
 
@@ -51,8 +53,8 @@ def test_bench_serve(
     assert summary["completed"] == 6 and summary["errors"] == {}
     assert summary["output_tokens"] == sum(
         r.max_tokens
-        for r in bench.build_workload(
-            bench.WorkloadSettings(
+        for r in workload.build_workload(
+            workload.WorkloadSettings(
                 num_requests=6,
                 input_len_min=4,
                 input_len_max=16,
@@ -70,14 +72,14 @@ def test_bench_serve(
 
 
 def test_percentile_matches_linear_interpolation() -> None:
-    assert bench.percentile([], 50) is None
-    assert bench.percentile([3.0], 99) == 3.0
-    assert bench.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert bench.percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([0.0, 10.0], 95) == pytest.approx(9.5)
 
 
 def test_workload_is_reproducible_and_bounded() -> None:
-    w = bench.WorkloadSettings(
+    w = workload.WorkloadSettings(
         num_requests=50,
         input_len_min=5,
         input_len_max=9,
@@ -87,7 +89,7 @@ def test_workload_is_reproducible_and_bounded() -> None:
         num_prefix_groups=2,
         seed=3,
     )
-    a, b = bench.build_workload(w, "completions"), bench.build_workload(w, "completions")
+    a, b = workload.build_workload(w, "completions"), workload.build_workload(w, "completions")
     assert a == b
     assert all(9 <= r.prompt_len <= 13 and 1 <= r.max_tokens <= 20 for r in a)
     assert a[0].prompt[:4] == a[2].prompt[:4] != a[1].prompt[:4]

@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from conveyor.bench.peers import peer, vllm_env
+from conveyor.bench.peers import report, vllm_env
 
 
 def _wheel(tmp_path, requires: list[str]):
@@ -62,7 +62,7 @@ def test_summary_takes_medians_and_ratios():
         _run("conveyor", "vllm", 2, 140.0, 90.0),
         _run("vllm", "vllm", 2, 100.0, 130.0),
     ]
-    summary = peer.summarize(runs, ["conveyor", "vllm"], ["vllm"])
+    summary = report.summarize(runs, ["conveyor", "vllm"], ["vllm"])
     assert summary["vllm"]["conveyor"]["output_tok_s"] == 130.0
     assert summary["vllm"]["ratio"]["output_tok_s"] == pytest.approx(1.3)
     assert summary["vllm"]["ratio"]["tpot_p50_ms"] == pytest.approx(95 / 125)
@@ -70,13 +70,13 @@ def test_summary_takes_medians_and_ratios():
 
 def test_table_shows_every_run_and_the_ratio(tmp_path):
     runs = [_run("conveyor", "vllm", 1, 120.0, 100.0), _run("vllm", "vllm", 1, 100.0, 120.0)]
-    summary = peer.summarize(runs, ["conveyor", "vllm"], ["vllm"])
+    summary = report.summarize(runs, ["conveyor", "vllm"], ["vllm"])
 
     class Args:
         dtype, max_running_requests, num_prompts, input_len, output_len = "float32", 32, 8, 4, 4
         max_concurrency, rounds = 8, 1
 
     machine = {"cores": 2.0, "load1_mean": 1.0, "load1_max": 1.5}
-    table = peer.format_table(runs, summary, machine, Args, tmp_path / "m")
+    table = report.format_table(runs, summary, machine, Args, tmp_path / "m")
     assert "1.20x" in table and "load average" in table
     assert table.count("conveyor  vllm") == 2  # the run and its median

@@ -1,0 +1,165 @@
+"""The phases of ``conveyor bench autoscale``: capacity, the step, constant load, wake from
+zero; and the chart of the run."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from pathlib import Path
+from typing import Any
+
+from conveyor.bench.autoscale.cluster_env import Env
+from conveyor.bench.autoscale.load import (
+    Progress,
+    Recorder,
+    closed_loop,
+    one_request,
+    open_loop,
+    watch,
+)
+from conveyor.bench.autoscale.settings import BenchSettings
+
+
+def direction_changes(replicas: list[int]) -> int:
+    """How often spec.replicas turned from rising to falling or back."""
+    changes, last = 0, 0
+    for a, b in itertools.pairwise(replicas):
+        if b == a:
+            continue
+        d = 1 if b > a else -1
+        if last and d != last:
+            changes += 1
+        last = d
+    return changes
+
+
+def plot(rec: Recorder, step_at: float, path: Path, s: BenchSettings) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t = [x.t - step_at for x in rec.samples]
+    fig, axes = plt.subplots(3, 1, sharex=True, figsize=(9, 7))
+    axes[0].step(t, [x.replicas for x in rec.samples], where="post", label="desired")
+    axes[0].step(t, [x.ready for x in rec.samples], where="post", label="ready")
+    axes[0].set_ylabel("replicas")
+    axes[0].legend()
+    axes[1].plot(t, [x.queue for x in rec.samples])
+    axes[1].axhline(s.target_queue, color="red", linestyle="--", label="target")
+    axes[1].set_ylabel("queue / replica")
+    axes[1].legend()
+    ends = [at - step_at for at, _, _ in rec.done]
+    p95 = [rec.p95(at - 10, at) for at, _, _ in rec.done]
+    axes[2].plot(ends, [v if v is not None else float("nan") for v in p95], label="client, 10 s")
+    axes[2].plot(t, [x.ttft_p95 if x.ttft_p95 is not None else float("nan") for x in rec.samples],
+                 ".", label="autoscaler's")  # fmt: skip
+    axes[2].axhline(s.target_ttft_s, color="red", linestyle="--", label="target")
+    axes[2].set_ylabel("TTFT p95 (s)")
+    axes[2].set_xlabel("seconds since the step")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+async def bench(env: Env, s: BenchSettings, progress: Progress) -> dict[str, Any]:
+    import openai
+
+    # Autoscaling off while one replica's capacity is measured; on from the step.
+    env.apply(s, min_replicas=1, autoscale=False)
+    progress.say("waiting for the LLMService to be Ready (one replica; pod start and model load)")
+    status = env.wait(
+        "the LLMService Ready",
+        lambda: (
+            (st := env.llmservice().get("status") or {}).get("phase") == "Ready"
+            and st.get("endpoint", {}).get("clusterIP")
+            and st
+        ),
+    )
+    base = f"http://{status['endpoint']['clusterIP']}:8080/v1"
+    client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
+    out: dict[str, Any] = {}
+
+    # 1. one replica's capacity
+    progress.say("ready; measuring one replica's capacity (5 s warm-up, 20 s of 4 clients)")
+    cap = Recorder()
+    await closed_loop(client, cap, clients=2, seconds=5, s=s)  # warm up
+    cap = Recorder()
+    await closed_loop(client, cap, clients=4, seconds=20, s=s)
+    backends = {b for _, _, b in cap.done}
+    capacity = len(cap.done) / 20 / max(1, len(backends))
+    out["one_replica_rps"] = round(capacity, 2)
+    progress.say(f"one replica: {capacity:.2f} requests/s; turning the autoscaler on")
+    env.apply(s, min_replicas=1)
+    env.wait(
+        "the autoscaler to take over",
+        lambda: ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("reason"),
+    )
+
+    # 2. the step, 3. constant load
+    rec = Recorder()
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(watch(env, rec, stop, progress, s.progress_every_s))
+    progress.say(
+        f"step to {s.step_factor:g}x: {s.step_factor * capacity:.2f} requests/s for "
+        f"{s.minutes:g} minutes"
+    )
+    step_at = time.monotonic()
+    load = asyncio.create_task(open_loop(client, rec, s.step_factor * capacity, stop, s))
+    await asyncio.sleep(s.minutes * 60)
+    stop.set()
+    await asyncio.gather(load, watcher)
+    first_backends = {b for _, _, b in rec.done[:1]}
+    decision = next((x.t for x in rec.samples if x.replicas > 1), None)
+    serving = next((at for at, _, b in rec.done if b and b not in first_backends), None)
+    recovered = None
+    if decision is not None:
+        breached = False
+        for at, _, _ in rec.done:
+            p = rec.p95(at - 10, at)
+            if p is not None and p > s.target_ttft_s:
+                breached = True
+            elif breached and p is not None and p <= s.target_ttft_s and at > decision:
+                recovered = at
+                break
+    settle = step_at + min(s.minutes * 60 / 4, 120)
+    steady = [x.replicas for x in rec.samples if x.t >= settle]
+    out.update({
+        "step_rps": round(s.step_factor * capacity, 2),
+        "step_to_decision_s": None if decision is None else round(decision - step_at, 1),
+        "step_to_new_replica_serving_s": None if serving is None else round(serving - step_at, 1),
+        "step_to_ttft_p95_under_target_s": (
+            None if recovered is None else round(recovered - step_at, 1)
+        ),
+        "max_replicas": max((x.replicas for x in rec.samples), default=0),
+        "replicas_at_end": rec.samples[-1].replicas if rec.samples else 0,
+        "direction_changes_under_constant_load": direction_changes(steady),
+        "constant_load_minutes_counted": round((s.minutes * 60 - (settle - step_at)) / 60, 1),
+        "requests": len(rec.done),
+        "failed_requests": rec.failures,
+    })  # fmt: skip
+    final = ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("capacity")
+    out["autoscaler_capacity_rps"] = None if not final else final.get("requestsPerSecond")
+    plot(rec, step_at, s.png, s)
+    out["png"] = str(s.png.resolve())
+    progress.say(f"load done: {len(rec.done)} requests, {rec.failures} failed; chart {s.png}")
+
+    # 4. wake from zero
+    progress.say("waiting for scale to zero (minReplicas 0, 10 s idle)")
+    env.apply(s, min_replicas=0, idle_s=10)
+    env.wait(
+        "scale to zero",
+        lambda: (
+            (o := env.llmservice())["spec"]["replicas"] == 0
+            and (o.get("status") or {}).get("readyReplicas", 0) == 0
+        ),
+    )
+    progress.say("scaled to zero; one request to wake it")
+    wake = Recorder()
+    await one_request(client, wake, max_tokens=4)
+    out["wake_from_zero_first_token_s"] = (
+        round(wake.done[0][1], 1) if wake.done else f"failed ({wake.failures})"
+    )
+    await client.close()
+    return out

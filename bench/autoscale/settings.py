@@ -1,0 +1,42 @@
+"""The settings of ``conveyor bench autoscale``: one field per command-line option."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MODEL = "bench"
+"""The served model name of the benchmark's LLMService."""
+NAME = "bench"
+"""The benchmark's LLMService."""
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    kubeconfig: Path | None = None
+    """Cluster to use; unset: the one-machine cluster running here."""
+    minutes: float = 10.0
+    """Constant load after the step, over which direction changes are counted (target: none)."""
+    step_factor: float = 2.0
+    """Step load as a multiple of one replica's measured capacity."""
+    replica_cpu: str = "250m"
+    """limits.cpu of each replica: a fraction of a core, so a replica is a unit of capacity."""
+    max_replicas: int = 4
+    """maxReplicas of the benchmark's LLMService: room above the 2-3 a step needs, to see an
+    overshoot."""
+    target_queue: float = 2.0
+    """targetQueueDepthPerReplica of the benchmark's LLMService."""
+    target_ttft_s: float = 2.0
+    """targetTTFTP95Seconds of the benchmark's LLMService."""
+    interval_s: float = 1.0
+    """The operator's --autoscale-interval."""
+    scale_down_window_s: int = 300
+    """scaleDownStabilizationSeconds of the benchmark's LLMService (the CRD's default)."""
+    max_tokens: int = 24
+    """max_tokens of each request: short, so one replica's capacity is many requests/s."""
+    png: Path = Path("autoscale.png")
+    """Where the chart of replicas, queue and TTFT p95 over time is written."""
+    keep: bool = False
+    """Keep the namespace afterwards (for a look with kubectl)."""
+    progress_every_s: float = 10.0
+    """Seconds between progress lines while load runs."""
