@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from conveyor.bench.engine.results import ModeResult, summarise
 
@@ -21,11 +22,14 @@ def run_hf(model_path: str, requests, batch_size: int, device: str, threads: int
     )
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     path = Path(model_path)
+    source: dict[str, Any]
     if path.suffix.lower() == ".gguf":  # transformers dequantizes the same file itself
         source = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
     else:
         source = {"pretrained_model_name_or_path": path}
-    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype).to(dev).eval()
+    model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype)
+    # transformers types ``to`` through a decorator that mypy reads as taking the model
+    model = model.to(dev).eval()  # type: ignore[arg-type]
     pad = model.generation_config.pad_token_id or 0
 
     class FirstToken(LogitsProcessor):
@@ -57,6 +61,7 @@ def run_hf(model_path: str, requests, batch_size: int, device: str, threads: int
                 logits_processor=LogitsProcessorList([first]),
             )
         end = time.monotonic()
+        assert first.at is not None, "generate made no token"
         for _, n in batch:
             ttfts.append(first.at - start)
             tpots.append((end - first.at) / max(1, longest - 1))

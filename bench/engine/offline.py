@@ -84,12 +84,12 @@ def run_engine(engine: LLMEngine, requests, mode: str) -> ModeResult:
                 finals[o.request_id] = o
     duration = time.monotonic() - start
     after = engine.stats()
-    ttfts = [o.first_token_time - o.arrival_time for o in finals.values()]
-    tpots = [
-        (o.finish_time - o.first_token_time) / (len(o.output_token_ids) - 1)
-        for o in finals.values()
-        if len(o.output_token_ids) > 1
-    ]
+    ttfts, tpots = [], []
+    for o in finals.values():
+        assert o.first_token_time is not None and o.finish_time is not None, "finished: both set"
+        ttfts.append(o.first_token_time - o.arrival_time)
+        if len(o.output_token_ids) > 1:
+            tpots.append((o.finish_time - o.first_token_time) / (len(o.output_token_ids) - 1))
     tokens = sum(len(o.output_token_ids) for o in finals.values())
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     hits = after.prefix_cache_hits - before.prefix_cache_hits

@@ -74,7 +74,7 @@ def step_time(
         or engine.scheduler.waiting
     ):
         engine.step()  # prefill until everyone decodes
-    times = []
+    times: list[float] = []
     while len(times) < TIMED_STEPS and len(engine.scheduler.running) == batch:
         t0 = time.perf_counter()
         engine.step()

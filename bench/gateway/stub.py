@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from conveyor.contracts.load import ReplicaLoad
+
 
 @dataclass(frozen=True)
 class StubSettings:
@@ -57,12 +59,18 @@ class StubApp:
             return
         path = scope["path"]
         if path == "/load":
-            await _json(send, {
-                "running": self.running, "waiting": self.s.report_waiting, "kv_cache_usage": 0.0,
-                "max_running_requests": self.s.max_running_requests,
-                "max_queued_requests": None if self.s.max_queued_requests < 0 else self.s.max_queued_requests,
-                "ready": True, "served": self.served,
-            })  # fmt: skip
+            load = ReplicaLoad(
+                running=self.running,
+                waiting=self.s.report_waiting,
+                kv_cache_usage=0.0,
+                max_running_requests=self.s.max_running_requests,
+                max_queued_requests=(
+                    None if self.s.max_queued_requests < 0 else self.s.max_queued_requests
+                ),
+                ready=True,
+            )
+            # ``served`` is the stub's own: how many completions it answered, for the tests.
+            await _json(send, {**load.to_json(), "served": self.served})
         elif path in ("/health", "/ready"):
             await _json(send, {"status": "ok"})
         elif path == "/v1/models":

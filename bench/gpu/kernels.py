@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, wait
 from multiprocessing import get_context
+from typing import Any, cast
 
 import torch
 
@@ -16,10 +18,11 @@ def kernel_tasks() -> list[tuple]:
 
     tasks: list[tuple] = [("engine_greedy", ())]
     tasks += [("store_kv", (d,)) for d in checks.DTYPES]
+    cases = cast(dict[str, list[tuple[Any, ...]]], checks.ELEMENTWISE_CASES)
     for d in checks.DTYPES:
-        tasks += [("rms_norm", (*a, d)) for a in checks.ELEMENTWISE_CASES["rms_norm"]]
-        tasks += [("rotary", (*a, d)) for a in checks.ELEMENTWISE_CASES["rotary"]]
-        tasks += [("silu_and_mul", (*a, d)) for a in checks.ELEMENTWISE_CASES["silu_and_mul"]]
+        tasks += [("rms_norm", (*a, d)) for a in cases["rms_norm"]]
+        tasks += [("rotary", (*a, d)) for a in cases["rotary"]]
+        tasks += [("silu_and_mul", (*a, d)) for a in cases["silu_and_mul"]]
     for case in checks.attention_cases():
         tasks += [("attention", (case, d)) for d in checks.DTYPES]
         tasks.append(("decode_splits", (case, torch.float32, 5)))
@@ -45,11 +48,12 @@ def check_engine_greedy() -> float:
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (24, 5, 17, 30, 9)
     ]
     ids = {}
-    for name, kw in {
+    backends: dict[str, dict[str, Any]] = {
         "torch": {"attention_backend": "torch"},
         "triton-eager": {"attention_backend": "triton", "enforce_eager": True},
         "triton-graphs": {"attention_backend": "triton"},
-    }.items():
+    }
+    for name, kw in backends.items():
         llm = LLM(
             "conveyor-tiny",
             dtype="float32",
@@ -76,7 +80,7 @@ def run_kernel_check(task: tuple) -> dict:
 
     name, args = task
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --smoke
-    fn = {
+    by_name: dict[str, Callable[..., float]] = {
         "store_kv": checks.check_store_kv,
         "rms_norm": checks.check_rms_norm,
         "rotary": checks.check_rotary,
@@ -86,7 +90,8 @@ def run_kernel_check(task: tuple) -> dict:
             case, dtype, device, splits
         ),
         "engine_greedy": check_engine_greedy,
-    }[name]
+    }
+    fn = by_name[name]
     label = (
         name
         + ":"

@@ -14,6 +14,7 @@ FOLDERS = {
     "gateway": "conveyor.gateway",
     "operator": "conveyor.operator",
     "cluster": "conveyor.cluster",
+    "bench": "conveyor.bench",
 }
 
 
