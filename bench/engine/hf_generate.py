@@ -1,4 +1,4 @@
-"""Hugging Face ``generate`` on padded static batches: the baseline of ``conveyor bench offline``."""
+"""Hugging Face ``generate`` on padded static batches: ``conveyor bench offline``'s baseline."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ them, which is when routing decides the cache hit rate. Each policy gets fresh t
 no policy inherits another's cache. Prints TTFT p50/p95, throughput, the prefix-cache hit
 rate from the replicas' /metrics and the spread of requests over replicas.
 
-Part ``overhead``: a minimal streaming server (``conveyor.bench.gateway.stub``), reached directly and
+Part ``overhead``: a minimal streaming server (``stub``), reached directly and
 through the gateway at the same concurrency: added TTFT and end-to-end latency; then
 N streams held open at once through the gateway, for growing N, counting errors.
 

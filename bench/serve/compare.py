@@ -30,8 +30,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="conveyor bench serve-compare",
         description=(
-            "Continuous vs static vs none scheduling over HTTP: the same workload against servers started with "
-            "--scheduler continuous, static and none, one after another; prints them side by side."
+            "Continuous vs static vs none scheduling over HTTP: the same workload against "
+            "servers started with --scheduler continuous, static and none, one after another; "
+            "prints them side by side."
         ),
     )
     g = parser.add_argument_group("servers")
