@@ -10,9 +10,8 @@ import argparse
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any
 
-SchedulerMode = Literal["continuous", "static", "none"]
 SCHEDULER_MODES: tuple[str, ...] = ("continuous", "static", "none")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
@@ -259,7 +258,7 @@ class EngineSettings:
             num_threads=args.num_threads,
         )
 
-    def replace(self, **changes: object) -> EngineSettings:
+    def replace(self, **changes: Any) -> EngineSettings:
         return dataclasses.replace(self, **changes)
 
 

@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"conveyor generate: {exc}", file=sys.stderr)
         return 2
     for prompt, r in zip(args.prompts, results, strict=True):
-        print(
-            f"--- {prompt!r} -> {len(r.token_ids)} tokens, finish {r.finish_reason}, "
-            f"TTFT {r.ttft * 1000:.1f} ms"
-        )
+        ttft = "none" if r.ttft is None else f"{r.ttft * 1000:.1f} ms"
+        print(f"--- {prompt!r} -> {len(r.token_ids)} tokens, finish {r.finish_reason}, TTFT {ttft}")
         print(r.text)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from conveyor.runtime.kernels.decode_attention import paged_decode_attention
 from conveyor.runtime.kernels.prefill_attention import paged_prefill_attention
@@ -41,6 +42,9 @@ TRITON_LAYER_KERNELS = LayerKernels(
 class TritonAttentionBackend:
     name = "triton"
     layer_kernels = TRITON_LAYER_KERNELS
+
+    def decoder_layers(self, model: nn.Module) -> None:
+        return None
 
     def forward(
         self,

@@ -47,7 +47,8 @@ def rms_norm(
         x2 = x2.contiguous()
     rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    res2 = res_out = None
+    res2: torch.Tensor | None = None
+    res_out: torch.Tensor | None = None
     if residual is not None:
         res2 = residual.reshape(-1, n)
         if res2.stride(-1) != 1:
@@ -69,6 +70,6 @@ def rms_norm(
             HAS_RESIDUAL=residual is not None,
             num_warps=min(max(block // 256, 1), 16),
         )
-    if residual is None:
+    if res_out is None:
         return out.view(shape)
     return out.view(shape), res_out.view(shape)

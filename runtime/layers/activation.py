@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+SiluAndMulKernel = Callable[[torch.Tensor], torch.Tensor]
+"""(gate_up) -> silu(gate) * up."""
+
 
 class SiluAndMul(nn.Module):
-    kernel = None
+    kernel: SiluAndMulKernel | None = None
     """A fused kernel with this forward's signature (``layers/fused.py``); None = torch."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:

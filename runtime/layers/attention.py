@@ -9,19 +9,37 @@ reference; the C++ CPU backend (``runtime/kernels/cpu/``) and the Triton backend
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import LayerKernels
 
+DecoderLayers = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
+]
+"""(x, positions, kv_caches, meta) -> (x, residual): every layer of a decoder, before its norm."""
+
 
 class AttentionBackend(Protocol):
-    name: str
-    layer_kernels: LayerKernels | None
-    """Fused RMSNorm, rotary and SiLU-and-mul that go with this backend (None: torch)."""
+    @property
+    def name(self) -> str:
+        """``torch``, ``cpu`` or ``triton`` (``--attention-backend``)."""
+        ...
+
+    @property
+    def layer_kernels(self) -> LayerKernels | None:
+        """Fused RMSNorm, rotary and SiLU-and-mul that go with this backend (None: torch)."""
+        ...
+
+    def decoder_layers(self, model: nn.Module) -> DecoderLayers | None:
+        """``model``'s layers as one call, or None where this backend has none (the Python
+        loop over the layers runs)."""
+        ...
 
     def forward(
         self,
@@ -60,7 +78,19 @@ class TorchAttentionBackend:
     name = "torch"
     layer_kernels = None
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def decoder_layers(self, model: nn.Module) -> None:
+        return None
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens

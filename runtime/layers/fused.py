@@ -7,28 +7,27 @@ unless a backend hands the model faster kernels with the same signatures: Triton
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
+from conveyor.runtime.layers.activation import SiluAndMul, SiluAndMulKernel
+from conveyor.runtime.layers.layernorm import RMSNorm, RmsNormKernel
+from conveyor.runtime.layers.rotary import RotaryEmbedding, RotaryKernel
+
 
 @dataclass(frozen=True)
 class LayerKernels:
-    rms_norm: Callable
+    rms_norm: RmsNormKernel
     """(x, weight, eps, residual | None) -> out, or (out, x + residual) with a residual."""
-    apply_rotary: Callable
+    apply_rotary: RotaryKernel
     """(positions, q, k, cos, sin) -> (q, k), rotated (in place or not)."""
-    silu_and_mul: Callable
+    silu_and_mul: SiluAndMulKernel
     """(gate_up) -> silu(gate) * up."""
 
 
 def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:
     """Switch the model's RMSNorm, rotary and SiLU-and-mul layers to ``kernels``."""
-    from conveyor.runtime.layers.activation import SiluAndMul
-    from conveyor.runtime.layers.layernorm import RMSNorm
-    from conveyor.runtime.layers.rotary import RotaryEmbedding
-
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = kernels.rms_norm

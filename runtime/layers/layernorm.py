@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+RmsNormKernel = Callable[
+    [torch.Tensor, torch.Tensor, float, torch.Tensor | None],
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+]
+"""(x, weight, eps, residual | None) -> out, or (out, x + residual) with a residual."""
+
 
 class RMSNorm(nn.Module):
-    kernel = None
+    kernel: RmsNormKernel | None = None
     """A fused kernel with this forward's signature (``layers/fused.py``); None = torch."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):

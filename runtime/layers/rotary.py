@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+RotaryKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
+"""(positions, q, k, cos, sin) -> (q, k), rotated (in place or not)."""
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -41,8 +49,12 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    kernel = None
+    kernel: RotaryKernel | None = None
     """A fused kernel (positions, q, k, cos, sin) -> (q, k) (``layers/fused.py``); None = torch."""
+    cos: torch.Tensor
+    """(max_position, head_dim), a buffer."""
+    sin: torch.Tensor
+    """(max_position, head_dim), a buffer."""
 
     def __init__(
         self, head_dim: int, max_position: int, inv_freq: torch.Tensor, scaling: float = 1.0

@@ -75,7 +75,7 @@ class Sampler:
         seen = counts > 0
         if t.repetition_penalty is not None:
             p = t.repetition_penalty[:, None]  # (N, 1)
-            mask = seen | t.prompt_mask  # (N, V)
+            mask = seen if t.prompt_mask is None else seen | t.prompt_mask  # (N, V)
             penalised = torch.where(logits > 0, logits / p, logits * p)
             logits = torch.where(mask, penalised, logits)
         if t.frequency_penalty is not None:

@@ -8,13 +8,13 @@ the LM head to the embeddings.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from conveyor.runtime.layers.activation import SiluAndMul
-from conveyor.runtime.layers.attention import AttentionBackend
+from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
@@ -128,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
         self.tied_head_packed: torch.Tensor | None = None
         """The tied LM head (the embedding) in oneDNN's layout, set on CPU (``layers/linear.py``)."""
-        self.fused_layers: Callable | None = None
+        self.fused_layers: DecoderLayers | None = None
         """All layers in one call, (x, positions, kv_caches, meta) -> (x, residual), with the
         loop below's result; set on CPU when the C++ kernels can (``kernels/cpu/backend.py``)."""
         if s.tie_word_embeddings:

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 from types import FrameType
 
@@ -85,11 +86,11 @@ class DrainingServer(uvicorn.Server):
         self._drain_task: asyncio.Task[None] | None = None
         self._watch: asyncio.Task[None] | None = None
 
-    async def serve(self, sockets: list | None = None) -> None:  # type: ignore[override]
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
-    async def startup(self, sockets: list | None = None) -> None:  # type: ignore[override]
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if not self.should_exit:
             self._watch = asyncio.create_task(self._exit_if_engine_dies())

@@ -8,6 +8,7 @@ when it fails to come up.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -44,7 +45,7 @@ class ServerProcess:
         self.log_dir = log_dir
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
-        self._log = None
+        self._log: io.BufferedWriter | None = None
 
     @property
     def url(self) -> str:

@@ -9,19 +9,16 @@ model's own temporaries), rotary rotates q and k in place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import torch
+from torch import nn
 
+from conveyor.runtime.layers.attention import DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import LayerKernels
 from conveyor.runtime.layers.linear import PackedLinear
-
-DecoderLayers = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata], tuple[torch.Tensor, torch.Tensor]
-]
-"""(x, positions, kv_caches, meta) -> (x, residual): every layer of a decoder, before its norm."""
 
 
 class CpuAttentionBackend:
@@ -58,18 +55,21 @@ class CpuAttentionBackend:
             )  # fmt: skip
         return out
 
-    def decoder_layers(self, model) -> DecoderLayers | None:
+    def decoder_layers(self, model: nn.Module) -> DecoderLayers | None:
         """``model``'s layers as one C++ call (``decoder.cpp``: the same kernels, matmuls and
         order as the Python loop, so the same bits, without a dozen Python calls a layer), or
         None when the model does not fit it: every linear packed for oneDNN, no per-head q/k
         norm (Qwen3), float32 rotary tables. Epsilon and scale come from the shape, as the
         layers' own do."""
         ops = self.ops
-        shape = getattr(model, "shape", None)
+        # The Llama family's submodules, read by name (``runtime/model/llama.py``); torch types
+        # each as Tensor | Module, so the walk reads the model as Any.
+        llama: Any = model
+        shape = getattr(llama, "shape", None)
         if not hasattr(ops, "decoder_layers") or shape is None or shape.qk_norm:
             return None
         weights: list[torch.Tensor] = []
-        for layer in model.layers:
+        for layer in llama.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -82,8 +82,8 @@ class CpuAttentionBackend:
             for lin in linears[2:]:
                 weights += _linear_weights(lin)
         weights = [w.detach() for w in weights]
-        assert len(weights) == ops.weights_per_layer * len(model.layers)
-        cos, sin = model.rotary.cos, model.rotary.sin
+        assert len(weights) == ops.weights_per_layer * len(llama.layers)
+        cos, sin = llama.rotary.cos, llama.rotary.sin
         if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         s, scale = shape, shape.head_dim**-0.5  # LlamaAttention.scale
