@@ -5,6 +5,7 @@ estimates that size the replicas."""
 from __future__ import annotations
 
 from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.builders import timeseries
 
 from conveyor.observability import names as n
 from conveyor.observability.panels import (
@@ -40,7 +41,9 @@ def _gauge(metric: str, extra: str = "") -> str:
     return f"max by (llmservice) ({metric}{{{selector}}})"
 
 
-def _signal_panel(title: str, description: str, signal: str, unit: str, **kw: object) -> object:
+def _signal_panel(
+    title: str, description: str, signal: str, unit: str, maximum: float | None = None
+) -> timeseries.Panel:
     return panel(
         title,
         description,
@@ -50,11 +53,13 @@ def _signal_panel(title: str, description: str, signal: str, unit: str, **kw: ob
         ],
         unit=unit,
         width=8,
-        **kw,
+        maximum=maximum,
     )
 
 
-def _demand_panel(title: str, description: str, demand: str, capacity: str, unit: str) -> object:
+def _demand_panel(
+    title: str, description: str, demand: str, capacity: str, unit: str
+) -> timeseries.Panel:
     """Demand against what the ready replicas carry (one replica's capacity x ready)."""
     per_replica = _gauge(n.AS_SIGNAL, f'signal="{capacity}"')
     return panel(

@@ -23,7 +23,7 @@ BUILDERS: dict[str, Callable[[], Dashboard]] = {
 def dashboard_json(stem: str) -> str:
     """The dashboard ``stem`` as Grafana's JSON model (stable key order, one trailing newline)."""
     model = BUILDERS[stem]().build()
-    for number, item in enumerate(model.panels, start=1):
+    for number, item in enumerate(model.panels or [], start=1):
         item.id_val = number  # stable ids: Grafana links and the render refer to panels by id
     return json.dumps(model, cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 

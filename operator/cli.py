@@ -156,7 +156,8 @@ async def run(settings: OperatorSettings) -> int:
         metrics.leader.set(1)
 
         def post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-            kopf.event(obj, type=type_, reason=reason, message=message)
+            # kopf.event walks any mapping; its annotation names only kopf's Body view of one.
+            kopf.event(obj, type=type_, reason=reason, message=message)  # type: ignore[arg-type]
 
         reconciler = Reconciler(
             kube=kube, settings=settings, metrics=metrics, post_event=post_event
@@ -184,7 +185,8 @@ async def run(settings: OperatorSettings) -> int:
                 stop_flag=kopf_stop,
                 # Our own identity: kopf would otherwise ask getpass for a user name, which
                 # fails for a uid with no /etc/passwd entry (the chart's non-root 10001).
-                identity=settings.identity,
+                # (kopf takes it as its Identity, a NewType of str that it does not export.)
+                identity=settings.identity,  # type: ignore[arg-type]
             ),
             name="kopf",
         )
@@ -262,6 +264,8 @@ def _register_login(registry: Any, settings: OperatorSettings) -> None:
             config_file=settings.kubeconfig, client_configuration=configuration
         )
         token = (configuration.api_key or {}).get("BearerToken") or ""
+        if configuration.host is None:
+            raise kopf.LoginError(f"{settings.kubeconfig or 'the kubeconfig'} names no server")
         return kopf.ConnectionInfo(
             server=configuration.host,
             ca_path=configuration.ssl_ca_cert,

@@ -25,13 +25,15 @@ def crd_text() -> str:
 @cache
 def load_crd() -> dict[str, Any]:
     """The CRD manifest (parsed once per process; callers must not modify it)."""
-    return yaml.safe_load(crd_text())
+    crd: dict[str, Any] = yaml.safe_load(crd_text())
+    return crd
 
 
 def schema() -> dict[str, Any]:
     """The OpenAPI v3 schema of the one served version."""
     (version,) = load_crd()["spec"]["versions"]
-    return version["schema"]["openAPIV3Schema"]
+    openapi: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+    return openapi
 
 
 def apply_defaults(obj: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ LLMService every ``--autoscale-interval`` and acts only while spec.autoscaling.e
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 from typing import Any
 
 import kopf
@@ -64,11 +65,12 @@ def register(
     @kopf.on.resume(*resource, registry=registry, id="reconcile")
     @kopf.on.create(*resource, registry=registry, id="reconcile")
     @kopf.on.update(*resource, registry=registry, field="spec", id="reconcile")
-    async def llmservice_changed(namespace: str, name: str, **_: Any) -> None:
-        await reconcile_or_raise(namespace, name)
+    async def llmservice_changed(namespace: str | None, name: str, **_: Any) -> None:
+        await reconcile_or_raise(_namespaced(namespace), name)
 
     @kopf.on.delete(*resource, registry=registry, optional=True, id="deleted")
-    async def llmservice_deleted(namespace: str, name: str, **_: Any) -> None:
+    async def llmservice_deleted(namespace: str | None, name: str, **_: Any) -> None:
+        namespace = _namespaced(namespace)
         # Children go with their owner (garbage collector); the gateway loses this owner.
         reconciler.forget(namespace, name)
         if autoscaler is not None:
@@ -87,7 +89,8 @@ def register(
         interval=settings.resync_interval_s,
         initial_delay=settings.resync_interval_s,
     )
-    async def resync(namespace: str, name: str, **_: Any) -> None:
+    async def resync(namespace: str | None, name: str, **_: Any) -> None:
+        namespace = _namespaced(namespace)
         try:
             await reconciler.reconcile(namespace, name)
         except ApiError as exc:
@@ -108,7 +111,8 @@ def register(
             interval=settings.autoscale_interval_s,
             initial_delay=settings.autoscale_interval_s,
         )
-        async def autoscale(namespace: str, name: str, spec: Any, **_: Any) -> None:
+        async def autoscale(namespace: str | None, name: str, spec: Any, **_: Any) -> None:
+            namespace = _namespaced(namespace)
             if not (spec.get("autoscaling") or {}).get("enabled"):
                 autoscaler.forget(namespace, name)  # turned off: the user owns spec.replicas
                 return
@@ -129,8 +133,10 @@ def register(
         @kopf.on.event(
             group, version, plural, registry=registry, labels=managed, id=f"child-{plural}"
         )
-        async def child_event(event: dict[str, Any], namespace: str, **_: Any) -> None:
-            child, kind = event["object"], event["type"]
+        async def child_event(event: kopf.RawEvent, namespace: str | None, **_: Any) -> None:
+            namespace = _namespaced(namespace)
+            child: dict[str, Any] = dict(event["object"])
+            kind = event["type"]
             if kind is None:
                 return  # the initial listing: the resume handlers reconcile every owner anyway
             owners = reconciler.owners_of(child)
@@ -147,7 +153,14 @@ def register(
                 await _safely(reconciler.refresh_status(namespace, name, child), namespace, name)
 
 
-async def _safely(coro: Any, namespace: str, name: str) -> None:
+def _namespaced(namespace: str | None) -> str:
+    """The namespace kopf passes a handler: LLMServices and their children are namespaced, so
+    there always is one (None is for cluster-scoped objects)."""
+    assert namespace is not None, "a namespaced object came without its namespace"
+    return namespace
+
+
+async def _safely(coro: Awaitable[object], namespace: str, name: str) -> None:
     """A reconcile triggered by a child's event: failures are retried by the resync timer."""
     try:
         await coro

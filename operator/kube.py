@@ -29,11 +29,12 @@ PLURALS: dict[str, str] = {
 class ApiError(RuntimeError):
     """A non-2xx answer from the apiserver; ``status`` and the server's ``message`` come with it."""
 
-    def __init__(self, method: str, path: str, status: int, body: str) -> None:
+    def __init__(self, method: str, path: str, status: int, body: str | bytes) -> None:
+        text = body.decode(errors="replace") if isinstance(body, bytes) else body
         try:
-            message = json.loads(body).get("message", body)
+            message = json.loads(text).get("message", text)
         except (ValueError, AttributeError):
-            message = body
+            message = text
         super().__init__(f"{method} {path}: {status} {message}")
         self.status = status
         self.message = message
@@ -69,7 +70,10 @@ class Kube:
                 config_file=kubeconfig, client_configuration=configuration
             )
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-            config.load_incluster_config(client_configuration=configuration)
+            # kubernetes_asyncio leaves this one function unannotated.
+            config.load_incluster_config(  # type: ignore[no-untyped-call]
+                client_configuration=configuration
+            )
         else:
             await config.load_kube_config(client_configuration=configuration)
         return cls(client.ApiClient(configuration))
@@ -111,29 +115,35 @@ class Kube:
     async def get(self, path: str) -> dict[str, Any] | None:
         """The object at ``path``, or None when it does not exist."""
         try:
-            return await self.request("GET", path)
+            found: dict[str, Any] = await self.request("GET", path)
         except ApiError as exc:
             if exc.status == 404:
                 return None
             raise
+        return found
 
     async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         query = [("labelSelector", label_selector)] if label_selector else None
-        return (await self.request("GET", path, query=query)).get("items") or []
+        items: list[dict[str, Any]] = (await self.request("GET", path, query=query)).get("items")
+        return items or []
 
     async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply as the operator's field manager, forcing conflicts (the operator owns
         every field it sets: a hand edit of one of them is drift and is taken back)."""
-        return await self.request(
+        applied: dict[str, Any] = await self.request(
             "PATCH",
             object_path(manifest),
             manifest,
             query=[("fieldManager", FIELD_MANAGER), ("force", "true")],
             content_type="application/apply-patch+yaml",
         )
+        return applied
 
     async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any]:
-        return await self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+        patched: dict[str, Any] = await self.request(
+            "PATCH", path, patch, content_type="application/merge-patch+json"
+        )
+        return patched
 
     async def delete(self, path: str) -> None:
         try:

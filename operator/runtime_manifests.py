@@ -50,7 +50,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 def served_name(llmservice: dict[str, Any]) -> str:
     """The name clients send as ``model``: spec.model.servedName, else the LLMService's name."""
-    return llmservice["spec"]["model"].get("servedName") or llmservice["metadata"]["name"]
+    name: str = llmservice["spec"]["model"].get("servedName") or llmservice["metadata"]["name"]
+    return name
 
 
 def desired_replicas(spec: dict[str, Any]) -> int:
@@ -66,12 +67,10 @@ def desired_replicas(spec: dict[str, Any]) -> int:
 
 def model_argument(model: dict[str, Any]) -> str:
     """The ``--model`` value for spec.model (exactly one source is set; the schema checks it)."""
-    if "builtin" in model:
-        return model["builtin"]
-    if "hub" in model:
-        return model["hub"]
-    if "path" in model:
-        return model["path"]
+    for source in ("builtin", "hub", "path"):
+        if source in model:
+            value: str = model[source]
+            return value
     sub = model["volume"].get("subPath", "").strip("/")
     return f"{VOLUME_MODEL_MOUNT}/{sub}" if sub else VOLUME_MODEL_MOUNT
 
