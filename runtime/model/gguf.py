@@ -18,10 +18,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:  # transformers is imported where a config or tokenizer is built (slow import)
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 # GGUF architecture -> Hugging Face model type (the decoder in llama.py runs all of them).
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -165,7 +168,7 @@ class GGUFModel:
             raise GGUFError(f"{str(self.path)!r} lacks the metadata key {self.architecture}.{key}")
         return value
 
-    def config(self):
+    def config(self) -> PretrainedConfig:
         """A transformers config of the model type, from the GGUF's hyper-parameters."""
         from transformers import AutoConfig
 
@@ -224,7 +227,7 @@ class GGUFModel:
 
     # -- tokenizer ---------------------------------------------------------------------
 
-    def tokenizer(self):
+    def tokenizer(self) -> PreTrainedTokenizerFast:
         """A fast tokenizer built from the GGUF's vocabulary, merges, special ids and template."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
         from tokenizers.processors import TemplateProcessing
