@@ -2,7 +2,7 @@
 
 Computed from the LLMService, its runtime Deployment (as the apiserver reports it) and what
 the reconcile found (a spec that cannot run); the handlers patch the result. The autoscaler
-(issue 9) writes ``status.autoscaler`` itself and never touches these fields.
+(``autoscaler_timer.py``) writes ``status.autoscaler`` itself and never touches these fields.
 """
 
 from __future__ import annotations
