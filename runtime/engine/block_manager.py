@@ -119,13 +119,15 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
         if cached_blocks and self.enable_prefix_caching:
-            self._seq_hashes[seq.request_id] = [
-                self.blocks[b].block_hash
-                for b in cached_blocks  # type: ignore[misc]
-            ]
+            self._seq_hashes[seq.request_id] = [self._hash_of(b) for b in cached_blocks]
         for _ in range(need_new):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def _hash_of(self, block_id: int) -> bytes:
+        block_hash = self.blocks[block_id].block_hash
+        assert block_hash is not None, "a block found in the prefix cache has its hash"
+        return block_hash
 
     def _take_free_block(self) -> int:
         block_id, _ = self._free.popitem(last=False)

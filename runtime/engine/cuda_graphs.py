@@ -15,10 +15,14 @@ Sampling stays outside the graph.
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
 import torch
 
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from conveyor.runtime.model.llama import LlamaForCausalLM
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -35,7 +39,13 @@ def padded_size(batch: int, sizes: list[int]) -> int | None:
 
 
 class DecodeCudaGraphs:
-    def __init__(self, model, max_batch: int, max_blocks_per_seq: int, device: torch.device):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        max_batch: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.sizes = capture_sizes(max_batch)
         self.max_blocks_per_seq = max_blocks_per_seq

@@ -62,19 +62,17 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[GenerationResult]:
         """Every prompt is checked before any enters the batch; results keep the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
-            [sampling_params] * len(prompts)
+            [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)
             else list(sampling_params)
         )
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
-        encoded = [self.engine.encode_prompt(p) for p in prompts]
+        if len(params) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(params)} sampling params")
+        encoded = [self.engine.encode_prompt(p) for p in prompt_list]
         for i, (ids, p) in enumerate(zip(encoded, params, strict=True)):
             try:
                 self.engine.check_request(ids, p)
@@ -86,7 +84,7 @@ class LLM:
             else None
             for p in params
         ]
-        request_ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        request_ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         detoks = {
             rid: IncrementalDetokenizer(self.tokenizer, p)
             for rid, p in zip(request_ids, params, strict=True)
@@ -130,3 +128,10 @@ class LLM:
             first_token_time=out.first_token_time,
             finish_time=out.finish_time,
         )
+
+
+def _prompt_list(prompts: str | list[int] | Seq[str | list[int]]) -> list[str | list[int]]:
+    """One prompt (text or token ids) or a sequence of them, as a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]

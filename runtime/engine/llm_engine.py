@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.block_manager import BlockManager
@@ -22,6 +23,9 @@ from conveyor.runtime.engine.state import EngineState
 from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model
 from conveyor.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -120,7 +124,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-        grammar: object | None = None,
+        grammar: xgrammar.CompiledGrammar | None = None,
     ) -> None:
         """``grammar``: ``params.structured_output`` compiled by ``structured_outputs.compile``
         off this thread; compiled here if not given."""

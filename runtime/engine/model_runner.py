@@ -9,7 +9,9 @@ last known token was computed in this step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,8 +24,11 @@ from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
 from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_supported
-from conveyor.runtime.layers.sampler import Sampler, SamplingTensors
+from conveyor.runtime.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -40,9 +45,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return getattr(torch, name)
+        dtype = getattr(torch, name)
+        assert isinstance(dtype, torch.dtype), name  # EngineSettings checked the name
+        return dtype
     if device.type == "cpu":
         return torch.float32  # CPU half-precision matmuls are slow without AMX
     dtype = config_dtype(config)
@@ -50,7 +57,13 @@ def resolve_dtype(name: str, config, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, settings: EngineSettings, config, files: ModelFiles, on_progress=None):
+    def __init__(
+        self,
+        settings: EngineSettings,
+        config: PretrainedConfig,
+        files: ModelFiles,
+        on_progress: Callable[[str], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.config = config
         self.device = resolve_device(settings.device)
@@ -78,7 +91,7 @@ class ModelRunner:
             use_fused_layers(self.model, self.backend.layer_kernels)
         if self.device.type == "cpu" and self.backend.name == "cpu":
             self._pack_linear_weights()
-        # -- GPU path (issue 12): CUDA graphs for decode ------------------------------------
+        # CUDA graphs for decode steps (Triton attention on a GPU only).
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if (
             self.device.type == "cuda"
@@ -111,7 +124,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         s = self.model.shape
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem
+        return int(2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem)
 
     def num_blocks_for_memory(self, max_tokens_useful: int) -> int:
         """How many KV blocks fit: the explicit token count, or the memory budget."""
@@ -149,6 +162,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         if self.cuda_graphs is not None:  # the graphs' pool comes out of the KV cache's share
+            assert self.kv_cache is not None
             peak += self.cuda_graphs.measure(self.kv_cache)
         self.kv_cache = None
         total = torch.cuda.get_device_properties(self.device).total_memory
@@ -195,7 +209,11 @@ class ModelRunner:
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
         }
 
-    def _prepare(self, batch: ScheduledBatch):
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
+        """The step's token ids (T,), positions (T,), attention metadata, and for each
+        sequence that samples, its index in the batch and its row among the T tokens."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -236,7 +254,9 @@ class ModelRunner:
         )
         return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows
 
-    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(
+        self, data: list[int] | list[float] | list[list[int]], dtype: torch.dtype
+    ) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype)
         if self.device.type == "cpu":
             return t
@@ -314,12 +334,12 @@ class ModelRunner:
         self.generators.pop(request_id, None)
 
     @staticmethod
-    def _logprobs(seqs: list[Sequence], out) -> list[TokenLogprob | None]:
+    def _logprobs(seqs: list[Sequence], out: SamplerOutput) -> list[TokenLogprob | None]:
         if out.logprobs is None:
             return [None] * len(seqs)
         lps = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else []
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else []
         result: list[TokenLogprob | None] = []
         for i, s in enumerate(seqs):
             k = s.params.logprobs

@@ -72,7 +72,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.counters = SchedulerCounters()
         self._batch: set[str] = set()  # static/none: the current batch's request ids
-        self._step = 0
 
     def set_mode(self, mode: str, max_running: int) -> None:
         """Switch admission between runs (the offline benchmark compares modes on one engine)."""
@@ -107,7 +106,6 @@ class Scheduler:
     # -- the step ----------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
-        self._step += 1
         batch = ScheduledBatch()
         budget = self.token_budget
 
@@ -146,7 +144,6 @@ class Scheduler:
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            seq.admitted_at_step = self._step
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_cached
             self.counters.prefix_cache_queries += len(seq.token_ids)

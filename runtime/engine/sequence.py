@@ -57,8 +57,6 @@ class Sequence:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it, as vLLM reports it."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    admitted_at_step: int = -1
-    """Engine step at which it was last admitted (the preemption order)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

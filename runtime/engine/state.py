@@ -6,8 +6,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conveyor.runtime.config import EngineSettings
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+    from conveyor.runtime.engine.model_runner import ModelRunner
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -23,12 +29,14 @@ class EngineState:
     def derive(
         cls,
         settings: EngineSettings,
-        config,
-        tokenizer,
+        config: PretrainedConfig,
+        tokenizer: PreTrainedTokenizerBase,
         generation_config: Path | None,
-        runner,
+        runner: ModelRunner,
         threads: int,
-    ):
+    ) -> EngineState:
+        """Size the KV cache for ``settings`` on ``runner``'s device; ValueError when the
+        settings cannot fit the model or its cache."""
         model_limit = int(getattr(config, "max_position_embeddings", 0) or 4096)
         wanted = settings.max_model_len or model_limit
         if wanted > model_limit:
@@ -55,11 +63,13 @@ class EngineState:
         )
 
 
-def _eos_ids(config, tokenizer, generation_config: Path | None) -> tuple[int, ...]:
+def _eos_ids(
+    config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, generation_config: Path | None
+) -> tuple[int, ...]:
     """EOS ids from generation_config.json (what HF generate stops on), the config and tokenizer."""
     ids: list[int] = []
 
-    def add(value) -> None:
+    def add(value: object) -> None:
         if isinstance(value, int):
             ids.append(value)
         elif isinstance(value, list):

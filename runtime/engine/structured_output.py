@@ -130,8 +130,11 @@ class StructuredOutputs:
         """(N, ceil(V / 32)) int32 on the CPU, bit ``t % 32`` of word ``t // 32`` set where
         token ``t`` may come next (every bit set for unconstrained rows), and the constrained
         rows. None if no row is constrained."""
-        rows = [(i, self._matchers.get(s.request_id)) for i, s in enumerate(seqs)]
-        rows = [(i, m) for i, m in rows if m is not None]
+        rows = [
+            (i, m)
+            for i, s in enumerate(seqs)
+            if (m := self._matchers.get(s.request_id)) is not None
+        ]
         if not rows:
             return None
         words = -(-self._vocab_size // 32)
