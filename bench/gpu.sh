@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark (`conveyor bench gpu`) on a machine that has its own python3 with torch,
 # triton and transformers but no pip: runs from this checkout, nothing is installed.
-# Results (gpu_bench.json, offline.json, decode_mbu.png) go to $OUT, or ./gpu-bench-out.
+# Results (gpu_bench.json, offline.json; decode_mbu.png where matplotlib is installed) go to
+# $OUT, or ./gpu-bench-out.
 #   bash bench/gpu.sh [--stages kernels,decode,offline,plot] [--context-len 1024] ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
