@@ -15,6 +15,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 venv="${CONVEYOR_VENV:-$root/.venv}"
 tree=.typecheck/src
+# One run at a time: each rebuilds the tree the other reads.
+mkdir -p .typecheck
+exec 9>.typecheck/lock
+flock 9
 
 # Prints the sed script that maps the tree's paths back to the real ones.
 real_paths="$("$venv/bin/python" - "$tree" <<'PY'
@@ -59,7 +63,7 @@ printf '[typecheck] mypy -p conveyor (%s): strict on conveyor.runtime.engine, co
 [[ ${PIPESTATUS[0]} -eq 0 ]] || rc=1
 
 printf '[typecheck] lint-imports: the layering contracts in .importlinter\n'
-(cd "$tree" && "$venv/bin/lint-imports" "$root/.importlinter" \
+(cd "$tree" && "$venv/bin/lint-imports" "$root/.importlinter" --no-logo \
     --cache-dir "$root/.typecheck/import-linter-cache") || rc=1
 
 exit $rc
