@@ -3,7 +3,7 @@
 The asyncio event loop never waits on the model. Requests and aborts enter the engine
 thread through a queue; after each step the thread hands that step's outputs, its stats
 and its timing back to the loop with one ``call_soon_threadsafe``. Tokenising and
-detokenising happen on the asyncio side (``serving_common.py``), never inside a step.
+detokenising happen on the asyncio side (``serving_generate.py``), never inside a step.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from conveyor.runtime.engine.llm_engine import LLMEngine
-    from conveyor.runtime.engine.outputs import RequestOutput
+    from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
     from conveyor.runtime.sampling_params import SamplingParams
     from conveyor.runtime.server.metrics import ServerMetrics
 
@@ -59,10 +61,6 @@ class _Request:
     aborted: bool = False
 
 
-# Messages to the engine thread.
-_STOP = object()
-
-
 @dataclass(frozen=True)
 class EngineRequest:
     """One request for the engine: already tokenised and checked."""
@@ -72,13 +70,22 @@ class EngineRequest:
     params: SamplingParams
     arrival_time: float
     """``time.monotonic()`` when the API call arrived, so queue time and TTFT include tokenising."""
-    grammar: object | None = None
+    grammar: xgrammar.CompiledGrammar | None = None
     """``params.structured_output``, compiled off the engine thread."""
 
 
 @dataclass(frozen=True)
 class _Abort:
+    """To the engine thread: drop this request."""
+
     request_id: str
+
+
+class _Stop:
+    """To the engine thread: stop after the current step."""
+
+
+_STOP = _Stop()
 
 
 class EngineClient:
@@ -89,11 +96,13 @@ class EngineClient:
     ) -> None:
         self._factory = engine_factory
         self._metrics = metrics
-        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Stop] = queue.SimpleQueue()
+        """Requests, aborts and ``_STOP``, for the engine thread."""
         self._requests: dict[str, _Request] = {}
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats: Any = None
+        self._stats: EngineStats | None = None
+        """The engine's stats after its latest step."""
         self._loaded = asyncio.Event()
         self._dead = asyncio.Event()
         self.engine: LLMEngine | None = None
@@ -187,7 +196,9 @@ class EngineClient:
 
     # -- the asyncio side of a step ----------------------------------------------------
 
-    def _on_step(self, outputs: list[RequestOutput], stats: Any, start: float, end: float) -> None:
+    def _on_step(
+        self, outputs: list[RequestOutput], stats: EngineStats, start: float, end: float
+    ) -> None:
         self._stats = stats
         m = self._metrics
         if m is not None:
@@ -222,7 +233,7 @@ class EngineClient:
             if n > 1:
                 m.tpot.observe((out.finish_time - out.first_token_time) / (n - 1))
 
-    def _on_loaded(self, engine: LLMEngine, stats: Any) -> None:
+    def _on_loaded(self, engine: LLMEngine, stats: EngineStats) -> None:
         self.engine = engine
         self._stats = stats
         self._loaded.set()
@@ -283,7 +294,7 @@ class EngineClient:
                     break
             aborted = False
             for msg in msgs:
-                if msg is _STOP:
+                if isinstance(msg, _Stop):
                     return
                 if isinstance(msg, _Abort):
                     engine.abort_request(msg.request_id)
@@ -297,9 +308,8 @@ class EngineClient:
                         arrival_time=msg.arrival_time,
                         grammar=msg.grammar,
                     )
-                except (
-                    ValueError
-                ) as exc:  # checked before submit; kept so one bad request cannot kill the loop
+                except ValueError as exc:
+                    # Checked before submit; kept so that one bad request cannot end the loop.
                     self._post(self._on_request_error, msg.request_id, exc)
             if not (engine.has_unfinished_requests() or aborted):
                 continue

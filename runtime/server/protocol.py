@@ -21,7 +21,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class GenerateRequestBody(BaseModel):
     """Fields shared by completions and chat completions."""
 
     model_config = ConfigDict(extra="ignore")
@@ -111,7 +111,7 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
 Prompt = str | list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(GenerateRequestBody):
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -188,7 +188,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(GenerateRequestBody):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

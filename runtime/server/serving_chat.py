@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
@@ -71,7 +71,7 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         assert constraint is not None
         return constraint, "tools"
 
-    async def prompts(self) -> AsyncIterator[list[int]]:
+    async def prompts(self) -> AsyncGenerator[list[int], None]:
         req, engine, tools = self.req, self.engine, self.tools
         yield await tokenize(
             self.ctx,

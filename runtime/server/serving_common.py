@@ -10,7 +10,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -125,7 +125,7 @@ def sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def sse_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
     """Relay ``events``; an error after the first byte ends the stream with an error event."""
     try:
         async with aclosing(events) as it:

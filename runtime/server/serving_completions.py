@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from functools import partial
 from typing import Any
 
@@ -54,7 +54,7 @@ class Completion(GenerateRequest[CompletionRequest]):
                 param="echo",
             )
 
-    async def prompts(self) -> AsyncIterator[list[int]]:
+    async def prompts(self) -> AsyncGenerator[list[int], None]:
         self._prompts = _prompts(self.req.prompt)
         for prompt in self._prompts:
             if isinstance(prompt, str):

@@ -15,7 +15,8 @@ import dataclasses
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -33,7 +34,7 @@ from conveyor.runtime.server.errors import (
     bad_request,
     from_value_error,
 )
-from conveyor.runtime.server.protocol import _Sampling
+from conveyor.runtime.server.protocol import GenerateRequestBody
 from conveyor.runtime.server.serving_common import (
     EngineStreamingResponse,
     check_engine,
@@ -47,6 +48,8 @@ from conveyor.runtime.server.serving_common import (
 from conveyor.runtime.server.structured_outputs import compile_grammar, structured_output
 
 if TYPE_CHECKING:
+    import xgrammar
+
     from conveyor.runtime.engine.llm_engine import LLMEngine
     from conveyor.runtime.engine.outputs import RequestOutput
     from conveyor.runtime.engine.sequence import TokenLogprob
@@ -55,7 +58,7 @@ SAMPLING_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; OpenAI clients expect a finite number."""
 
-RequestT = TypeVar("RequestT", bound=_Sampling)
+RequestT = TypeVar("RequestT", bound=GenerateRequestBody)
 
 
 class GenerateRequest(ABC, Generic[RequestT]):
@@ -79,29 +82,18 @@ class GenerateRequest(ABC, Generic[RequestT]):
         """When the choices were submitted (Unix seconds), as OpenAI reports it."""
 
     async def create(self, request: Request) -> Response:
+        """The request's response: a JSON body, or a stream of Server-Sent Events."""
         arrival = time.monotonic()
         ctx, req = self.ctx, self.req
         check_model(ctx, req.model)
         check_engine(ctx)
         self.check()
         structured = self.structured_output()
-        prompt_index = 0
-        async for prompt_ids in self.prompts():
-            params = self.sampling_params(len(prompt_ids), structured)
-            check_prompt(ctx, prompt_ids, params, self.prompt_param)
-            for i in range(req.n):
-                index = prompt_index * req.n + i
-                self.choices.append(
-                    Choice(
-                        ctx,
-                        index,
-                        f"{self.request_id}-{index}",
-                        prompt_ids,
-                        choice_params(params, i),
-                        prompt_index,
-                    )
-                )
-            prompt_index += 1
+        async with aclosing(self.prompts()) as prompts:
+            async for prompt_ids in prompts:
+                params = self.sampling_params(len(prompt_ids), structured)
+                check_prompt(ctx, prompt_ids, params, self.prompt_param)
+                self._add_choices(prompt_ids, params)
         grammar = await compile_grammar(ctx, *structured) if structured else None
         stream = submit(ctx, self.choices, arrival, grammar)
 
@@ -122,7 +114,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
         return structured_output(self.req)
 
     @abstractmethod
-    def prompts(self) -> AsyncIterator[list[int]]:
+    def prompts(self) -> AsyncGenerator[list[int], None]:
         """Each prompt's token ids, in order; the next one is tokenised only once the one
         before was checked."""
 
@@ -195,6 +187,23 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 err.message = err.message.replace("structured_output", structured[1], 1)
             raise err from None
 
+    def _add_choices(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """The ``n`` choices of the next prompt."""
+        n = self.req.n
+        prompt_index = len(self.choices) // n
+        for i in range(n):
+            index = prompt_index * n + i
+            self.choices.append(
+                Choice(
+                    self.ctx,
+                    index,
+                    f"{self.request_id}-{index}",
+                    prompt_ids,
+                    choice_params(params, i),
+                    prompt_index,
+                )
+            )
+
     def token_text(self, token_id: int) -> str:
         """One token's text, for logprobs (cached for the server's lifetime)."""
         text = self.ctx.token_text.get(token_id)
@@ -220,7 +229,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
             "usage": usage(self.choices),
         }
 
-    async def _stream(self, include_usage: bool, stream: OutputStream) -> AsyncIterator[str]:
+    async def _stream(self, include_usage: bool, stream: OutputStream) -> AsyncGenerator[str, None]:
         head = self._head(self.chunk_object)
         extra = {"usage": None} if include_usage else {}
         for part in self.first_chunks():
@@ -327,7 +336,10 @@ class Choice:
 
 
 def submit(
-    ctx: ServerContext, choices: list[Choice], arrival: float, grammar: object | None = None
+    ctx: ServerContext,
+    choices: list[Choice],
+    arrival: float,
+    grammar: xgrammar.CompiledGrammar | None = None,
 ) -> OutputStream:
     """Admit the choices (429 above the queue bound) and hand them to the engine, with no
     ``await`` in between, so concurrent requests cannot all pass the same check.

@@ -3,6 +3,7 @@ see for a prompt or a conversation, and the text of token ids."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from conveyor.runtime.server.chat_template import render_chat
@@ -40,9 +41,9 @@ async def create_tokenize(ctx: ServerContext, req: TokenizeRequest) -> dict[str,
             "messages",
         )
     else:
-        prompt = req.prompt
+        assert req.prompt is not None
         special = req.add_special_tokens is not False
-        ids = await tokenize(ctx, lambda: engine.encode_prompt(prompt, special), "prompt")
+        ids = await tokenize(ctx, partial(engine.encode_prompt, req.prompt, special), "prompt")
     body: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
     body["token_strs"] = (
         engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conveyor.runtime.sampling_params import StructuredOutputParams
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
-from conveyor.runtime.server.protocol import _Sampling
+from conveyor.runtime.server.protocol import GenerateRequestBody
+
+if TYPE_CHECKING:
+    import xgrammar
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-def structured_output(req: _Sampling) -> tuple[StructuredOutputParams, str] | None:
+def structured_output(req: GenerateRequestBody) -> tuple[StructuredOutputParams, str] | None:
     """The request's constraint and the field it came in, or None; 400 naming the field."""
     found: list[tuple[StructuredOutputParams, str]] = []
     if req.response_format is not None:
@@ -134,7 +137,9 @@ def _schema(schema: Any, param: str) -> str:
     return json.dumps(schema)
 
 
-async def compile_grammar(ctx: ServerContext, spec: StructuredOutputParams, param: str) -> object:
+async def compile_grammar(
+    ctx: ServerContext, spec: StructuredOutputParams, param: str
+) -> xgrammar.CompiledGrammar:
     """The compiled grammar, built on the grammar pool (cached by the library, so a schema
     seen before costs microseconds); a grammar the library refuses is a 400 saying why."""
     assert ctx.client.engine is not None
