@@ -490,9 +490,8 @@ class PodWorker:
                 token_refresh = asyncio.create_task(self._refresh_tokens())
                 runners = [asyncio.create_task(self._run_container(r)) for r in self.runners]
                 stop = asyncio.create_task(self.deletion.wait())
-                await asyncio.wait(
-                    [stop, asyncio.gather(*runners)], return_when=asyncio.FIRST_COMPLETED
-                )
+                either: list[asyncio.Future[Any]] = [stop, asyncio.gather(*runners)]
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
                 if not self.deletion.is_set():
                     # Every container finished for good (restartPolicy): stay until deleted.
                     self.status_changed()

@@ -139,9 +139,9 @@ def namespace(kube: KubeUnderTest, request: pytest.FixtureRequest) -> Iterator[s
     yield name
     api.delete(f"/api/v1/namespaces/{name}")
     if kube.cluster is not None:
-        # No kubelet confirms the deletion of pods on the simulated nodes (the node agent
-        # will): finish it as a kubelet would, so that their GPUs are free for the next
-        # test. The namespace is Terminating first, so no controller makes new pods.
+        # Force the pods' deletion rather than wait for each one's graceful termination,
+        # so that their GPUs are free for the next test at once. The namespace is
+        # Terminating first, so no controller makes new pods.
         pods = f"/api/v1/namespaces/{name}/pods"
 
         def gone() -> bool:
