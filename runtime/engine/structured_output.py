@@ -13,7 +13,7 @@ import json
 import re
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +21,7 @@ from conveyor.runtime.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
     import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
     from conveyor.runtime.engine.sequence import Sequence
 
@@ -43,7 +44,12 @@ class GrammarError(ValueError):
 class StructuredOutputs:
     """The engine's grammars: a compiler (thread-safe) and the matchers of live requests."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)

@@ -325,7 +325,12 @@ class OutputStream:
     ``finally`` so a client that goes away frees its KV blocks at the next step.
     """
 
-    def __init__(self, client: EngineClient, outputs: asyncio.Queue[Any], live: set[str]) -> None:
+    def __init__(
+        self,
+        client: EngineClient,
+        outputs: asyncio.Queue[RequestOutput | BaseException],
+        live: set[str],
+    ) -> None:
         self._client = client
         self._outputs = outputs
         self._live = live
