@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.sampling_params import SamplingParams
 
 

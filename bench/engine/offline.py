@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass
 
 from conveyor.bench.engine.hf_generate import run_hf
 from conveyor.bench.engine.results import ModeResult, summarise
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.sampling_params import SamplingParams
 
 MODES = ("continuous", "static", "none")

@@ -15,8 +15,8 @@ import sys
 import time
 from typing import Any
 
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
 
 SCHEMA: dict[str, Any] = {

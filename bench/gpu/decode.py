@@ -37,8 +37,8 @@ def decode_batch(size: int, context_len: int, block_size: int):
 
 
 def stage_decode(args, workdir: Path, report) -> dict:
-    from conveyor.runtime.config import EngineSettings
     from conveyor.runtime.engine.llm_engine import LLMEngine
+    from conveyor.runtime.engine.settings import EngineSettings
 
     device = "cpu" if args.smoke else "cuda"
     shape = TINY if args.smoke else LLAMA_8B

@@ -18,7 +18,7 @@ from conveyor.bench.serve.command import add_load_args, settings_from_args
 from conveyor.bench.serve.load import run
 from conveyor.bench.serve.report import format_table, write_json
 from conveyor.bench.serve.workload import WorkloadSettings, add_workload_args
-from conveyor.runtime.config import SCHEDULER_MODES
+from conveyor.runtime.engine.settings import SCHEDULER_MODES
 
 # Small enough that `none` (one request at a time) finishes in minutes on a CPU.
 DEFAULT_WORKLOAD = WorkloadSettings(

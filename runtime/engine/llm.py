@@ -7,11 +7,11 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.detokenizer import IncrementalDetokenizer
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.engine.outputs import RequestOutput
 from conveyor.runtime.engine.sequence import TokenLogprob
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.sampling_params import SamplingParams
 
 

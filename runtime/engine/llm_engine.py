@@ -12,13 +12,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.block_manager import BlockManager
 from conveyor.runtime.engine.model_runner import ModelRunner, Sample
 from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
 from conveyor.runtime.engine.platform import configure_threads
 from conveyor.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from conveyor.runtime.engine.sequence import FinishReason, Sequence
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.state import EngineState
 from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model

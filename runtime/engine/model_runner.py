@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata

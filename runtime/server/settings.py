@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.settings import EngineSettings
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 TOOL_CALL_PARSERS = ("hermes", "smollm2")

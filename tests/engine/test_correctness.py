@@ -12,8 +12,8 @@ import random
 import pytest
 
 from conveyor.runtime import SamplingParams
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.settings import EngineSettings
 
 MODELS = ["conveyor-tiny", "qwen2", "qwen3"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conveyor.runtime import LLM, SamplingParams
-from conveyor.runtime.config import EngineSettings
+from conveyor.runtime.engine.settings import EngineSettings
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,8 @@ from gguf_files import write_gguf
 from test_correctness import run_staggered, workload
 
 from conveyor.runtime import SamplingParams
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.model.gguf import GGUFError, GGUFModel
 from conveyor.runtime.model.loader import open_model, resolve_model_path
 

@@ -15,9 +15,9 @@ from test_correctness import run_staggered
 from test_gguf import GGUFReference
 
 from conveyor.runtime import SamplingParams
-from conveyor.runtime.config import EngineSettings
 from conveyor.runtime.engine.llm import LLM
 from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.model.builtin import builtin_model_path
 
 MODEL = "smollm2-135m-instruct"
