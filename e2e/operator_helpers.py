@@ -252,7 +252,7 @@ def release_llmservices(kube: KubeUnderTest, namespace: str) -> None:
 
 
 def pods_run(kube: KubeUnderTest, namespace: str) -> str | None:
-    """None when a pod really runs on this cluster, else why not (no node agent yet, issue 7)."""
+    """None when a pod really runs on this cluster, else why not (no node agent)."""
     api = kube.api
     pod = {
         "apiVersion": "v1",
@@ -275,7 +275,7 @@ def pods_run(kube: KubeUnderTest, namespace: str) -> str | None:
     except TimeoutError:
         status = api.get(path).get("status", {})
         return (
-            "pods are scheduled but nothing runs them on this cluster (no node agent yet, issue 7): "
+            "pods are scheduled but nothing runs them on this cluster (no node agent): "
             f"a probe pod stayed {status.get('phase')} ({status.get('conditions')})"
         )
     finally:

@@ -1,4 +1,4 @@
-"""Pods that really run: readiness, Services, volumes, environment, logs (the node agent, issue 7)."""
+"""Pods that really run: readiness, Services, volumes, environment, logs (the node agent)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The operator runs as a local process under its own ServiceAccount's token and RBAC (from
 ``conveyor.operator.rbac``), watching only the test's namespace. Tests that need pods to
-really run (the node agent, issue 7) skip with that reason on a cluster without one.
+really run (a node agent) skip with that reason on a cluster without one.
 """
 
 from __future__ import annotations
