@@ -1,4 +1,5 @@
-"""The one process owner of every benchmark: servers, gateways, stubs and operators it starts.
+"""The one process owner of every benchmark (and of the servers the tests start): servers,
+gateways, stubs and operators.
 
 ``with ChildProcess("gateway", lambda port: [...]) as gateway: gateway.url``. ``start()``
 returns once the child answers its ready path; ``stop()`` ends its whole process group
@@ -114,6 +115,16 @@ class ChildProcess:
         if self.log_path is None or not self.log_path.exists():
             return ""
         return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to the child itself (SIGTERM: a server drains, then exits)."""
+        assert self.proc is not None, f"{self.name} was not started"
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """The child's exit code once it exits; TimeoutExpired after ``timeout`` seconds."""
+        assert self.proc is not None, f"{self.name} was not started"
+        return self.proc.wait(timeout)
 
     def start(self) -> ChildProcess:
         """Start the child and wait until it is ready."""

@@ -1,6 +1,5 @@
 """One runtime replica's HTTP server: the OpenAI-compatible API, /metrics, /load, probes.
 
 ``app.build_app`` builds the FastAPI app; ``cli.main`` is ``conveyor serve``;
-``engine_client`` runs the engine on its own thread behind submit / stream / abort;
-``process.ServerProcess`` owns a server child process (tests, benchmarks).
+``engine_client`` runs the engine on its own thread behind submit / stream / abort.
 """

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess, conveyor_serve
 
 # Small and fast: a 4k-token KV cache, short steps on two CPU cores.
 BASE_ARGS = [
@@ -22,20 +22,20 @@ BASE_ARGS = [
 
 
 @pytest.fixture(scope="session")
-def server() -> Iterator[ServerProcess]:
+def server() -> Iterator[ChildProcess]:
     """One server for every test that only needs the defaults."""
-    with ServerProcess(BASE_ARGS) as s:
+    with conveyor_serve(BASE_ARGS) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
-def start_server() -> Iterator[Callable[..., ServerProcess]]:
+def start_server() -> Iterator[Callable[..., ChildProcess]]:
     """``start_server(*extra_flags)``: a ready server with the base flags plus these; each
     one is stopped when the module's tests are done."""
-    started: list[ServerProcess] = []
+    started: list[ChildProcess] = []
 
-    def start(*extra: str) -> ServerProcess:
-        s = ServerProcess([*BASE_ARGS, *extra])
+    def start(*extra: str) -> ChildProcess:
+        s = conveyor_serve([*BASE_ARGS, *extra])
         started.append(s)
         return s.start()
 

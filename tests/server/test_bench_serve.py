@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.bench.procs import ChildProcess
 from conveyor.bench.serve import command as bench
 from conveyor.bench.serve import workload
 from conveyor.bench.stats import percentile
-from conveyor.runtime.server.process import ServerProcess
 
 
 @pytest.mark.parametrize(
     "load", [["--concurrency", "4"], ["--request-rate", "50", "--endpoint", "chat"]]
 )
 def test_bench_serve(
-    server: ServerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], load: list[str]
+    server: ChildProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str], load: list[str]
 ) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = bench.main(

@@ -11,10 +11,10 @@ from collections.abc import Callable
 
 import httpx
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 
-def test_sigterm_drains_then_exits_zero(start_server: Callable[..., ServerProcess]) -> None:
+def test_sigterm_drains_then_exits_zero(start_server: Callable[..., ChildProcess]) -> None:
     server = start_server("--drain-timeout", "120")
     # Long enough (seconds on the tiny model) that the request is still in flight while the
     # checks below run: with 100 tokens it could finish, and the server exit, before them.

@@ -14,7 +14,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 FIELDS = {
     "/v1/chat/completions": [
@@ -73,7 +73,7 @@ def body_for(path: str) -> st.SearchStrategy[dict[str, Any]]:
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_no_body_gets_a_5xx(server: ServerProcess, data: st.DataObject) -> None:
+def test_no_body_gets_a_5xx(server: ChildProcess, data: st.DataObject) -> None:
     path = data.draw(st.sampled_from(sorted(FIELDS)))
     body = data.draw(body_for(path))
     raw = json.dumps(body).encode()  # lone surrogates travel as \\uXXXX escapes
@@ -84,7 +84,7 @@ def test_no_body_gets_a_5xx(server: ServerProcess, data: st.DataObject) -> None:
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 
-def test_the_server_is_healthy_after_the_fuzzing(server: ServerProcess) -> None:
+def test_the_server_is_healthy_after_the_fuzzing(server: ChildProcess) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 MODEL = "conveyor-tiny"
 A = 97
@@ -16,7 +16,7 @@ A = 97
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: ChildProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 

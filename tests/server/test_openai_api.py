@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 MODEL = "conveyor-tiny"
 MESSAGES = [
@@ -18,13 +18,13 @@ MESSAGES = [
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> openai.OpenAI:
+def client(server: ChildProcess) -> openai.OpenAI:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 
 
 @pytest.fixture
-async def aclient(server: ServerProcess) -> openai.AsyncOpenAI:
+async def aclient(server: ChildProcess) -> openai.AsyncOpenAI:
     async with openai.AsyncOpenAI(
         base_url=f"{server.url}/v1", api_key="unused", max_retries=0
     ) as c:
@@ -249,7 +249,7 @@ async def test_async_chat_and_completions_concurrently(aclient: openai.AsyncOpen
     assert results[8:] == [5] * 8
 
 
-def test_health_ready_load_metrics(server: ServerProcess) -> None:
+def test_health_ready_load_metrics(server: ChildProcess) -> None:
     with httpx.Client(base_url=server.url, timeout=10) as http:
         assert http.get("/health").status_code == 200
         assert http.get("/ready").status_code == 200

@@ -11,14 +11,14 @@ import httpx
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 KEY = "s3cret-key"
 LONG = {"prompt": "tell me a long story", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
-def guarded(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+def guarded(start_server: Callable[..., ChildProcess]) -> ChildProcess:
     """Two running slots, two queue places, an API key."""
     return start_server(
         "--max-running-requests", "2", "--max-queued-requests", "2", "--api-key", KEY
@@ -38,7 +38,7 @@ def wait_idle(url: str, deadline_s: float = 60.0, headers: dict[str, str] | None
             time.sleep(0.05)
 
 
-def test_api_key_required(guarded: ServerProcess) -> None:
+def test_api_key_required(guarded: ChildProcess) -> None:
     with httpx.Client(base_url=guarded.url, timeout=10) as http:
         body = {"prompt": "hi", "max_tokens": 1}
         r = http.post("/v1/completions", json=body)
@@ -64,7 +64,7 @@ def test_api_key_required(guarded: ServerProcess) -> None:
         assert r.usage is not None and r.usage.completion_tokens >= 1
 
 
-async def test_queue_bound_gives_429_with_retry_after(guarded: ServerProcess) -> None:
+async def test_queue_bound_gives_429_with_retry_after(guarded: ChildProcess) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     attempts = 10
     answered: list[int] = []
@@ -99,7 +99,7 @@ async def test_queue_bound_gives_429_with_retry_after(guarded: ServerProcess) ->
     wait_idle(guarded.url, headers=headers)
 
 
-async def test_disconnected_streams_are_aborted(server: ServerProcess) -> None:
+async def test_disconnected_streams_are_aborted(server: ChildProcess) -> None:
     """200 streams cut after a few tokens: KV usage and the gauges return to zero."""
     async with httpx.AsyncClient(
         base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=250)
@@ -132,7 +132,7 @@ async def test_disconnected_streams_are_aborted(server: ServerProcess) -> None:
     assert float(aborted.rsplit(" ", 1)[1]) >= 200
 
 
-def test_disconnected_non_streamed_request_is_aborted(server: ServerProcess) -> None:
+def test_disconnected_non_streamed_request_is_aborted(server: ChildProcess) -> None:
     body = {"prompt": "a long answer", "max_tokens": 2000, "ignore_eos": True}
     with (
         httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.5)) as http,

@@ -12,12 +12,12 @@ import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 EXAMPLES_PER_OPERATION = 40
 
 
-def test_no_input_gets_a_5xx(server: ServerProcess) -> None:
+def test_no_input_gets_a_5xx(server: ChildProcess) -> None:
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     paths = {op.path for op in operations}

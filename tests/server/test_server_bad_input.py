@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
+def http(server: ChildProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
 
@@ -134,7 +134,7 @@ def test_unknown_route(http: httpx.Client) -> None:
     assert_error(http.post("/v1/embeddings", json={}), 404)
 
 
-def test_openai_client_raises_bad_request(server: ServerProcess) -> None:
+def test_openai_client_raises_bad_request(server: ChildProcess) -> None:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="conveyor-tiny", messages=MESSAGES, temperature=-2)

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess, conveyor_serve
 
 MODEL = "smollm2-135m-instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -33,14 +33,14 @@ ASKS_FOR_THE_TOOL = [{"role": "user", "content": "What is the weather in Paris? 
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
+def server() -> Iterator[ChildProcess]:
     args = ["--model", MODEL, "--max-total-tokens", "8192", "--num-threads", "2"]
-    with ServerProcess([*args, "--tool-call-parser", "smollm2"]) as server:
+    with conveyor_serve([*args, "--tool-call-parser", "smollm2"]) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: ChildProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 
@@ -94,7 +94,7 @@ def test_completions_continue_text(client: openai.OpenAI) -> None:
     assert "Paris" in r.choices[0].text
 
 
-def test_tools_reach_a_model_whose_template_ignores_them(server: ServerProcess) -> None:
+def test_tools_reach_a_model_whose_template_ignores_them(server: ChildProcess) -> None:
     """SmolLM2-135M-Instruct's own template has no tools section, so the server writes them
     into the system message in SmolLM2's function-calling format."""
     body = {"messages": ASKS_FOR_THE_TOOL, "return_token_strs": True}

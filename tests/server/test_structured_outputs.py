@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 MODEL = "conveyor-tiny"
 MESSAGES = [{"role": "user", "content": "Describe a user as JSON."}]
@@ -48,13 +48,13 @@ def assert_matches_schema(text: str) -> None:
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: ChildProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 
 
 @pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
+def http(server: ChildProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},
@@ -16,7 +16,7 @@ MESSAGES = [
 
 
 @pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
+def http(server: ChildProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
 

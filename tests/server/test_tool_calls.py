@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from conveyor.runtime.server.process import ServerProcess
+from conveyor.bench.procs import ChildProcess
 
 MODEL = "conveyor-tiny"
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -56,7 +56,7 @@ def assert_valid_arguments(name: str, arguments: str) -> None:
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[openai.OpenAI]:
+def client(server: ChildProcess) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         yield c
 
@@ -148,7 +148,7 @@ def test_none_answers_in_text_and_history_with_tool_calls_renders(
 
 
 @pytest.fixture
-def http(server: ServerProcess) -> Iterator[httpx.Client]:
+def http(server: ChildProcess) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=server.url, timeout=30) as c:
         yield c
 
@@ -193,7 +193,7 @@ def test_bad_tool_requests_are_400s(
 
 
 def test_auto_with_a_parser_answers_in_text_when_the_model_calls_nothing(
-    start_server: Callable[..., ServerProcess],
+    start_server: Callable[..., ChildProcess],
 ) -> None:
     server = start_server("--tool-call-parser", "hermes")
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
@@ -238,7 +238,7 @@ def test_a_named_functions_arguments_stream_as_they_are_generated(client: openai
 
 
 def test_auto_parses_the_models_own_calls_streamed_and_not(
-    start_server: Callable[..., ServerProcess],
+    start_server: Callable[..., ChildProcess],
 ) -> None:
     """A regex makes the random model write a Hermes call; the parser turns it into one."""
     server = start_server("--tool-call-parser", "hermes")
