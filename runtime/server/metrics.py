@@ -64,67 +64,21 @@ TOKEN_LATENCY_BUCKETS = (
     5.0,
     10.0,
 )
+
+
+def _decade_steps(low: float, high: float) -> tuple[float, ...]:
+    """The 1, 2.5 and 5 of each power of ten from ``low`` to ``high``, both included; each
+    parsed from its decimal spelling, so ``0.0025`` is the float that literal would give."""
+    steps = (float(f"{m}e{e}") for e in range(-6, 4) for m in ("1", "2.5", "5"))
+    return tuple(v for v in steps if low <= v <= high)
+
+
 REQUEST_LATENCY_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
+    *_decade_steps(0.01, 10.0),
+    *(15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0),
 )
-QUEUE_BUCKETS = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    320.0,
-)
-FAST_BUCKETS = (
-    0.00001,
-    0.000025,
-    0.00005,
-    0.0001,
-    0.00025,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-)
+QUEUE_BUCKETS = (*_decade_steps(0.0005, 10.0), 20.0, 40.0, 80.0, 160.0, 320.0)
+FAST_BUCKETS = _decade_steps(0.00001, 1.0)
 
 FINISH_REASONS = ("stop", "length", "abort")
 
