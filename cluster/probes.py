@@ -34,14 +34,9 @@ def resolve_port(port: int | str, container: Mapping[str, Any]) -> int:
 
 
 async def http_get(
-    spec: Mapping[str, Any], pod_ip: str, container: Mapping[str, Any], timeout_s: float
+    spec: Mapping[str, Any], host: str, port: int, timeout_s: float
 ) -> tuple[bool, str]:
     """GET the path; 200-399 is success."""
-    try:
-        port = resolve_port(spec["port"], container)
-    except ValueError as exc:
-        return False, str(exc)
-    host = spec.get("host") or pod_ip
     path = spec.get("path") or "/"
     headers = {h["name"]: h["value"] for h in spec.get("httpHeaders") or []}
     headers.setdefault("Host", f"{host}:{port}")
@@ -74,15 +69,8 @@ async def http_get(
             writer.close()
 
 
-async def tcp_socket(
-    spec: Mapping[str, Any], pod_ip: str, container: Mapping[str, Any], timeout_s: float
-) -> tuple[bool, str]:
+async def tcp_socket(host: str, port: int, timeout_s: float) -> tuple[bool, str]:
     """Connect; an accepted connection is success."""
-    try:
-        port = resolve_port(spec["port"], container)
-    except ValueError as exc:
-        return False, str(exc)
-    host = spec.get("host") or pod_ip
     try:
         async with asyncio.timeout(timeout_s):
             _, writer = await asyncio.open_connection(host, port)
@@ -138,10 +126,16 @@ async def run_handler(
     timeout_s: float,
 ) -> tuple[bool, str]:
     """One probe or lifecycle handler."""
-    if "httpGet" in handler:
-        return await http_get(handler["httpGet"], pod_ip, container, timeout_s)
-    if "tcpSocket" in handler:
-        return await tcp_socket(handler["tcpSocket"], pod_ip, container, timeout_s)
+    if "httpGet" in handler or "tcpSocket" in handler:
+        spec = handler["httpGet"] if "httpGet" in handler else handler["tcpSocket"]
+        try:
+            port = resolve_port(spec["port"], container)
+        except ValueError as exc:
+            return False, str(exc)
+        host = spec.get("host") or pod_ip
+        if "httpGet" in handler:
+            return await http_get(spec, host, port, timeout_s)
+        return await tcp_socket(host, port, timeout_s)
     if "exec" in handler:
         if target is None:
             return False, "the container is not running"
