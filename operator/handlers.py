@@ -91,16 +91,11 @@ def register(
     )
     async def resync(namespace: str | None, name: str, **_: Any) -> None:
         namespace = _namespaced(namespace)
-        try:
-            await reconciler.reconcile(namespace, name)
-        except ApiError as exc:
-            log.warning(
-                "%s/%s: resync failed (%s); next in %.0f s",
-                namespace,
-                name,
-                exc,
-                settings.resync_interval_s,
-            )
+        await _timer_run(
+            reconciler.reconcile(namespace, name),
+            f"{namespace}/{name}: resync",
+            settings.resync_interval_s,
+        )
 
     if autoscaler is not None:
 
@@ -116,16 +111,11 @@ def register(
             if not (spec.get("autoscaling") or {}).get("enabled"):
                 autoscaler.forget(namespace, name)  # turned off: the user owns spec.replicas
                 return
-            try:
-                await autoscaler.tick(namespace, name)
-            except ApiError as exc:
-                log.warning(
-                    "%s/%s: autoscaler tick failed (%s); next in %.0f s",
-                    namespace,
-                    name,
-                    exc,
-                    settings.autoscale_interval_s,
-                )
+            await _timer_run(
+                autoscaler.tick(namespace, name),
+                f"{namespace}/{name}: autoscaler tick",
+                settings.autoscale_interval_s,
+            )
 
     managed = {APP_LABEL: APP, MANAGED_BY_LABEL: MANAGED_BY}
     for group, version, plural in CHILD_KINDS:
@@ -158,6 +148,15 @@ def _namespaced(namespace: str | None) -> str:
     there always is one (None is for cluster-scoped objects)."""
     assert namespace is not None, "a namespaced object came without its namespace"
     return namespace
+
+
+async def _timer_run(coro: Awaitable[object], what: str, interval_s: float) -> None:
+    """One run of a timer: an API error is logged, and the next run ``interval_s`` later
+    tries again."""
+    try:
+        await coro
+    except ApiError as exc:
+        log.warning("%s failed (%s); next in %.0f s", what, exc, interval_s)
 
 
 async def _safely(coro: Awaitable[object], namespace: str, name: str) -> None:

@@ -19,6 +19,7 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -148,7 +149,15 @@ def parse_counters(text: str) -> tuple[float, float] | None:
     return totals[REQUEST_SUCCESS], totals[PROMPT_TOKENS] + totals[GENERATION_TOKENS]
 
 
-def baseline(series: Sequence[Counters], start: float) -> Counters | None:
+class _Scrape(Protocol):
+    @property
+    def time(self) -> float: ...
+
+
+ScrapeT = TypeVar("ScrapeT", bound=_Scrape)
+
+
+def baseline(series: Sequence[ScrapeT], start: float) -> ScrapeT | None:
     """The last scrape at or before ``start``, else the oldest (a young replica); None when
     there is no earlier scrape than the last."""
     if len(series) < 2:
@@ -180,12 +189,9 @@ def _arrivals(
     """(arrivals, backlog growth) per second since ``start``: what every replica finished in
     that span (a younger replica: since its first scrape), what the gateways turned away, and
     what the backlog grew by."""
-    if len(backlog) < 2:
+    base = baseline(backlog, start)
+    if base is None:
         return None
-    base = backlog[0]
-    for b in itertools.islice(backlog, len(backlog) - 1):
-        if b.time <= start:
-            base = b
     span = backlog[-1].time - base.time
     if span <= 0:
         return None
