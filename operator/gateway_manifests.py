@@ -15,6 +15,8 @@ from conveyor.operator.names import (
     PORT_NAME,
     gateway_selector,
     managed_labels,
+    rolling_update,
+    scrape_annotations,
 )
 from conveyor.operator.owners import owner_reference
 from conveyor.operator.rbac import GATEWAY_RULES
@@ -125,19 +127,12 @@ def gateway_deployment(
         "spec": {
             "replicas": settings.gateway_replicas,
             "selector": {"matchLabels": gateway_selector()},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": rolling_update(),
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {
                     "labels": labels,
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(GATEWAY_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
+                    "annotations": scrape_annotations(GATEWAY_PORT),
                 },
                 "spec": {
                     "serviceAccountName": GATEWAY_NAME,

@@ -51,3 +51,18 @@ def gateway_selector() -> dict[str, str]:
 def selector_string(labels: dict[str, str]) -> str:
     """``a=b,c=d``, as label selectors are written in status and on the command line."""
     return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The annotations by which Prometheus finds a runtime or gateway pod's ``/metrics``."""
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
+
+
+def rolling_update() -> dict[str, object]:
+    """The update strategy of the runtime and gateway Deployments: a new pod is Ready before
+    an old one goes, so serving capacity never drops during a rollout."""
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}

@@ -16,7 +16,9 @@ from conveyor.operator.names import (
     RUNTIME_PORT,
     VOLUME_MODEL_MOUNT,
     managed_labels,
+    rolling_update,
     runtime_selector,
+    scrape_annotations,
 )
 from conveyor.operator.owners import owner_reference
 from conveyor.operator.settings import OperatorSettings
@@ -234,19 +236,12 @@ def runtime_deployment(llmservice: dict[str, Any], settings: OperatorSettings) -
             "replicas": desired_replicas(spec),
             "selector": {"matchLabels": selector},
             # New replicas are Ready before old ones go; in-flight requests drain (preStop + SIGTERM).
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": rolling_update(),
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {
                     "labels": _labels(llmservice),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(RUNTIME_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
+                    "annotations": scrape_annotations(RUNTIME_PORT),
                 },
                 "spec": pod_spec,
             },
