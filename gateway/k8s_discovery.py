@@ -36,6 +36,33 @@ WATCH_TIMEOUT_S = 300
 """Server-side watch timeout; the watch is then re-established from the last resourceVersion."""
 
 
+async def list_and_watch(
+    what: str,
+    list_once: Callable[[], Awaitable[str]],
+    watch: Callable[[str], Awaitable[None]],
+    sleep: Callable[[float], Awaitable[None]],
+) -> None:
+    """List, then watch from the listed resourceVersion, forever: ``list_once()`` lists and
+    applies what it found, returning the version; ``watch(version)`` applies each event until
+    the watch ends. A failure of either is logged as ``what`` and both are tried again after a
+    backoff that doubles up to ``BACKOFF_MAX_S`` and starts over after a good list."""
+    backoff = BACKOFF_INITIAL_S
+    while True:
+        try:
+            version = await list_once()
+            backoff = BACKOFF_INITIAL_S
+            await watch(version)
+            continue  # the watch timed out normally: list and watch again
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "%s failed (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, backoff
+            )
+        await sleep(backoff)
+        backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+
 @dataclass(frozen=True)
 class K8sPoolSpec:
     namespace: str
@@ -138,31 +165,26 @@ class KubernetesDiscovery:
 
     async def _run_pool(self, spec: K8sPoolSpec) -> None:
         tracker = EndpointSliceTracker(spec.port_name)
-        backoff = BACKOFF_INITIAL_S
-        while True:
-            try:
-                slices, version = await self._source.list(spec.namespace, spec.label_selector)
-                tracker.reset(slices)
+
+        async def list_slices() -> str:
+            slices, version = await self._source.list(spec.namespace, spec.label_selector)
+            tracker.reset(slices)
+            await self._publish(spec, tracker)
+            self._listed.add(spec)
+            if self._listed >= self._tasks.keys():
+                self.synced.set()
+            return version
+
+        async def watch_slices(version: str) -> None:
+            async for event_type, slice_ in self._source.watch(
+                spec.namespace, spec.label_selector, version
+            ):
+                tracker.apply(event_type, slice_)
                 await self._publish(spec, tracker)
-                self._listed.add(spec)
-                if self._listed >= self._tasks.keys():
-                    self.synced.set()
-                backoff = BACKOFF_INITIAL_S
-                async for event_type, slice_ in self._source.watch(
-                    spec.namespace, spec.label_selector, version
-                ):
-                    tracker.apply(event_type, slice_)
-                    await self._publish(spec, tracker)
-                continue  # the watch timed out normally: list and watch again
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "EndpointSlice watch %s failed (%s: %s); retrying in %.1fs",
-                    spec.source, type(exc).__name__, exc, backoff,
-                )  # fmt: skip
-            await self._sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+        await list_and_watch(
+            f"EndpointSlice watch {spec.source}", list_slices, watch_slices, self._sleep
+        )
 
     async def _publish(self, spec: K8sPoolSpec, tracker: EndpointSliceTracker) -> None:
         urls = tracker.urls()

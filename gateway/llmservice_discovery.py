@@ -18,11 +18,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from conveyor.gateway.k8s_discovery import (
-    BACKOFF_INITIAL_S,
-    BACKOFF_MAX_S,
     WATCH_TIMEOUT_S,
     K8sPoolSpec,
     KubernetesDiscovery,
+    list_and_watch,
 )
 
 log = logging.getLogger("conveyor.gateway")
@@ -88,28 +87,22 @@ class LLMServiceWatcher:
         return dict(self._pools)
 
     async def run(self) -> None:
-        backoff = BACKOFF_INITIAL_S
-        while True:
-            try:
-                items, version = await self._source.list(self._namespace)
-                await self._replace({i["metadata"]["name"]: i for i in items})
-                if not self.synced.is_set():
-                    if self._pools:
-                        await self._discovery.synced.wait()
-                    self.synced.set()
-                backoff = BACKOFF_INITIAL_S
-                async for event_type, item in self._source.watch(self._namespace, version):
-                    await self._apply(event_type, item)
-                continue  # the watch timed out normally: list and watch again
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning(
-                    "LLMService watch in %s failed (%s: %s); retrying in %.1fs",
-                    self._namespace, type(exc).__name__, exc, backoff,
-                )  # fmt: skip
-            await self._sleep(backoff)
-            backoff = min(backoff * 2, BACKOFF_MAX_S)
+        await list_and_watch(
+            f"LLMService watch in {self._namespace}", self._list, self._watch, self._sleep
+        )
+
+    async def _list(self) -> str:
+        items, version = await self._source.list(self._namespace)
+        await self._replace({i["metadata"]["name"]: i for i in items})
+        if not self.synced.is_set():
+            if self._pools:
+                await self._discovery.synced.wait()
+            self.synced.set()
+        return version
+
+    async def _watch(self, version: str) -> None:
+        async for event_type, item in self._source.watch(self._namespace, version):
+            await self._apply(event_type, item)
 
     async def _replace(self, items: dict[str, dict[str, Any]]) -> None:
         for name in self._pools.keys() - items.keys():
