@@ -202,25 +202,17 @@ class AutoscalerTimer:
             return_exceptions=True,
         )
         load, ready, ttft, counters = None, False, None, None
-        if isinstance(load_text, str):
+        if (text := _answered(load_text, f"replica {endpoint.url}: /load")) is not None:
             try:
-                load, ready = parse_load(load_text)
+                load, ready = parse_load(text)
             except ValueError as exc:
                 log.warning("replica %s: bad /load: %s", endpoint.url, exc)
-        elif isinstance(load_text, (httpx.HTTPError, OSError)):
-            log.info("replica %s: /load not answered: %s", endpoint.url, _error(load_text))
-        else:
-            raise load_text
-        if isinstance(metrics_text, str):
+        if (text := _answered(metrics_text, f"replica {endpoint.url}: /metrics")) is not None:
             try:
-                ttft = signals.parse_histogram(metrics_text)
-                counters = signals.parse_counters(metrics_text)
+                ttft = signals.parse_histogram(text)
+                counters = signals.parse_counters(text)
             except ValueError as exc:
                 log.warning("replica %s: bad /metrics: %s", endpoint.url, exc)
-        elif isinstance(metrics_text, (httpx.HTTPError, OSError)):
-            log.info("replica %s: /metrics not answered: %s", endpoint.url, _error(metrics_text))
-        else:
-            raise metrics_text
         return ReplicaScrape(endpoint, load, ready, ttft, counters)
 
     async def _gateways(self, gateways: list[Endpoint], model: str) -> tuple[int, dict[str, float]]:
@@ -230,17 +222,13 @@ class AutoscalerTimer:
             *(self.scraper.get_text(f"{g.url}/metrics") for g in gateways), return_exceptions=True
         )
         total, rejected = 0, dict[str, float]()
-        for gateway, text in zip(gateways, texts, strict=True):
-            if isinstance(text, str):
+        for gateway, result in zip(gateways, texts, strict=True):
+            if (text := _answered(result, f"gateway {gateway.url}: /metrics")) is not None:
                 try:
                     total += pending_requests(text, model)
                     rejected[gateway.key] = signals.parse_rejected(text, model)
                 except ValueError as exc:
                     log.warning("gateway %s: bad /metrics: %s", gateway.url, exc)
-            elif isinstance(text, (httpx.HTTPError, OSError)):
-                log.info("gateway %s: /metrics not answered: %s", gateway.url, _error(text))
-            else:
-                raise text
         return total, rejected
 
     async def _patch_status(
@@ -284,6 +272,17 @@ class AutoscalerTimer:
             if target is not None:
                 m.autoscaler_target.labels(*labels, signal).set(target)
         m.autoscaler_decisions.labels(*labels, decision.direction, decision.reason).inc()
+
+
+def _answered(result: str | BaseException, what: str) -> str | None:
+    """One scrape's text; None, logged, where the replica or gateway did not answer (an HTTP
+    or network error); any other error is raised."""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, (httpx.HTTPError, OSError)):
+        log.info("%s not answered: %s", what, _error(result))
+        return None
+    raise result
 
 
 def _error(exc: BaseException) -> str:
