@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 
 from conveyor.runtime.detokenizer import IncrementalDetokenizer
 from conveyor.runtime.engine.llm_engine import LLMEngine
-from conveyor.runtime.engine.outputs import RequestOutput
+from conveyor.runtime.engine.outputs import RequestOutput, RequestTimeline
 from conveyor.runtime.engine.sequence import TokenLogprob
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.sampling_params import SamplingParams
 
 
 @dataclass
-class GenerationResult:
+class GenerationResult(RequestTimeline):
     """One prompt's result: text, token ids, why it ended, and when things happened."""
 
     request_id: str
@@ -26,12 +26,6 @@ class GenerationResult:
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
 
     @property
     def ttft(self) -> float | None:

@@ -7,8 +7,21 @@ from dataclasses import dataclass, field
 from conveyor.runtime.engine.sequence import TokenLogprob
 
 
+@dataclass(kw_only=True)
+class RequestTimeline:
+    """When a request arrived, was first scheduled, got its first token and finished
+    (monotonic seconds), and what the prefix cache and preemptions did to it on the way."""
+
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
 @dataclass
-class RequestOutput:
+class RequestOutput(RequestTimeline):
     """A request's progress after one step: the new tokens and, at the end, why it ended."""
 
     request_id: str
@@ -19,12 +32,6 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-    arrival_time: float = 0.0
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
 
 
 @dataclass
