@@ -146,36 +146,35 @@ def kwok_stages(heartbeat_s: int = 30) -> list[dict]:
     With no Pod stages kwok leaves pods alone (the node agent runs them). Liveness itself
     comes from the node leases kwok renews (``--node-lease-duration-seconds``).
     """
-    ready_selector = {
-        "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
+    heartbeat_ms = heartbeat_s * 1000
+    delay = {
+        "durationMilliseconds": heartbeat_ms,
+        "jitterDurationMilliseconds": heartbeat_ms + 5000,
     }
     return [
-        {
-            "apiVersion": "kwok.x-k8s.io/v1alpha1",
-            "kind": "Stage",
-            "metadata": {"name": "conveyor-node-ready"},
-            "spec": {
-                "resourceRef": {"apiGroup": "v1", "kind": "Node"},
-                "selector": {
-                    "matchExpressions": [ready_selector | {"operator": "NotIn", "values": ["True"]}]
-                },
-                "next": {"statusTemplate": _CONDITIONS},
-            },
-        },
-        {
-            "apiVersion": "kwok.x-k8s.io/v1alpha1",
-            "kind": "Stage",
-            "metadata": {"name": "conveyor-node-heartbeat"},
-            "spec": {
-                "resourceRef": {"apiGroup": "v1", "kind": "Node"},
-                "selector": {
-                    "matchExpressions": [ready_selector | {"operator": "In", "values": ["True"]}]
-                },
-                "delay": {
-                    "durationMilliseconds": heartbeat_s * 1000,
-                    "jitterDurationMilliseconds": heartbeat_s * 1000 + 5000,
-                },
-                "next": {"statusTemplate": _CONDITIONS},
-            },
-        },
+        _node_stage("conveyor-node-ready", ready="NotIn"),
+        _node_stage("conveyor-node-heartbeat", ready="In", delay=delay),
     ]
+
+
+def _node_stage(name: str, *, ready: str, delay: dict[str, int] | None = None) -> dict[str, Any]:
+    """A kwok Stage that writes the simulated conditions to Nodes whose Ready condition is
+    (``ready="In"``) or is not (``"NotIn"``) True, after ``delay``."""
+    ready_is_true = {
+        "key": '.status.conditions.[] | select( .type == "Ready" ) | .status',
+        "operator": ready,
+        "values": ["True"],
+    }
+    spec: dict[str, Any] = {
+        "resourceRef": {"apiGroup": "v1", "kind": "Node"},
+        "selector": {"matchExpressions": [ready_is_true]},
+    }
+    if delay is not None:
+        spec["delay"] = delay
+    spec["next"] = {"statusTemplate": _CONDITIONS}
+    return {
+        "apiVersion": "kwok.x-k8s.io/v1alpha1",
+        "kind": "Stage",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
