@@ -91,8 +91,10 @@ def _name(cn: str, orgs: tuple[str, ...] = ()) -> x509.Name:
 
 
 def _builder(
-    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey
+    subject: x509.Name, issuer: x509.Name, key: ec.EllipticCurvePrivateKey, *, ca: bool
 ) -> x509.CertificateBuilder:
+    """A certificate for ``key``, valid from five minutes ago, with the basic constraints and
+    key usage of a CA (``ca``) or of a leaf."""
     now = datetime.datetime.now(datetime.UTC)
     return (
         x509.CertificateBuilder()
@@ -102,6 +104,8 @@ def _builder(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + VALIDITY)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(_key_usage(ca=ca), critical=True)
     )
 
 
@@ -117,12 +121,7 @@ def generate_pki(
     ca_key = _key()
     ca_name = _name("conveyor-cluster-ca")
     ca_cert = (
-        _builder(ca_name, ca_name, ca_key)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            _key_usage(ca=True),
-            critical=True,
-        )
+        _builder(ca_name, ca_name, ca_key, ca=True)
         .add_extension(
             x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False
         )
@@ -140,12 +139,7 @@ def generate_pki(
     ) -> KeyPair:
         key = _key()
         builder = (
-            _builder(subject, ca_name, key)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(
-                _key_usage(ca=False),
-                critical=True,
-            )
+            _builder(subject, ca_name, key, ca=False)
             .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
