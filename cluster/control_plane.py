@@ -130,15 +130,23 @@ def apiserver_args(c: ControlPlaneInputs) -> list[str]:
     ]
 
 
-def controller_manager_args(c: ControlPlaneInputs) -> list[str]:
-    kubeconfig = c.kubeconfigs["controller-manager"]
+def _controller_args(c: ControlPlaneInputs, component: str, port: int) -> list[str]:
+    """What kube-controller-manager and kube-scheduler share: one kubeconfig for the API and
+    for delegated authentication and authorization, HTTPS on loopback, their own cert folder."""
+    kubeconfig = c.kubeconfigs[component]
     return [
         f"--kubeconfig={kubeconfig}",
         f"--authentication-kubeconfig={kubeconfig}",
         f"--authorization-kubeconfig={kubeconfig}",
         "--bind-address=127.0.0.1",
-        f"--secure-port={c.ports.controller_manager}",
-        f"--cert-dir={c.work_dir / 'controller-manager'}",
+        f"--secure-port={port}",
+        f"--cert-dir={c.work_dir / component}",
+    ]
+
+
+def controller_manager_args(c: ControlPlaneInputs) -> list[str]:
+    return [
+        *_controller_args(c, "controller-manager", c.ports.controller_manager),
         f"--service-account-private-key-file={c.pki.service_account_key}",
         f"--root-ca-file={c.pki.ca.cert}",
         "--use-service-account-credentials=true",
@@ -151,14 +159,8 @@ def controller_manager_args(c: ControlPlaneInputs) -> list[str]:
 
 
 def scheduler_args(c: ControlPlaneInputs) -> list[str]:
-    kubeconfig = c.kubeconfigs["scheduler"]
     return [
-        f"--kubeconfig={kubeconfig}",
-        f"--authentication-kubeconfig={kubeconfig}",
-        f"--authorization-kubeconfig={kubeconfig}",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={c.ports.scheduler}",
-        f"--cert-dir={c.work_dir / 'scheduler'}",
+        *_controller_args(c, "scheduler", c.ports.scheduler),
         "--leader-elect=false",
         f"--v={c.log_level}",
     ]
