@@ -9,7 +9,8 @@ left on disk when the child dies by itself.
 Ports never race: a child that reports the port it bound (``reports_port``: a line
 ``listening on http://HOST:PORT`` in its log, as ``conveyor serve`` and the gateway stub
 print) is started on port 0; any other gets a free port and is started again on another
-one if it finds the port taken in the meantime.
+one if it finds the port taken in the meantime. A port the caller fixes (``port=``, a URL
+handed out before the child starts) stays as it is.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -78,9 +79,10 @@ class ChildProcess:
         ready_path: str | None = "/health",
         reports_port: bool = False,
         ready_timeout: float = 60.0,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str | None] | None = None,
         log_path: Path | None = None,
         host: str = "127.0.0.1",
+        port: int | None = None,
     ) -> None:
         self.name = name
         self.command = command
@@ -88,11 +90,15 @@ class ChildProcess:
         """GET this until it answers 200; None: started is ready."""
         self.reports_port = reports_port
         self.ready_timeout = ready_timeout
-        self.env = env or {}
+        self.env = dict(env or {})
+        """Added to this process's environment; a None value removes the variable."""
         self.keep_log = log_path is not None
         """A log path given by the caller is kept; a temporary one goes with a clean stop."""
         self.log_path = log_path
         self.host = host
+        self.fixed_port = port
+        """A port the caller chose (a URL handed out before the child starts): the child is not
+        moved to another when it finds it taken. None: a free one, or 0 where it reports."""
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
@@ -134,18 +140,22 @@ class ChildProcess:
 
     def launch(self) -> None:
         """Start the child without waiting (``wait_ready`` next): children start together."""
-        self.port = 0 if self.reports_port else free_port(self.host)
+        if self.fixed_port is not None:
+            self.port = self.fixed_port
+        else:
+            self.port = 0 if self.reports_port else free_port(self.host)
         if self.log_path is None:
             fd, path = tempfile.mkstemp(prefix=f"conveyor-bench-{self.name}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(path)
         self._started = time.monotonic()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 self.command(self.port),
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
+                env={k: v for k, v in env.items() if v is not None},
                 start_new_session=True,  # stop() ends the child's own children too
             )
 
@@ -172,7 +182,8 @@ class ChildProcess:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     log = self.logs()
-                    if not self.reports_port and PORT_TAKEN.search(log):
+                    movable = not self.reports_port and self.fixed_port is None
+                    if movable and PORT_TAKEN.search(log):
                         raise _PortTaken
                     raise RuntimeError(
                         f"{self.name} exited with {self.proc.returncode}:\n{log[-3000:]}"
@@ -207,6 +218,13 @@ class ChildProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the process group: the child vanishes mid-request, as a crashed pod would."""
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """End the child; its log stays when it had died by itself (and says where)."""

@@ -16,8 +16,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from gateway_helpers import PYTHON, Process, Processes, free_port, gateway, wait_for
+from gateway_helpers import PYTHON, Process, Processes, gateway
 
+from conveyor.bench.procs import free_port
+from conveyor.bench.wait import wait_until
 from conveyor.operator.autoscaler_observe import MIN_TTFT_OBSERVATIONS
 from conveyor.operator.autoscaler_timer import AutoscalerTimer, HttpScraper
 from conveyor.operator.metrics import OperatorMetrics
@@ -85,7 +87,7 @@ class LoopbackKube:
 def wait_pending(gw: Process, count: int) -> None:
     """Until the gateway reports ``count`` requests held for the model."""
     line = f'conveyor_gateway_pending_requests{{model="tiny"}} {float(count)}'
-    wait_for(lambda: line in httpx.get(gw.url + "/metrics", timeout=5).text, 30, line)
+    wait_until(lambda: line in httpx.get(gw.url + "/metrics", timeout=5).text, 30, line)
 
 
 class Clock:

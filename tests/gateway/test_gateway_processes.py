@@ -13,7 +13,10 @@ import os
 import httpx
 import openai
 import pytest
-from gateway_helpers import Processes, free_port, gateway, stub, wait_for
+from gateway_helpers import Processes, gateway, stub
+
+from conveyor.bench.procs import free_port
+from conveyor.bench.wait import wait_until
 
 
 def pools(gw, key: str | None = None) -> dict:
@@ -24,14 +27,14 @@ def pools(gw, key: str | None = None) -> dict:
 def wait_admitted(gw, model: str, count: int, key: str | None = None, timeout: float = 30) -> None:
     def ready() -> bool:
         if not gw.alive():
-            raise AssertionError(f"gateway exited:\n{gw.log()[-4000:]}")
+            raise AssertionError(f"gateway exited:\n{gw.logs()[-4000:]}")
         try:
             pool = pools(gw, key).get(model)
         except httpx.HTTPError:
             return False
         return pool is not None and sum(r["admitted"] for r in pool["replicas"]) == count
 
-    wait_for(ready, timeout, f"{count} admitted replicas of {model}")
+    wait_until(ready, timeout, f"{count} admitted replicas of {model}")
 
 
 def start_gateway(processes: Processes, *args: str):
@@ -114,7 +117,7 @@ async def test_api_keys_and_body_limit(processes: Processes) -> None:
         with pytest.raises(openai.APIStatusError) as err:
             await client.completions.create(model="stub", prompt="x" * 5000, max_tokens=1)
         assert err.value.status_code == 413
-    assert "right" not in gw.log() and "wrong" not in gw.log()
+    assert "right" not in gw.logs() and "wrong" not in gw.logs()
 
 
 async def test_no_ready_replica_is_503_and_full_queues_are_429(processes: Processes) -> None:
@@ -158,7 +161,7 @@ async def test_a_client_that_goes_away_cancels_the_upstream_request(processes: P
                 assert response.status_code == 200
                 async for _chunk in response.aiter_raw():
                     break  # one chunk, then hang up
-    wait_for(
+    wait_until(
         lambda: httpx.get(replica.url + "/load", timeout=5).json()["running"] == 0,
         30,
         "the replica to see every abandoned stream cancelled",
@@ -237,10 +240,12 @@ async def test_replicas_join_and_leave_through_the_backends_file(
     wait_admitted(gw, "stub", 2)
     assert served_by(4) == {"A", "B"}
     write(b.url)
-    wait_for(lambda: [r["url"] for r in pools(gw)["stub"]["replicas"]] == [b.url], 30, "A to leave")
+    wait_until(
+        lambda: [r["url"] for r in pools(gw)["stub"]["replicas"]] == [b.url], 30, "A to leave"
+    )
     assert served_by(6) == {"B"}
     write()
-    wait_for(lambda: "stub" not in pools(gw), 30, "the pool to go with its last replica")
+    wait_until(lambda: "stub" not in pools(gw), 30, "the pool to go with its last replica")
     response = httpx.post(
         gw.url + "/v1/completions", json={"model": "stub", "prompt": "x"}, timeout=5
     )

@@ -12,8 +12,11 @@ import asyncio
 
 import httpx
 import openai
-from gateway_helpers import Processes, free_port, gateway, stub, wait_for
+from gateway_helpers import Processes, gateway, stub
 from prometheus_client.parser import text_string_to_metric_families
+
+from conveyor.bench.procs import free_port
+from conveyor.bench.wait import wait_until
 
 PENDING = "conveyor_gateway_pending_requests"
 
@@ -31,10 +34,10 @@ def pending(gw, model: str) -> float:
 def wait_pending(gw, model: str, count: int) -> None:
     def check() -> bool:
         if not gw.alive():
-            raise AssertionError(f"gateway exited:\n{gw.log()[-4000:]}")
+            raise AssertionError(f"gateway exited:\n{gw.logs()[-4000:]}")
         return pending(gw, model) == count
 
-    wait_for(check, 30, f"{count} requests held for {model}")
+    wait_until(check, 30, f"{count} requests held for {model}")
 
 
 def start_gateway(processes: Processes, *args: str):

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from gateway_helpers import PYTHON, Process, Processes, free_port, gateway, wait_for
+from gateway_helpers import PYTHON, Process, Processes, gateway
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conveyor.bench.procs import free_port
+from conveyor.bench.wait import wait_until
 from conveyor.gateway.app import PROXIED_PATHS
 
 MODEL = "conveyor-tiny"
@@ -69,7 +71,7 @@ def start_gateway(processes: Processes, *args: str) -> Process:
 async def test_streaming_passes_through_chunk_by_chunk(replicas, processes: Processes) -> None:
     _, (replica, *_) = replicas
     gw = start_gateway(processes, "--backend", replica.url)
-    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
+    wait_until(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
     messages = [{"role": "user", "content": "Tell me a story about a conveyor belt."}]
 
     async def deltas(base_url: str) -> list[str | None]:
@@ -105,14 +107,14 @@ async def test_api_keys_on_the_gateway_and_on_the_replicas(processes: Processes)
         "--backend-api-key",
         "replica-key",
     )
-    wait_for(lambda: admitted(gw, MODEL, "user-key") == 1, 30, "the replica to be admitted")
+    wait_until(lambda: admitted(gw, MODEL, "user-key") == 1, 30, "the replica to be admitted")
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="replica-key") as client:
         with pytest.raises(openai.AuthenticationError):
             await client.completions.create(model=MODEL, prompt="x", max_tokens=1)
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="user-key") as client:
         out = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert out.choices[0].finish_reason in ("length", "stop")
-    assert "user-key" not in gw.log() and "replica-key" not in gw.log()
+    assert "user-key" not in gw.logs() and "replica-key" not in gw.logs()
 
 
 async def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(
@@ -122,7 +124,7 @@ async def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(
     gw = start_gateway(
         processes, *[a for r in started for a in ("--backend", r.url)], "--routing", "least-load"
     )
-    wait_for(lambda: admitted(gw, MODEL) == 3, 30, "three admitted replicas")
+    wait_until(lambda: admitted(gw, MODEL) == 3, 30, "three admitted replicas")
     victim = started[0]
     on_victim = asyncio.Event()
 
@@ -159,7 +161,7 @@ async def test_a_killed_replica_loses_no_request_that_had_not_started_streaming(
     revived = owner.start(runtime(victim.port))
     started[0] = revived
     revived.wait_http("/ready", timeout=180)
-    wait_for(lambda: admitted(gw, MODEL) == 3, 30, "the restarted replica to be re-admitted")
+    wait_until(lambda: admitted(gw, MODEL) == 3, 30, "the restarted replica to be re-admitted")
 
 
 async def test_replicas_join_and_leave(replicas, processes: Processes, tmp_path) -> None:
@@ -183,13 +185,13 @@ async def test_replicas_join_and_leave(replicas, processes: Processes, tmp_path)
 
     write(a.url)
     gw = start_gateway(processes, "--backends-file", str(backends), "--routing", "round-robin")
-    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "one replica")
+    wait_until(lambda: admitted(gw, MODEL) == 1, 30, "one replica")
     assert served_by(3) == {a.url}
     write(a.url, b.url)
-    wait_for(lambda: admitted(gw, MODEL) == 2, 30, "the second replica to join")
+    wait_until(lambda: admitted(gw, MODEL) == 2, 30, "the second replica to join")
     assert served_by(4) == {a.url, b.url}
     write(b.url)
-    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the first replica to leave")
+    wait_until(lambda: admitted(gw, MODEL) == 1, 30, "the first replica to leave")
     assert served_by(4) == {b.url}
 
 
@@ -199,7 +201,7 @@ async def test_structured_outputs_tools_and_tokenize_pass_through(
     """The gateway forwards the bodies unchanged: greedy answers are the replica's own."""
     _, (replica, *_) = replicas
     gw = start_gateway(processes, "--backend", replica.url)
-    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
+    wait_until(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
     messages = [{"role": "user", "content": "Pick a colour."}]
     schema = {
         "type": "object",
@@ -256,7 +258,7 @@ def test_no_body_gets_a_5xx_through_the_gateway(replicas, processes: Processes) 
     with a message, never a 5xx, and both serve on."""
     _, (replica, *_) = replicas
     gw = start_gateway(processes, "--backend", replica.url)
-    wait_for(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
+    wait_until(lambda: admitted(gw, MODEL) == 1, 30, "the replica to be admitted")
     text = st.text(max_size=8) | st.sampled_from([MODEL, "\ud800", "", "other-model"])
     leaf = st.none() | st.booleans() | st.integers(-3, 10**12) | st.floats(allow_nan=False) | text
     value = st.recursive(
