@@ -10,6 +10,12 @@ API_KEY_ENV = "CONVEYOR_API_KEY"
 """Environment variable with API keys, comma-separated (how a Kubernetes Secret reaches the pod)."""
 
 
+def backend_headers(backend_api_key: str | None) -> dict[str, str]:
+    """What authenticates the gateway to replicas started with --api-key (its polls, model
+    lookups and proxied requests); nothing without a key."""
+    return {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+
+
 def load_api_keys(
     flags: list[str], key_file: str | None, environ: dict[str, str] | None = None
 ) -> tuple[str, ...]:

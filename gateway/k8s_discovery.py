@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import httpx
 
 from conveyor.contracts import endpoint_slice
+from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.static_discovery import fetch_models
 
@@ -137,7 +138,7 @@ class KubernetesDiscovery:
         self._source = source
         self._client = client
         self._timeout = timeout_s
-        self._headers = {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._headers = backend_headers(backend_api_key)
         self._sleep = sleep
         self._tasks: dict[K8sPoolSpec, asyncio.Task[None]] = {}
         self._models: dict[K8sPoolSpec, str] = {}

@@ -11,6 +11,7 @@ import logging
 import httpx
 
 from conveyor.contracts.load import ReplicaLoad
+from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.replica import Replica
@@ -39,7 +40,7 @@ class LoadPoller:
         self._metrics = metrics
         self._interval = interval_s
         self._timeout = timeout_s
-        self._headers = {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._headers = backend_headers(backend_api_key)
         self._polls: dict[str, asyncio.Task[None]] = {}
         self._unanswered: set[str] = set()
         """Replicas whose last /load poll failed (its first failure is logged, not each)."""

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 from starlette.types import Receive, Scope, Send
 
-from conveyor.gateway.auth import ApiKeyAuth
+from conveyor.gateway.auth import ApiKeyAuth, backend_headers
 from conveyor.gateway.errors import ClientError, Failure, error_json
 from conveyor.gateway.holding import Holding
 from conveyor.gateway.metrics import GatewayMetrics
@@ -51,9 +51,10 @@ class Proxy:
         self._s = settings
         self._holding = Holding(registry=registry, metrics=metrics, settings=settings)
         self._upstream = Upstream(session=session, metrics=metrics, settings=settings)
-        self._upstream_headers = {"content-type": "application/json"}
-        if settings.backend_api_key:
-            self._upstream_headers["authorization"] = f"Bearer {settings.backend_api_key}"
+        self._upstream_headers = {
+            "content-type": "application/json",
+            **backend_headers(settings.backend_api_key),
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         arrival = asyncio.get_running_loop().time()

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import httpx
 
+from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.pool import Registry
 
 log = logging.getLogger("conveyor.gateway")
@@ -76,7 +77,7 @@ class StaticDiscovery:
         self._file_specs: list[tuple[str | None, str]] = []
         self._interval = interval_s
         self._timeout = timeout_s
-        self._headers = {"authorization": f"Bearer {backend_api_key}"} if backend_api_key else {}
+        self._headers = backend_headers(backend_api_key)
         self._models: dict[str, list[str]] = {}
         """Model names learned from replicas' /v1/models, by URL."""
         self.synced = asyncio.Event()
