@@ -34,7 +34,10 @@ from conveyor.observability.prometheus import Prometheus, PrometheusSettings, St
 from conveyor.observability.render import render_dashboard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gateway"))
-from gateway_helpers import PYTHON, Process, Processes, free_port, wait_for
+from gateway_helpers import PYTHON, Process, Processes
+
+from conveyor.bench.procs import free_port
+from conveyor.bench.wait import wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -145,7 +148,7 @@ async def _run_load(stack: dict) -> None:
             return -1
         return sum(r["admitted"] for r in pools.get(MODEL, {}).get("replicas", []))
 
-    wait_for(lambda: admitted() == len(pods), 60, "every replica admitted by the gateway")
+    wait_until(lambda: admitted() == len(pods), 60, "every replica admitted by the gateway")
     shared = "You are a helpful assistant of the conveyor belt factory. " * 3
     async with openai.AsyncOpenAI(
         base_url=gw.url + "/v1", api_key="unused", max_retries=0
@@ -226,7 +229,7 @@ def run(stack: dict) -> dict:
     end_of_load = time.time()
     prom: Prometheus = stack["prometheus"]
     # every live target scraped after the last request (the killed one is down)
-    wait_for(
+    wait_until(
         lambda: panel_check.scraped_after(
             prom.api(), NAMESPACE, end_of_load + SCRAPE_S, at_least=len(stack["pods"])
         ),
