@@ -99,7 +99,8 @@ class ChildProcess:
         self.fixed_port = port
         """A port the caller chose (a URL handed out before the child starts): the child is not
         moved to another when it finds it taken. None: a free one, or 0 where it reports."""
-        self.port = 0
+        self.port = 0 if port is None else port
+        """The port it listens on: known from the start when fixed, else once it started."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         """Seconds from the start to the first ready answer."""
