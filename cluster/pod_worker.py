@@ -444,10 +444,19 @@ class PodWorker:
     # ---- events from the agent ---------------------------------------------------------
 
     def update(self, pod: dict[str, Any]) -> None:
-        """A newer version of the pod from the watch."""
+        """A newer version of the pod from the watch (or a re-list)."""
         self.pod = pod
         if pod["metadata"].get("deletionTimestamp"):
             self.deletion.set()
+        api_status = pod.get("status") or {}
+        if self._sent is not None and owned_status(api_status) != owned_status(self._sent):
+            # Someone else wrote the status this agent owns: the node lifecycle controller
+            # marks every pod of a node whose lease went stale (a frozen apiserver, a partition)
+            # not Ready. A kubelet re-asserts the truth on its next status sync; so does the
+            # agent, counting the transitions from what the API now shows.
+            self._conditions = list(api_status.get("conditions") or [])
+            self._sent = None
+            self.status_changed()
 
     def gone(self) -> None:
         """The pod object is gone from the API: stop at once, nothing left to report."""
@@ -852,6 +861,25 @@ class PodWorker:
 
 
 CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+NODE_CONDITIONS = (
+    "PodReadyToStartContainers",
+    "Initialized",
+    "Ready",
+    "ContainersReady",
+    "PodScheduled",
+)
+"""The pod conditions the node writes; others (``DisruptionTarget``, a readiness gate's) are
+other writers' and are left alone."""
+
+
+def owned_status(status: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
+    """The part of a pod's status the node asserts: its phase and its conditions' statuses."""
+    conditions = status.get("conditions") or []
+    return status.get("phase"), {
+        c["type"]: c["status"] for c in conditions if c.get("type") in NODE_CONDITIONS
+    }
 
 
 def image_paths(path_env: str) -> list[str]:
