@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+from conveyor.operator.engines import engine_problems
 from conveyor.operator.gateway_manifests import gateway_children, gateway_url
 from conveyor.operator.kube import ApiError, Kube, collection_path, object_path
 from conveyor.operator.metrics import OperatorMetrics
@@ -113,7 +114,9 @@ class Reconciler:
             return None
         spec = llmservice["spec"]
         problem = None
-        if int((spec.get("resources") or {}).get("gpus", 0)) > 0:
+        if unsupported := engine_problems(spec):  # the CRD's rules refuse these already
+            problem = Problem("EngineSettingUnsupported", "; ".join(unsupported))
+        elif int((spec.get("resources") or {}).get("gpus", 0)) > 0:
             problem = gpu_problem(spec, await self.kube.list("/api/v1/nodes"))
         self._problems[(namespace, name)] = problem
         self.metrics.llmservices.set(len(self._problems))

@@ -8,6 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from conveyor.operator.engines import (
+    BUILTIN_WRITER,
+    CONVEYOR,
+    WAIT_FOR_MODEL,
+    Engine,
+    builtin_model_dir,
+    engine_flags,
+    engine_of,
+)
 from conveyor.operator.names import (
     CACHE_MOUNT,
     INSTANCE_LABEL,
@@ -23,20 +32,8 @@ from conveyor.operator.names import (
 from conveyor.operator.owners import owner_reference
 from conveyor.operator.settings import OperatorSettings
 
-# spec.runtime field -> `conveyor serve` flag (canonical names, ARCHITECTURE.md)
-ENGINE_FLAGS: dict[str, str] = {
-    "maxRunningRequests": "--max-running-requests",
-    "maxQueuedRequests": "--max-queued-requests",
-    "chunkedPrefillSize": "--chunked-prefill-size",
-    "memFractionStatic": "--mem-fraction-static",
-    "maxTotalTokens": "--max-total-tokens",
-    "maxModelLen": "--max-model-len",
-    "dtype": "--dtype",
-    "blockSize": "--block-size",
-    "scheduler": "--scheduler",
-    "drainTimeoutSeconds": "--drain-timeout",
-    "toolCallParser": "--tool-call-parser",
-}
+ENGINE_FLAGS: dict[str, str] = CONVEYOR.flags
+"""spec.runtime field -> `conveyor serve` flag (canonical names, ARCHITECTURE.md)."""
 
 PRESTOP_DELAY_S = 5
 """Seconds a stopping pod keeps serving before SIGTERM, so that the gateways see its endpoint
@@ -94,6 +91,41 @@ def serve_args(llmservice: dict[str, Any]) -> list[str]:
     return args + list(runtime.get("extraArgs") or [])
 
 
+def engine_model(spec: dict[str, Any]) -> str:
+    """The model an engine other than Conveyor's is given: a built-in one as the directory
+    the model container writes it to, any other as ``--model`` would name it."""
+    if builtin := spec["model"].get("builtin"):
+        return builtin_model_dir(CACHE_MOUNT, builtin)
+    return model_argument(spec["model"])
+
+
+def engine_command(llmservice: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(command, args) of the runtime container for the LLMService's engine.
+
+    Conveyor: ``conveyor serve ...``. vLLM and SGLang: their own server with the shared
+    settings as their own flags (``engines.py``), served name, host and port, then extraArgs.
+    A built-in model is waited for until the model container has written it.
+    """
+    spec = llmservice["spec"]
+    engine = engine_of(spec)
+    if engine is CONVEYOR:
+        return ["conveyor"], serve_args(llmservice)
+    runtime = spec.get("runtime") or {}
+    model = engine_model(spec)
+    args = [model] if engine.model_flag is None else [engine.model_flag, model]
+    args += [
+        "--served-model-name", served_name(llmservice),
+        "--host", "0.0.0.0",
+        "--port", str(RUNTIME_PORT),
+    ]  # fmt: skip
+    gpus = int((spec.get("resources") or {}).get("gpus", 0))
+    args += engine_flags(engine, runtime, gpus) + list(runtime.get("extraArgs") or [])
+    command = list(engine.command)
+    if "builtin" in spec["model"]:
+        command = ["sh", "-c", WAIT_FOR_MODEL, model, *command]
+    return command, args
+
+
 def _labels(llmservice: dict[str, Any]) -> dict[str, str]:
     name = llmservice["metadata"]["name"]
     return {**managed_labels("runtime"), INSTANCE_LABEL: name, LLMSERVICE_LABEL: name}
@@ -125,7 +157,9 @@ def _resources(spec_resources: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def _env(llmservice: dict[str, Any]) -> list[dict[str, Any]]:
+def _env(llmservice: dict[str, Any], *, user: bool = True) -> list[dict[str, Any]]:
+    """The runtime container's environment: cache locations, the pod's name, the hub token,
+    the engine's own variables, then spec.runtime.env (``user``)."""
     model = llmservice["spec"]["model"]
     env: list[dict[str, Any]] = [
         {"name": "CONVEYOR_CACHE", "value": CACHE_MOUNT},
@@ -139,6 +173,9 @@ def _env(llmservice: dict[str, Any]) -> list[dict[str, Any]]:
     if token := model.get("hubTokenSecret"):
         ref = {"name": token["name"], "key": token.get("key", "token")}
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}})
+    if not user:
+        return env
+    env += [{"name": k, "value": v} for k, v in engine_of(llmservice["spec"]).env.items()]
     return env + list((llmservice["spec"].get("runtime") or {}).get("env") or [])
 
 
@@ -173,42 +210,78 @@ def _probe(path: str, *, period_s: int, timeout_s: int, failures: int) -> dict[s
     }
 
 
+def _security_context() -> dict[str, Any]:
+    return {
+        "runAsNonRoot": True,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def model_container(
+    llmservice: dict[str, Any], settings: OperatorSettings, mounts: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The container that writes a built-in model into the cache volume for an engine that
+    cannot make it (Conveyor's image, which has the generator), then sleeps."""
+    name = llmservice["spec"]["model"]["builtin"]
+    return {
+        "name": "model",
+        "image": settings.runtime_image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["python", "-c", BUILTIN_WRITER, name, builtin_model_dir(CACHE_MOUNT, name)],
+        "env": _env(llmservice, user=False),
+        "volumeMounts": [m for m in mounts if m["name"] in ("cache", "tmp")],
+        "securityContext": _security_context(),
+    }
+
+
+def _engine_probes(engine: Engine) -> dict[str, Any]:
+    return {
+        # health answers once the server listens; ready once the model is loaded and not draining.
+        "startupProbe": _probe(
+            engine.health_path, period_s=5, timeout_s=5, failures=STARTUP_BUDGET_S // 5
+        ),
+        "readinessProbe": _probe(engine.ready_path, period_s=2, timeout_s=3, failures=2),
+        "livenessProbe": _probe(engine.health_path, period_s=10, timeout_s=5, failures=3),
+    }
+
+
 def runtime_deployment(llmservice: dict[str, Any], settings: OperatorSettings) -> dict[str, Any]:
-    """The Deployment of runtime replicas: one ``conveyor serve`` container per pod."""
+    """The Deployment of runtime replicas: one container of the LLMService's engine per pod
+    (``conveyor serve``, ``vllm serve`` or SGLang's server), and for another engine than
+    Conveyor's on a built-in model, the container that writes that model."""
     spec = llmservice["spec"]
+    engine = engine_of(spec)
     runtime = spec.get("runtime") or {}
     placement = spec.get("placement") or {}
     resources = spec.get("resources") or {}
     drain_s = int(runtime.get("drainTimeoutSeconds", 30))
     volumes, mounts = _volumes(spec)
+    command, args = engine_command(llmservice)
     container = {
         "name": "runtime",
-        "image": runtime.get("image") or settings.runtime_image,
+        "image": runtime.get("image") or engine.image or settings.runtime_image,
         "imagePullPolicy": runtime.get("imagePullPolicy") or settings.image_pull_policy,
-        "command": ["conveyor"],
-        "args": serve_args(llmservice),
+        "command": command,
+        "args": args,
         "ports": [{"name": PORT_NAME, "containerPort": RUNTIME_PORT, "protocol": "TCP"}],
         "env": _env(llmservice),
         "resources": _resources(resources),
         "volumeMounts": mounts,
-        # /health answers once the server listens; /ready once the model is loaded and not draining.
-        "startupProbe": _probe("/health", period_s=5, timeout_s=5, failures=STARTUP_BUDGET_S // 5),
-        "readinessProbe": _probe("/ready", period_s=2, timeout_s=3, failures=2),
-        "livenessProbe": _probe("/health", period_s=10, timeout_s=5, failures=3),
+        **_engine_probes(engine),
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_DELAY_S)]}}},
-        "securityContext": {
-            "runAsNonRoot": True,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": _security_context(),
     }
+    containers = [container]
+    if engine is not CONVEYOR and "builtin" in spec["model"]:
+        containers.append(model_container(llmservice, settings, mounts))
     tolerations = list(placement.get("tolerations") or [])
     if resources.get("gpus", 0) > 0:
         # GPU node pools are tainted; managed clusters add this through ExtendedResourceToleration.
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
     pod_spec: dict[str, Any] = {
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
         "terminationGracePeriodSeconds": drain_s + PRESTOP_DELAY_S + GRACE_MARGIN_S,
         "automountServiceAccountToken": False,  # a replica never talks to the apiserver

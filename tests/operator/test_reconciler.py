@@ -208,3 +208,19 @@ async def test_status_follows_the_deployment(kube, reconciler) -> None:
     assert status["phase"] == "Ready" and status["readyReplicas"] == 2
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True"
+
+
+async def test_a_setting_the_engine_lacks_is_degraded_never_dropped(
+    kube, reconciler, events
+) -> None:
+    """Behind the CRD's rules (an older CRD, a spec written before them): the operator rolls
+    out nothing and says which setting to change."""
+    make_llmservice(kube, "queued", engine="vllm", runtime={"maxQueuedRequests": 4})
+    problem = await reconciler.reconcile("team", "queued")
+    assert problem is not None and problem.reason == "EngineSettingUnsupported"
+    assert "runtime.maxQueuedRequests" in problem.message
+    assert f"{DEPLOYMENTS}/queued" not in kube.objects
+    status = kube.objects[llmservice_path("team", "queued")]["status"]
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "EngineSettingUnsupported"
+    assert ("queued", "Warning", "EngineSettingUnsupported", problem.message) in events
