@@ -34,7 +34,37 @@ BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
 """Longest wait between attempts while the apiserver is away."""
 WATCH_TIMEOUT_S = 300
-"""Server-side watch timeout; the watch is then re-established from the last resourceVersion."""
+"""Server-side watch timeout; the pool is then listed and watched again."""
+
+
+@dataclass(frozen=True)
+class ApiTimeouts:
+    """Client-side bounds of the discovery's calls to the apiserver, so that none waits on its
+    socket forever: a frozen or partitioned apiserver answers nothing and closes nothing, and
+    kubernetes_asyncio's own default is no timeout at all. A call that times out fails like a
+    broken watch: the pool is listed and watched again after the backoff."""
+
+    list_s: float = 30.0
+    """Longest wait for a list's whole answer (milliseconds on a healthy apiserver)."""
+    connect_s: float = 10.0
+    """Longest wait for a connection to the apiserver."""
+    watch_idle_s: float = 90.0
+    """Longest silence of a watch; the apiserver sends a bookmark every minute on a quiet one,
+    so a watch silent this long is dead and is given up."""
+
+    def for_list(self) -> Any:
+        import aiohttp
+
+        return aiohttp.ClientTimeout(total=self.list_s, sock_connect=self.connect_s)
+
+    def for_watch(self) -> Any:
+        import aiohttp
+
+        return aiohttp.ClientTimeout(
+            total=WATCH_TIMEOUT_S + self.watch_idle_s,
+            sock_connect=self.connect_s,
+            sock_read=self.watch_idle_s,
+        )
 
 
 async def list_and_watch(
@@ -211,11 +241,12 @@ class KubernetesDiscovery:
 class KubernetesSliceSource:
     """The real :class:`SliceSource` over kubernetes_asyncio (in-cluster or kubeconfig)."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, api_client: Any, timeouts: ApiTimeouts | None = None) -> None:
         from kubernetes_asyncio import client
 
         self._api_client = api_client
         self._api = client.DiscoveryV1Api(api_client)
+        self.timeouts = timeouts or ApiTimeouts()
 
     @classmethod
     async def connect(cls) -> KubernetesSliceSource:
@@ -236,7 +267,9 @@ class KubernetesSliceSource:
         await self._api_client.close()
 
     async def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
-        result = await self._api.list_namespaced_endpoint_slice(namespace, label_selector=selector)
+        result = await self._api.list_namespaced_endpoint_slice(
+            namespace, label_selector=selector, _request_timeout=self.timeouts.for_list()
+        )
         slices = [self._api_client.sanitize_for_serialization(item) for item in result.items]
         return slices, result.metadata.resource_version
 
@@ -253,5 +286,6 @@ class KubernetesSliceSource:
                 resource_version=resource_version,
                 timeout_seconds=WATCH_TIMEOUT_S,
                 allow_watch_bookmarks=True,
+                _request_timeout=self.timeouts.for_watch(),
             ):
                 yield event["type"], event["raw_object"]

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from conveyor.gateway.k8s_discovery import (
     WATCH_TIMEOUT_S,
+    ApiTimeouts,
     K8sPoolSpec,
     KubernetesDiscovery,
     list_and_watch,
@@ -140,13 +141,16 @@ class LLMServiceWatcher:
 class KubernetesLLMServiceSource:
     """The real :class:`LLMServiceSource` over kubernetes_asyncio."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, api_client: Any, timeouts: ApiTimeouts | None = None) -> None:
         from kubernetes_asyncio import client
 
         self._api = client.CustomObjectsApi(api_client)
+        self.timeouts = timeouts or ApiTimeouts()
 
     async def list(self, namespace: str) -> tuple[list[dict[str, Any]], str]:
-        result = await self._api.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)
+        result = await self._api.list_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, _request_timeout=self.timeouts.for_list()
+        )
         return result.get("items") or [], result["metadata"]["resourceVersion"]
 
     async def watch(
@@ -164,5 +168,6 @@ class KubernetesLLMServiceSource:
                 resource_version=resource_version,
                 timeout_seconds=WATCH_TIMEOUT_S,
                 allow_watch_bookmarks=True,
+                _request_timeout=self.timeouts.for_watch(),
             ):
                 yield event["type"], event["raw_object"]
