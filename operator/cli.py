@@ -19,6 +19,7 @@ import socket
 import sys
 from typing import Any
 
+from conveyor.operator.kube import CONNECT_TIMEOUT_S
 from conveyor.operator.settings import OperatorSettings
 
 log = logging.getLogger("conveyor.operator")
@@ -229,6 +230,12 @@ async def _first(main: Any, stop: Any) -> bool:
     return tasks[0] in done
 
 
+WATCH_SERVER_TIMEOUT_S = 300
+"""Seconds after which the apiserver ends each of kopf's watches (then watched again)."""
+WATCH_CLIENT_MARGIN_S = 30
+"""Seconds kopf waits past WATCH_SERVER_TIMEOUT_S before dropping a watch whose end never came."""
+
+
 def kopf_operator_settings(settings: OperatorSettings) -> Any:
     """kopf's own settings: our finalizer and annotation prefix, no status stanza, quiet posting."""
     import kopf
@@ -244,8 +251,16 @@ def kopf_operator_settings(settings: OperatorSettings) -> Any:
     kopf_settings.posting.level = (
         logging.WARNING
     )  # only warnings from kopf's own logs become Events
-    kopf_settings.watching.server_timeout = 300
+    # Nothing waits on a socket forever (a frozen or partitioned apiserver answers nothing): the
+    # apiserver ends each watch after server_timeout, and the client gives up a little later if
+    # that end never arrives; a watch with no event (bookmarks come every minute) for
+    # inactivity_timeout is presumed dead. Either way kopf watches again from the last
+    # resourceVersion seen, and lists again when the apiserver says that version is gone (410).
+    kopf_settings.watching.server_timeout = WATCH_SERVER_TIMEOUT_S
+    kopf_settings.watching.client_timeout = WATCH_SERVER_TIMEOUT_S + WATCH_CLIENT_MARGIN_S
+    kopf_settings.watching.connect_timeout = CONNECT_TIMEOUT_S
     kopf_settings.networking.request_timeout = 60
+    kopf_settings.networking.connect_timeout = CONNECT_TIMEOUT_S
     return kopf_settings
 
 

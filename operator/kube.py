@@ -53,11 +53,20 @@ def object_path(manifest: dict[str, Any]) -> str:
     return f"{base}/{meta['name']}"
 
 
+REQUEST_TIMEOUT_S = 30.0
+"""Longest wait for one answer from the apiserver (a frozen or partitioned one gives none: without
+a bound, a reconcile or a Lease renewal would wait on its socket forever). Generous: the largest
+call, a list of a namespace's children, takes milliseconds."""
+CONNECT_TIMEOUT_S = 10.0
+"""Longest wait for a connection to the apiserver."""
+
+
 class Kube:
     """JSON calls to one apiserver."""
 
-    def __init__(self, api_client: Any) -> None:
+    def __init__(self, api_client: Any, *, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         self.api_client = api_client
+        self.timeout_s = timeout_s
 
     @classmethod
     async def connect(cls, kubeconfig: str | None) -> Kube:
@@ -94,9 +103,15 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
     ) -> Any:
-        """One call; the decoded JSON answer, or ``ApiError``."""
+        """One call; the decoded JSON answer, or ``ApiError``; ``TimeoutError`` (an ``OSError``)
+        when the apiserver does not answer within ``timeout_s``."""
+        import aiohttp
         from kubernetes_asyncio.client.exceptions import ApiException
 
+        # kubernetes_asyncio's own default is no timeout at all (an empty aiohttp.ClientTimeout).
+        timeout = aiohttp.ClientTimeout(
+            total=self.timeout_s, sock_connect=min(self.timeout_s, CONNECT_TIMEOUT_S)
+        )
         try:
             data, _, _ = await self.api_client.call_api(
                 path,
@@ -107,6 +122,7 @@ class Kube:
                 auth_settings=["BearerToken"],
                 response_types_map={200: "object", 201: "object"},
                 _return_http_data_only=False,
+                _request_timeout=timeout,
             )
         except ApiException as exc:
             raise ApiError(method, path, exc.status, exc.body or exc.reason or "") from None

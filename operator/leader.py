@@ -144,17 +144,25 @@ class LeaderElector:
         last_renewed = self.clock()
         while True:
             await asyncio.sleep(self.renew_interval_s)
+            # A renewal that hangs (a frozen or partitioned apiserver) counts as failed once the
+            # renew deadline has passed: a standby may take the Lease then, so this replica
+            # must have stopped acting by that time, not whenever the call returns.
+            left_s = max(deadline_s - (self.clock() - last_renewed), self.retry_interval_s)
             try:
-                if await self.try_acquire():
+                async with asyncio.timeout(left_s):
+                    renewed = await self.try_acquire()
+                if renewed:
                     last_renewed = self.clock()
                     continue
                 log.error(
                     "leader: Lease %s/%s was taken by another replica", self.namespace, self.name
                 )
                 return
+            except TimeoutError:
+                log.warning("leader: renewal got no answer in %.1f s", left_s)
             except (ApiError, OSError) as exc:
                 log.warning("leader: renewal failed: %s", exc)
-            if self.clock() - last_renewed > deadline_s:
+            if self.clock() - last_renewed >= deadline_s:
                 log.error("leader: could not renew for %.0f s; stepping down", deadline_s)
                 return
 
