@@ -90,6 +90,17 @@ def free_ports(host: str) -> Ports:
     )
 
 
+def _command_line(proc: ManagedProcess) -> list[str]:
+    """The running process's command line, as the kernel has it."""
+    if proc.record is None or not proc.alive():
+        raise RuntimeError(f"{proc.name} does not run: its command line is unknown")
+    raw = Path(f"/proc/{proc.record.pid}/cmdline").read_bytes()
+    argv = [part.decode() for part in raw.split(b"\0") if part]
+    if not argv:
+        raise RuntimeError(f"{proc.name} (pid {proc.record.pid}) shows no command line")
+    return argv
+
+
 class Cluster:
     """The one-machine cluster. ``with Cluster(settings) as c:`` or ``start()`` then ``stop()``."""
 
@@ -370,6 +381,28 @@ class Cluster:
             return service_ip in run("nft", "list", "table", "ip", "kube-proxy").stdout
 
         self._wait("kube-proxy", f"kube-proxy's rules for {service_ip}", kubernetes_service_routed)
+
+    def restart(self, name: str) -> ManagedProcess:
+        """Kill the component ``name`` (SIGKILL: a crash) and start it again with the same command
+        line, as its supervisor would (systemd, or the kubelet of a static pod). Returns once it
+        runs; waiting until it serves is the caller's. The fault tests use it."""
+        assert self.state is not None, "the cluster is not started"
+        old = self.processes[name]
+        # A cluster attached from another process knows its components by pid only.
+        argv = old.argv or _command_line(old)
+        old.kill()
+        proc = ManagedProcess(
+            name,
+            argv,
+            old.log_path,
+            env=component_env(),
+            cgroup_procs=self.cgroup.procs_files(),
+        )
+        record = proc.start()
+        self.processes[name] = proc
+        self.state.processes = [record if p.name == name else p for p in self.state.processes]
+        self._save_state()
+        return proc
 
     def _save_state(self) -> None:
         assert self.state is not None

@@ -174,6 +174,13 @@ class ManagedProcess:
         deadline = time.monotonic() + grace_s
         while (self.alive() or group_members(pgid)) and time.monotonic() < deadline:
             self._reap(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the process group at once (what a crash looks like); returns once it is gone."""
+        if self.record is None:
+            return
+        pgid = self.record.pid
         if self.alive() or group_members(pgid):
             self._signal(signal.SIGKILL)
             deadline = time.monotonic() + 10

@@ -119,3 +119,32 @@ def test_cli_status_of_a_cluster_that_never_ran(
 
     assert main(["status", "--name", "nothing-here", "--state-root", str(tmp_path)]) == 1
     assert "is not running" in capsys.readouterr().out
+
+
+def test_restart_kills_a_component_and_starts_the_same_command_line(tmp_path: Path) -> None:
+    """What the fault tests do to etcd or the node agent, on a cluster attached from another
+    process: the component is known by its record alone, so its command line is read back."""
+    from conveyor.cluster import Cluster, ClusterSettings
+    from conveyor.cluster.api import wait_for
+    from conveyor.cluster.state import read_state, write_state
+
+    cluster = Cluster(ClusterSettings(name="restart-test", state_root=tmp_path))
+    cluster.work_dir.mkdir(parents=True)
+    first = ManagedProcess("component", ["sleep", "300"], cluster.logs_dir / "component.log")
+    record = first.start()
+    try:
+        cluster.state = ClusterState("restart-test", "br", "p", "s", "g", processes=[record])
+        write_state(cluster.work_dir, cluster.state)
+        cluster.processes["component"] = ManagedProcess.adopt(record, first.log_path)
+        cmdline = Path(f"/proc/{record.pid}/cmdline")
+        wait_for("sleep's exec", lambda: cmdline.read_bytes(), timeout_s=10, interval_s=0.01)
+        second = cluster.restart("component")
+        first._reap()
+        assert not record.alive()
+        assert second.record is not None and second.record.pid != record.pid
+        assert Path(f"/proc/{second.record.pid}/cmdline").read_bytes() == b"sleep\x00300\x00"
+        saved = read_state(cluster.work_dir)
+        assert saved is not None and saved.processes == [second.record]
+    finally:
+        for proc in (first, cluster.processes["component"]):
+            proc.stop(grace_s=1)
