@@ -1,17 +1,25 @@
-"""``conveyor bench gateway``: routing policies side by side, and the gateway's own overhead.
+"""``conveyor bench gateway``: the gateway's routing policies and its own overhead, side by
+side with the Rust routers users would put in front of vLLM or SGLang instead (``--peers
+vllm-router,sglang-router``: installed pinned into cached environments, ``routers.py``).
 
-Part ``routing``: several runtime replicas (built-in model, small KV caches) behind one
-gateway per policy, a multi-turn shared-prefix chat workload (every user has a shared
-system prompt, a long private document in the first message, and a growing conversation).
-The working set of all conversations exceeds one replica's KV cache but fits in all of
-them, which is when routing decides the cache hit rate. Each policy gets fresh text, so
-no policy inherits another's cache. Prints TTFT p50/p95, throughput, the prefix-cache hit
-rate from the replicas' /metrics and the spread of requests over replicas.
+Part ``overhead`` (a stub replica, no model, so the proxy is what is measured): one stub
+reached directly and through each proxy. The added latency: probes one at a time
+(non-streamed, and streamed: time to first chunk) while 16, then 200 streams stay open
+on the same path, p50/p99 minus the direct path's; then the most concurrent streams each
+path holds with no error, ramping up to 4,000 and more (the file-descriptor limit is
+raised to its hard limit first, and printed with what it bounds).
 
-Part ``overhead``: a minimal streaming server (``stub``), reached directly and
-through the gateway at the same concurrency: added TTFT and end-to-end latency; then
-N streams held open at once through the gateway, for growing N, counting errors.
+Part ``routing`` (runtime replicas, the built-in model, small KV caches): the same
+multi-turn shared-prefix chat workload (every user has a shared system prompt, a long
+private document in the first message, and a growing conversation) through the gateway's
+policies and each router's cache-aware policy (and vllm-router's consistent hashing, on
+the ``user`` field). The working set of all conversations exceeds one replica's KV cache
+but fits in all of them, which is when routing decides the cache hit rate. Each run gets
+fresh text, so none inherits another's cache. TTFT p50/p95, throughput, the prefix-cache
+hit rate from the replicas' /metrics and the spread of requests over replicas (also from
+their /metrics, so it counts the same for every proxy).
 
+Then one table: each figure per proxy and the gateway's over the best peer's, and a PNG.
 Figures only; nothing here asserts on time.
 """
 
@@ -19,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from conveyor.bench.gateway import report, routers
 from conveyor.bench.gateway.overhead import bench_overhead
 from conveyor.bench.gateway.routing import bench_routing
 from conveyor.bench.gateway.settings import BenchSettings
@@ -59,11 +69,66 @@ def main(argv: list[str]) -> int:
             help=f"{docs[name]} (default {default})",
         )
     s = BenchSettings(**vars(parser.parse_args(argv)))
-    if s.part not in ("routing", "overhead", "all"):
-        print("conveyor bench gateway: --part must be routing, overhead or all", file=sys.stderr)
+    try:
+        if s.part not in ("routing", "overhead", "all"):
+            raise ValueError("--part must be routing, overhead or all")
+        peers = routers.parse_peers(s.peers)
+        concurrency = _numbers(s.overhead_concurrency, "--overhead-concurrency")
+        steps = _numbers(s.max_streams, "--max-streams")
+    except ValueError as exc:
+        print(f"conveyor bench gateway: {exc}", file=sys.stderr)
         return 2
-    if s.part in ("routing", "all"):
-        bench_routing(s)
+    try:
+        installed = [(r, routers.ensure(r, lambda m: print(f"[peers] {m}", flush=True)))
+                     for r in peers]  # fmt: skip
+    except routers.RouterInstallError as exc:
+        print(f"conveyor bench gateway: {exc}", file=sys.stderr)
+        return 1
+    print(raise_open_files_limit())
+    overhead: report.Overhead = {}
+    held: dict[str, int] = {}
+    routing: report.Routing = {}
     if s.part in ("overhead", "all"):
-        bench_overhead(s)
+        overhead, held = bench_overhead(installed, concurrency, s.overhead_requests, steps)
+    if s.part in ("routing", "all"):
+        routing = bench_routing(s, installed)
+    proxies = ["conveyor", *(r.name for r in peers)]
+    print("\n== side by side" + (" (ratios: conveyor / best peer)" if peers else "") + " ==")
+    print(report.summary(proxies, overhead, held, routing))
+    if s.plot:
+        report.plot(Path(s.plot), proxies, overhead, held, routing)
+        print(f"\nplot: {s.plot}")
     return 0
+
+
+def _numbers(spec: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise ValueError(f"{flag} takes comma-separated whole numbers (got {spec!r})")
+    return values
+
+
+def raise_open_files_limit() -> str:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (the proxies, stubs and
+    routers started from here inherit it) and say what bounds the streams held."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    now = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    ports = "?"
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        ports = str(int(high) - int(low) + 1)
+    except (OSError, ValueError):
+        pass
+    return (
+        f"open files: {now} per process (soft limit raised from {soft}; hard {hard}); a stream "
+        f"through a proxy takes 2 of the proxy's (client and replica side), 1 of the client's and "
+        f"1 of the stub's, so a proxy holds at most ~{now // 2} streams; loopback ports: {ports} "
+        f"ephemeral, 2 per proxied stream"
+    )

@@ -1,97 +1,153 @@
-"""Part ``overhead`` of ``conveyor bench gateway``: the stub reached directly and through
-the gateway, and how many streams the gateway holds open at once (see ``command``)."""
+"""Part ``overhead`` of ``conveyor bench gateway``: what a proxy adds to a request, and how
+many streams it holds open at once (see ``command``). Every path fronts the same stub
+replica (``stub.py``, no model), so what differs between paths is the proxy alone."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
 from conveyor.bench.gateway import processes
-from conveyor.bench.gateway.settings import BenchSettings
+from conveyor.bench.gateway.routers import RustRouter
 from conveyor.bench.gateway.table import table
+from conveyor.bench.procs import ChildProcess, start_all
 from conveyor.bench.stats import percentile
 
+HEADERS = {"content-type": "application/json"}
+HOLD_PACE_MS = 250
+"""Chunk interval of the streams held open while latency is probed."""
+RAMP_PACE_MS = 1000
+"""Chunk interval of the streams of the most-streams ramp: slow, so the ramp measures open
+connections rather than chunk throughput on shared cores."""
+PROBE_TOKENS = 16
+"""Chunks of a streamed probe (sent back to back) and words of a non-streamed one."""
 
-async def closed_loop(
-    url: str, concurrency: int, requests: int, tokens: int
-) -> tuple[list[float], list[float], int]:
-    ttfts: list[float] = []
-    e2es: list[float] = []
-    errors = 0
-    remaining = requests
-    body = json.dumps(
-        {"model": "stub", "prompt": "x", "stream": True, "max_tokens": tokens}
-    ).encode()
-    headers = {"content-type": "application/json"}
+
+def _body(prompt: str, max_tokens: int, stream: bool) -> bytes:
+    doc = {"model": "stub", "prompt": prompt, "stream": stream, "max_tokens": max_tokens}
+    return json.dumps(doc).encode()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One way to reach the stub: ``direct`` or through a proxy."""
+
+    name: str
+    url: str
+
+
+@dataclass
+class Probes:
+    """Latencies in seconds of the probes sent on one path."""
+
+    whole: list[float] = field(default_factory=list)
+    """Non-streamed: request sent to whole response read."""
+    ttft: list[float] = field(default_factory=list)
+    """Streamed: request sent to first chunk."""
+    e2e: list[float] = field(default_factory=list)
+    """Streamed: request sent to last chunk."""
+    broken: int = 0
+    """Held streams that broke while the probes ran."""
+
+    def extend(self, other: Probes) -> None:
+        self.whole += other.whole
+        self.ttft += other.ttft
+        self.e2e += other.e2e
+        self.broken += other.broken
+
+
+async def probe_under_load(url: str, background: int, probes: int) -> Probes:
+    """``probes`` non-streamed and ``probes`` streamed requests, alternating and one at a
+    time, while ``background`` streams (a chunk every 250 ms each) stay open on the path."""
+    out = Probes()
+    hold_body = _body(f"pace {HOLD_PACE_MS}", 100000, True)
+    whole_body = _body("x", PROBE_TOKENS, False)
+    stream_body = _body("x", PROBE_TOKENS, True)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
     ) as session:
+        opened = asyncio.Event()
+        open_count = 0
 
-        async def worker() -> None:
-            nonlocal remaining, errors
-            while remaining > 0:
-                remaining -= 1
+        async def hold() -> None:
+            nonlocal open_count
+            try:
+                async with session.post(
+                    url + "/v1/completions", data=hold_body, headers=HEADERS
+                ) as r:
+                    async for _chunk in r.content.iter_any():
+                        if not opened.is_set():
+                            open_count += 1
+                            if open_count == background:
+                                opened.set()
+            except (aiohttp.ClientError, TimeoutError):
+                out.broken += 1
+
+        holders = [asyncio.create_task(hold()) for _ in range(background)]
+        try:
+            if background:
+                async with asyncio.timeout(120):
+                    await opened.wait()
+            for _ in range(probes):
                 start = time.perf_counter()
-                first = None
-                try:
-                    async with session.post(
-                        url + "/v1/completions", data=body, headers=headers
-                    ) as r:
-                        if r.status != 200:
-                            errors += 1
-                            continue
-                        async for _chunk in r.content.iter_any():
-                            if first is None:
-                                first = time.perf_counter() - start
-                except (aiohttp.ClientError, TimeoutError):
-                    errors += 1
-                    continue
-                ttfts.append(first or 0.0)
-                e2es.append(time.perf_counter() - start)
+                async with session.post(
+                    url + "/v1/completions", data=whole_body, headers=HEADERS
+                ) as r:
+                    await r.read()
+                out.whole.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                async with session.post(
+                    url + "/v1/completions", data=stream_body, headers=HEADERS
+                ) as r:
+                    await r.content.readany()
+                    out.ttft.append(time.perf_counter() - start)
+                    await r.read()
+                out.e2e.append(time.perf_counter() - start)
+        finally:
+            for task in holders:
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+    return out
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return ttfts, e2es, errors
 
-
-async def hold_streams(
-    url: str, n: int, tokens: int, ramp_s: float
-) -> tuple[int, Counter[str], int]:
+async def hold_streams(url: str, n: int, ramp_s: float) -> tuple[int, Counter[str], int]:
     """Open ``n`` streams over ``ramp_s`` seconds, each long enough to outlast the ramp;
     (completed, errors by kind, most streams open at the same time)."""
     open_now = peak = completed = 0
     errors: Counter[str] = Counter()
-    body = json.dumps(
-        {"model": "stub", "prompt": "x", "stream": True, "max_tokens": tokens}
-    ).encode()
+    chunks = int(ramp_s * 1000 / RAMP_PACE_MS) + 6
+    body = _body(f"pace {RAMP_PACE_MS}", chunks, True)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=300)
     ) as session:
 
         async def one(i: int) -> None:
-            nonlocal open_now, peak, completed, errors
+            nonlocal open_now, peak, completed
             counted = False
             await asyncio.sleep(ramp_s * i / n)  # pacing the load generator, not synchronisation
             try:
-                async with session.post(
-                    url + "/v1/completions", data=body, headers={"content-type": "application/json"}
-                ) as r:
+                async with session.post(url + "/v1/completions", data=body, headers=HEADERS) as r:
                     if r.status != 200:
                         errors[f"HTTP {r.status}"] += 1
                         return
-                    data = b""
+                    tail = b""
                     async for chunk in r.content.iter_any():
                         if not counted:
                             counted = True
                             open_now += 1
                             peak = max(peak, open_now)
-                        data += chunk
-                    if data.endswith(b"data: [DONE]\n\n") and b'"error"' not in data:
+                        tail = (tail + chunk)[-64:]
+                    if tail.rstrip().endswith(b"data: [DONE]"):
                         completed += 1
                     else:
                         errors["broken stream"] += 1
@@ -105,116 +161,105 @@ async def hold_streams(
     return completed, errors, peak
 
 
-async def probe_under_load(url: str, background: int, probes: int) -> tuple[list[float], int]:
-    """TTFT of ``probes`` one-chunk requests, one after another, while ``background`` long
-    streams are held open on the same path; returns (TTFTs, background streams that broke)."""
-    headers = {"content-type": "application/json"}
-    long_body = json.dumps(
-        {"model": "stub", "prompt": "x", "stream": True, "max_tokens": 100000}
-    ).encode()
-    probe_body = json.dumps(
-        {"model": "stub", "prompt": "x", "stream": True, "max_tokens": 1}
-    ).encode()
-    connector = aiohttp.TCPConnector(limit=0)
-    broken = 0
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
-    ) as session:
-        opened = asyncio.Event()
-        open_count = 0
+def _ms(value: float | None, sign: str = "") -> str:
+    return "nan" if value is None else f"{value * 1000:{sign}.2f}"
 
-        async def hold() -> None:
-            nonlocal open_count, broken
-            try:
-                async with session.post(
-                    url + "/v1/completions", data=long_body, headers=headers
-                ) as r:
-                    async for _chunk in r.content.iter_any():
-                        if not opened.is_set():
-                            open_count += 1
-                            if open_count == background:
-                                opened.set()
-            except (aiohttp.ClientError, TimeoutError):
-                broken += 1
 
-        holders = [asyncio.create_task(hold()) for _ in range(background)]
-        async with asyncio.timeout(120):
-            await opened.wait()
-        ttfts = []
-        for _ in range(probes):
+def added_latency(
+    targets: list[Target], concurrency: list[int], requests: int, rounds: int = 2
+) -> dict[int, dict[str, dict[str, float | None]]]:
+    """Per concurrency and path: p50/p99 of each probe kind, and what the path adds to
+    ``direct``'s. Paths take turns, in reverse order every other round, so drift on the
+    shared machine falls on all of them alike."""
+    results: dict[int, dict[str, dict[str, float | None]]] = {}
+    for c in concurrency:
+        merged = {t.name: Probes() for t in targets}
+        for r in range(rounds):
+            for t in targets if r % 2 == 0 else list(reversed(targets)):
+                merged[t.name].extend(asyncio.run(probe_under_load(t.url, c, requests)))
+        direct = merged.get("direct")
+        figures: dict[str, dict[str, float | None]] = {}
+        rows = []
+        for t in targets:
+            p = merged[t.name]
+            row: dict[str, float | None] = {"broken": float(p.broken)}
+            for kind in ("whole", "ttft", "e2e"):
+                values = getattr(p, kind)
+                for q in (50, 99):
+                    row[f"{kind}_p{q}"] = v = percentile(values, q)
+                    base = None if direct is None else percentile(getattr(direct, kind), q)
+                    row[f"{kind}_added_p{q}"] = None if v is None or base is None else v - base
+            figures[t.name] = row
+            rows.append([
+                t.name,
+                *(_ms(row[f"{k}_p{q}"]) for k in ("whole", "ttft", "e2e") for q in (50, 99)),
+                *(_ms(row[f"{k}_added_p{q}"], "+") for k in ("whole", "ttft") for q in (50, 99)),
+                str(p.broken),
+            ])  # fmt: skip
+        results[c] = figures
+        print(f"\n{c} streams held open (a chunk every {HOLD_PACE_MS} ms each), "
+              f"{requests * rounds} probes of each kind per path, one at a time "
+              f"(non-streamed: {PROBE_TOKENS} words; streamed: {PROBE_TOKENS} chunks at once); ms:")  # fmt: skip
+        print(table(
+            ["path", "whole p50", "whole p99", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
+             "+whole p50", "+whole p99", "+TTFT p50", "+TTFT p99", "broken"],
+            rows,
+        ), flush=True)  # fmt: skip
+    return results
+
+
+def most_streams(targets: list[Target], steps: list[int], ramp_s: float = 4.0) -> dict[str, int]:
+    """Per path: streams opened over ``ramp_s`` and held at once, more each time, until one
+    fails; the most held with no error."""
+    print(f"\nstreams opened over {ramp_s:g} s and held at once (a chunk every "
+          f"{RAMP_PACE_MS} ms, ~{ramp_s + 6:g} s each):")  # fmt: skip
+    rows = []
+    held: dict[str, int] = {}
+    for t in targets:
+        held[t.name] = 0
+        for n in steps:
             start = time.perf_counter()
-            async with session.post(url + "/v1/completions", data=probe_body, headers=headers) as r:
-                await r.content.readany()
-                ttfts.append(time.perf_counter() - start)
-                await r.read()
-        for task in holders:
-            task.cancel()
-        await asyncio.gather(*holders, return_exceptions=True)
-    return ttfts, broken
+            completed, errors, peak = asyncio.run(hold_streams(t.url, n, ramp_s))
+            kinds = ", ".join(f"{k} x{v}" for k, v in errors.items()) or "-"
+            rows.append([t.name, str(n), str(peak), str(completed), str(errors.total()), kinds,
+                         f"{time.perf_counter() - start:.1f}"])  # fmt: skip
+            print(f"  {t.name}: {n} streams, {errors.total()} errors", flush=True)
+            if errors:
+                break
+            held[t.name] = peak
+    print(table(["path", "streams", "peak open", "completed", "errors", "kinds", "wall s"], rows))
+    return held
 
 
-def bench_overhead(s: BenchSettings) -> None:
-    print(
-        f"\n== overhead: minimal streaming server, {s.overhead_concurrency} streams held open ==",
-        flush=True,
-    )
-    with processes.stub("--token-interval-ms", "250") as stub:
-        # A generous connect timeout: on a shared 2-core machine the stub, not the gateway, is
-        # slow to accept thousands of connections at once.
-        args = ("--routing", "least-load", "--connect-timeout", "10")
-        with processes.gateway([stub.url], *args) as gateway:
-            processes.wait_admitted(gateway, 1)
-            asyncio.run(closed_loop(stub.url, 20, 200, 1))  # warm both paths up
-            asyncio.run(closed_loop(gateway.url, 20, 200, 1))
-            added_latency(s, stub.url, gateway.url)
-            most_streams(s, gateway.url)
+@contextlib.contextmanager
+def stub_paths(peers: list[tuple[RustRouter, Path]]) -> Iterator[list[Target]]:
+    """One stub, and each proxy in front of it with its default policy (the gateway's
+    prefix-aware, the routers' cache_aware): ``direct`` first, then the proxies."""
+    # A generous connect timeout: on a shared 2-core machine the stub, not the gateway, is
+    # slow to accept thousands of connections at once.
+    with processes.stub() as stub:
+        children: list[tuple[str, ChildProcess]] = [
+            ("conveyor", processes.gateway([stub.url], "--connect-timeout", "10"))
+        ]
+        children += [(r.name, processes.rust_router(r, venv, [stub.url], "cache_aware"))
+                     for r, venv in peers]  # fmt: skip
+        start_all([child for _, child in children])
+        try:
+            processes.wait_admitted(children[0][1], 1)
+            yield [Target("direct", stub.url), *(Target(n, c.url) for n, c in children)]
+        finally:
+            for _, child in children:
+                child.stop()
 
 
-def _ms(value: float | None, digits: int = 2, sign: str = "") -> str:
-    return "nan" if value is None else f"{value * 1000:{sign}.{digits}f}"
-
-
-def added_latency(s: BenchSettings, direct_url: str, gateway_url: str) -> None:
-    """TTFT of sequential probes with streams held open: direct, through the gateway, direct."""
-    rows = []
-    results = {}
-    for name, url in (
-        ("direct", direct_url),
-        ("gateway", gateway_url),
-        ("direct (again)", direct_url),
-    ):
-        ttfts, broken = asyncio.run(
-            probe_under_load(url, s.overhead_concurrency, s.overhead_requests)
-        )
-        results[name] = ttfts
-        rows.append([name, *(_ms(percentile(ttfts, q)) for q in (50, 90, 99)), str(broken)])
-    print(f"TTFT of {s.overhead_requests} sequential probes while {s.overhead_concurrency} streams "
-          "(a chunk every 250 ms each) stay open on the same path:")  # fmt: skip
-    print(table(["path", "p50 ms", "p90 ms", "p99 ms", "broken streams"], rows))
-    direct = results["direct"] + results["direct (again)"]
-    via = results["gateway"]
-
-    def added(q: float) -> str:
-        a, b = percentile(via, q), percentile(direct, q)
-        return _ms(None if a is None or b is None else a - b, sign="+")
-
-    print(f"\nadded by the gateway: p50 {added(50)} ms, p99 {added(99)} ms")
-
-
-def most_streams(s: BenchSettings, gateway_url: str) -> None:
-    """Streams opened over 2 s and held at once, more each time, until one fails."""
-    print(
-        "\nstreams opened over 2 s and held at once through the gateway (40 chunks, 250 ms apart):"
-    )
-    rows = []
-    for n in [int(x) for x in s.max_streams.split(",") if x]:
-        start = time.perf_counter()
-        completed, errors, peak = asyncio.run(hold_streams(gateway_url, n, 40, 2.0))
-        kinds = ", ".join(f"{k} x{v}" for k, v in errors.items()) or "-"
-        rows.append([str(n), str(peak), str(completed), str(errors.total()), kinds,
-                     f"{time.perf_counter() - start:.1f}"])  # fmt: skip
-        if errors:
-            break
-    print(table(["streams", "peak open", "completed", "errors", "kinds", "wall s"], rows))
-    held = [int(r[1]) for r in rows if r[3] == "0"]
-    print(f"\nmost concurrent streams held without errors: {max(held) if held else 0}")
+def bench_overhead(
+    peers: list[tuple[RustRouter, Path]], concurrency: list[int], requests: int, steps: list[int]
+) -> tuple[dict[int, dict[str, dict[str, float | None]]], dict[str, int]]:
+    names = ", ".join(["conveyor", *(r.name for r, _ in peers)])
+    print(f"\n== overhead (stub replica, no model): direct vs {names} ==", flush=True)
+    with stub_paths(peers) as targets:
+        for t in targets:  # warm every path up: connections, caches
+            asyncio.run(probe_under_load(t.url, 0, 50))
+        latency = added_latency(targets, concurrency, requests)
+        held = most_streams(targets, steps)
+    return latency, held

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 
+from conveyor.bench.gateway import routers
 from conveyor.bench.gateway.settings import MODEL
-from conveyor.bench.procs import ChildProcess, conveyor_serve, python_module
+from conveyor.bench.procs import ChildProcess, conveyor_serve, free_port, python_module
 from conveyor.bench.wait import wait_until
 
 
@@ -43,6 +46,22 @@ def gateway(backends: list[str], *extra: str) -> ChildProcess:
             *extra,
         ),
         ready_path="/health",
+    )
+
+
+def rust_router(
+    router: routers.RustRouter, venv: Path, workers: list[str], policy: str
+) -> ChildProcess:
+    """A Rust router (``routers.py``) in front of ``workers``; ready once its /health answers,
+    which both give only after their workers answered theirs."""
+    metrics_port = free_port()
+    return ChildProcess(
+        router.name,
+        lambda port: routers.command(
+            router, venv, port=port, workers=workers, policy=policy, metrics_port=metrics_port
+        ),
+        ready_path="/health",
+        ready_timeout=120,
     )
 
 

@@ -1,35 +1,39 @@
-"""Part ``routing`` of ``conveyor bench gateway``: the routing policies side by side on a
-multi-turn shared-prefix chat workload (see ``command``)."""
+"""Part ``routing`` of ``conveyor bench gateway``: routing policies side by side on a
+multi-turn shared-prefix chat workload over runtime replicas (see ``command``)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.bench.gateway import processes
+from conveyor.bench.gateway.routers import RustRouter
 from conveyor.bench.gateway.settings import MODEL, BenchSettings
 from conveyor.bench.gateway.table import table
-from conveyor.bench.procs import start_all
+from conveyor.bench.procs import ChildProcess, start_all
 from conveyor.bench.stats import percentile
-from conveyor.runtime.metrics_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from conveyor.runtime.metrics_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, REQUEST_SUCCESS
+
+CONVEYOR_POLICIES = ("round-robin", "least-load", "prefix-aware")
 
 
-def prefix_cache_counters(url: str) -> tuple[float, float]:
+def replica_counters(url: str) -> tuple[float, float, float]:
+    """(prefix-cache queries, hits, requests finished) from a replica's /metrics."""
     text = httpx.get(url + "/metrics", timeout=10).text
-    queries = hits = 0.0
+    totals = dict.fromkeys((PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, REQUEST_SUCCESS), 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == PREFIX_CACHE_QUERIES:
-                queries += sample.value
-            elif sample.name == PREFIX_CACHE_HITS:
-                hits += sample.value
-    return queries, hits
+            if sample.name in totals:
+                totals[sample.name] += sample.value
+    return totals[PREFIX_CACHE_QUERIES], totals[PREFIX_CACHE_HITS], totals[REQUEST_SUCCESS]
 
 
 def words(rng: random.Random, chars: int) -> str:
@@ -46,8 +50,12 @@ def words(rng: random.Random, chars: int) -> str:
 
 async def run_user(
     session: aiohttp.ClientSession, url: str, s: BenchSettings, system: str, user: int, salt: str
-) -> list[tuple[float, float, str]]:
-    """One user's conversation, turn after turn: (TTFT, end-to-end, backend) per turn."""
+) -> list[tuple[float, float]]:
+    """One user's conversation, turn after turn: (TTFT, end-to-end) per turn.
+
+    Each request carries the OpenAI ``user`` field: vllm-router's consistent_hash keys on it
+    (it would hash the whole, ever-changing, text otherwise); the others ignore it.
+    """
     rng = random.Random(f"{salt}-{user}")
     messages = [
         {"role": "system", "content": system},
@@ -56,7 +64,7 @@ async def run_user(
     results = []
     for turn in range(s.turns):
         body = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": s.max_tokens,
-                "temperature": 0.0}  # fmt: skip
+                "temperature": 0.0, "user": f"{salt}-user-{user}"}  # fmt: skip
         start = time.perf_counter()
         ttft = None
         async with session.post(url + "/v1/chat/completions", json=body) as response:
@@ -64,11 +72,10 @@ async def run_user(
                 raise RuntimeError(
                     f"routing request failed: {response.status} {await response.text()}"
                 )
-            backend = response.headers.get("x-conveyor-backend", "")
             async for _chunk in response.content.iter_any():
                 if ttft is None:
                     ttft = time.perf_counter() - start
-        results.append((ttft or 0.0, time.perf_counter() - start, backend))
+        results.append((ttft or 0.0, time.perf_counter() - start))
         messages += [
             {"role": "assistant", "content": f"answer {turn}: " + words(rng, s.turn_chars)},
             {"role": "user", "content": f"question {turn + 1}: " + words(rng, s.turn_chars)},
@@ -76,9 +83,9 @@ async def run_user(
     return results
 
 
-async def run_policy(
+async def run_workload(
     url: str, s: BenchSettings, salt: str
-) -> tuple[list[tuple[float, float, str]], float]:
+) -> tuple[list[tuple[float, float]], float]:
     system = f"[{salt}] You are a helpful assistant. " + words(random.Random(salt), s.system_chars)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         start = time.perf_counter()
@@ -88,57 +95,97 @@ async def run_policy(
         return [r for user in per_user for r in user], time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class RoutingRun:
+    """One proxy with one policy in front of the replicas."""
+
+    proxy: str
+    """``conveyor`` or a Rust router's name."""
+    policy: str
+    start: Callable[[list[str]], ChildProcess]
+    """Starts the proxy in front of the replica URLs (ready when it returns)."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.proxy} {self.policy}"
+
+
+def routing_runs(peers: list[tuple[RustRouter, Path]]) -> list[RoutingRun]:
+    """The gateway's three policies, then each router's cache-aware policy (and vllm-router's
+    consistent hashing)."""
+
+    def conveyor(policy: str) -> Callable[[list[str]], ChildProcess]:
+        def start(urls: list[str]) -> ChildProcess:
+            gateway = processes.gateway(urls, "--routing", policy).start()
+            processes.wait_admitted(gateway, len(urls))
+            return gateway
+
+        return start
+
+    def router(r: RustRouter, venv: Path, policy: str) -> Callable[[list[str]], ChildProcess]:
+        return lambda urls: processes.rust_router(r, venv, urls, policy).start()
+
+    runs = [RoutingRun("conveyor", p, conveyor(p)) for p in CONVEYOR_POLICIES]
+    for r, venv in peers:
+        for policy in ("cache_aware", "consistent_hash"):
+            if policy in r.policies:
+                runs.append(RoutingRun(r.name, policy, router(r, venv, policy)))
+    return runs
+
+
 def _ms(value: float | None) -> str:
     return "nan" if value is None else f"{value * 1000:.0f}"
 
 
-def bench_routing(s: BenchSettings) -> None:
-    print(
-        f"\n== routing: {s.replicas} replicas x {s.max_total_tokens} KV tokens, {s.users} users x "
-        f"{s.turns} turns; working set ~{s.users * (s.system_chars + s.document_chars + 2 * s.turns * s.turn_chars)} "
-        f"tokens ==",
-        flush=True,
-    )
+def bench_routing(
+    s: BenchSettings, peers: list[tuple[RustRouter, Path]]
+) -> dict[str, dict[str, float]]:
+    """Each run's figures by label: TTFT p50/p95 (s), req/s, prefix hit rate, max/min."""
+    working_set = s.users * (s.system_chars + s.document_chars + 2 * s.turns * s.turn_chars)
+    print(f"\n== routing (runtime replicas, {MODEL}): {s.replicas} replicas x "
+          f"{s.max_total_tokens} KV tokens, {s.users} users x {s.turns} turns; working set "
+          f"~{working_set} tokens ==", flush=True)  # fmt: skip
     replicas = [processes.replica(s.num_threads, s.max_total_tokens) for _ in range(s.replicas)]
+    figures: dict[str, dict[str, float]] = {}
     rows = []
     try:
         start_all(replicas)
-        for policy in ("round-robin", "least-load", "prefix-aware"):
-            gateway = processes.gateway([r.url for r in replicas], "--routing", policy).start()
+        urls = [r.url for r in replicas]
+        for run in routing_runs(peers):
+            proxy = run.start(urls)
             try:
-                processes.wait_admitted(gateway, len(replicas))
-                before = [prefix_cache_counters(r.url) for r in replicas]
-                results, wall = asyncio.run(run_policy(gateway.url, s, salt=policy))
-                after = [prefix_cache_counters(r.url) for r in replicas]
+                before = [replica_counters(u) for u in urls]
+                results, wall = asyncio.run(run_workload(proxy.url, s, salt=run.label))
+                after = [replica_counters(u) for u in urls]
             finally:
-                gateway.stop()
+                proxy.stop()
             queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
             hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
+            counts = [a[2] - b[2] for a, b in zip(after, before, strict=True)]
             ttfts = [r[0] for r in results]
-            per_replica = Counter(r[2] for r in results)
-            counts = [per_replica.get(r.url, 0) for r in replicas]
+            f = figures[run.label] = {
+                "ttft_p50": percentile(ttfts, 50) or 0.0,
+                "ttft_p95": percentile(ttfts, 95) or 0.0,
+                "req_s": len(results) / wall,
+                "tok_s": len(results) * s.max_tokens / wall,
+                "hit": hits / queries if queries else 0.0,
+                "max_req": max(counts),
+                "min_req": min(counts),
+                "spread": max(counts) / max(1.0, min(counts)),
+            }
             rows.append([
-                policy,
-                _ms(percentile(ttfts, 50)),
-                _ms(percentile(ttfts, 95)),
-                f"{len(results) / wall:.2f}",
-                f"{len(results) * s.max_tokens / wall:.1f}",
-                f"{hits / queries:.1%}" if queries else "n/a",
-                f"{max(counts)}/{min(counts)}",
-                f"{max(counts) / max(1, min(counts)):.2f}",
+                run.label, _ms(f["ttft_p50"]), _ms(f["ttft_p95"]), f"{f['req_s']:.2f}",
+                f"{f['tok_s']:.1f}", f"{f['hit']:.1%}", f"{max(counts):.0f}/{min(counts):.0f}",
+                f"{f['spread']:.2f}",
             ])  # fmt: skip
-            print(f"  {policy}: done in {wall:.1f}s", flush=True)
+            print(f"  {run.label}: done in {wall:.1f}s", flush=True)
     finally:
         for replica in replicas:
             replica.stop()
     print()
     print(table(
-        ["policy", "TTFT p50 ms", "TTFT p95 ms", "req/s", "out tok/s", "prefix hit", "max/min req", "ratio"],
+        ["proxy policy", "TTFT p50 ms", "TTFT p95 ms", "req/s", "out tok/s", "prefix hit",
+         "max/min req", "ratio"],
         rows,
     ))  # fmt: skip
-    base = {r[0]: r for r in rows}
-    rr, pa = base["round-robin"], base["prefix-aware"]
-    print(
-        f"\nprefix-aware vs round-robin: TTFT p50 {float(rr[1]) / max(1e-9, float(pa[1])):.2f}x lower, "
-        f"throughput {float(pa[3]) / max(1e-9, float(rr[3])):.2f}x"
-    )
+    return figures

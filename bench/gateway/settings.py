@@ -12,11 +12,15 @@ MODEL = "conveyor-tiny"
 class BenchSettings:
     part: str = "all"
     """routing, overhead or all."""
-    replicas: int = 3
+    peers: str = ""
+    """Rust routers measured side by side with the gateway, comma-separated: vllm-router,
+    sglang-router (installed pinned into a cached environment on first use); empty: the
+    gateway alone."""
+    replicas: int = 4
     """Runtime replicas for the routing part; few, as they share the machine's cores."""
     max_total_tokens: int = 4096
     """KV cache of each replica in tokens; the users' working set must exceed one, fit in all."""
-    users: int = 6
+    users: int = 8
     """Concurrent users of the routing part, each with its own conversation."""
     turns: int = 5
     """Turns per user."""
@@ -30,9 +34,12 @@ class BenchSettings:
     """Output tokens per routing request: short, so prefill (what the cache saves) dominates."""
     num_threads: int = 1
     """Torch threads per runtime replica."""
-    overhead_concurrency: int = 200
-    """Streams held open while the added latency is measured."""
-    overhead_requests: int = 500
-    """Probe requests per path (direct, through the gateway) for the added-latency figure."""
-    max_streams: str = "250,500,1000,2000"
-    """Numbers of streams held open at once through the gateway, tried in order."""
+    overhead_concurrency: str = "16,200"
+    """Streams held open (a chunk every 250 ms each) while the added latency is measured,
+    comma-separated: one measurement per number."""
+    overhead_requests: int = 200
+    """Probes per kind (non-streamed, streamed) per path and round for the added latency."""
+    max_streams: str = "1000,2000,4000"
+    """Numbers of streams held open at once through each path, tried in order until one fails."""
+    plot: str = "gateway-bench.png"
+    """PNG of the side-by-side figures (empty: none)."""

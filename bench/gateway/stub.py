@@ -35,7 +35,9 @@ class StubSettings:
     tokens: int = 16
     """Chunks per streamed completion (and words in a non-streamed one)."""
     token_interval_ms: float = 0.0
-    """Pause between chunks in milliseconds, to hold streams open for concurrency tests."""
+    """Pause between chunks in milliseconds, to hold streams open for concurrency tests. A
+    request whose prompt is ``pace MS`` is paced by MS instead, so one stub serves both held
+    streams and fast probes, through routers that forward only the standard fields."""
     max_running_requests: int = 256
     """Reported in /load; the stub itself never queues."""
     max_queued_requests: int = -1
@@ -103,7 +105,8 @@ class StubApp:
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
         base = {"id": "cmpl-stub", "created": created, "model": self.s.model}
-        n = int(request.get("max_tokens") or self.s.tokens)
+        # sglang-router forwards a chat's max_tokens as max_completion_tokens
+        n = int(request.get("max_tokens") or request.get("max_completion_tokens") or self.s.tokens)
         if not request.get("stream"):
             text = " ".join([self.name] * n)
             choice = (
@@ -122,7 +125,7 @@ class StubApp:
             "type": "http.response.start", "status": 200,
             "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
         })  # fmt: skip
-        interval = self.s.token_interval_ms / 1000
+        interval = _pace(request.get("prompt"), self.s.token_interval_ms) / 1000
         for i in range(n):
             if i and interval:
                 await asyncio.sleep(interval)
@@ -142,6 +145,16 @@ class StubApp:
             if last:
                 payload += b"data: [DONE]\n\n"
             await send({"type": "http.response.body", "body": payload, "more_body": not last})
+
+
+def _pace(prompt: Any, default_ms: float) -> float:
+    """Milliseconds between chunks: ``MS`` for the prompt ``pace MS``, else ``default_ms``."""
+    if isinstance(prompt, str) and prompt.startswith("pace "):
+        try:
+            return float(prompt.removeprefix("pace "))
+        except ValueError:
+            pass
+    return default_ms
 
 
 async def _wait_disconnect(receive: Any) -> None:
