@@ -1,16 +1,20 @@
-"""Polls every replica's ``GET /load`` on a fixed interval from one background task."""
+"""Polls every replica's load on a fixed interval from one background task.
+
+A replica's load is read through ``conveyor.contracts.engine_load``, whatever engine it runs:
+Conveyor's ``GET /load``, or, where a replica answers that with 404 (vLLM, SGLang), its
+``GET /metrics``, which is where it is read from then on. Both at the same interval.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 
 import httpx
 
-from conveyor.contracts.load import ReplicaLoad
+from conveyor.contracts.engine_load import LOAD_PATH, METRICS_PATH, read_load
 from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
@@ -44,12 +48,15 @@ class LoadPoller:
         self._polls: dict[str, asyncio.Task[None]] = {}
         self._unanswered: set[str] = set()
         """Replicas whose last /load poll failed (its first failure is logged, not each)."""
+        self._paths: dict[str, str] = {}
+        """Replicas read from /metrics (they have no /load); any other is read from /load."""
         self._wake = asyncio.Event()
         registry.listeners.append(self._on_change)
 
     def _on_change(self, added: list[Replica], removed: list[Replica]) -> None:
         for replica in removed:
             self._unanswered.discard(replica.url)
+            self._paths.pop(replica.url, None)
             task = self._polls.pop(replica.url, None)
             if task is not None:
                 task.cancel()
@@ -76,16 +83,27 @@ class LoadPoller:
     def _forget_poll(self, url: str, _task: asyncio.Task[None]) -> None:
         self._polls.pop(url, None)
 
+    async def _get(self, url: str, path: str) -> httpx.Response:
+        return await self._client.get(f"{url}{path}", headers=self._headers, timeout=self._timeout)
+
     async def _poll(self, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
         sent_at = loop.time()
         in_flight = replica.in_flight
+        path = self._paths.get(replica.url, LOAD_PATH)
         try:
-            response = await self._client.get(
-                f"{replica.url}/load", headers=self._headers, timeout=self._timeout
-            )
+            response = await self._get(replica.url, path)
+            if response.status_code == 404:
+                # No such path: an engine that says its load on the other one (vLLM and SGLang
+                # on /metrics), or a Conveyor replica at an address a vLLM one had before.
+                path = METRICS_PATH if path == LOAD_PATH else LOAD_PATH
+                response = await self._get(replica.url, path)
+                if path == METRICS_PATH:
+                    self._paths[replica.url] = path
+                else:
+                    self._paths.pop(replica.url, None)
             response.raise_for_status()
-            report = ReplicaLoad.from_json(json.loads(response.content))
+            report = read_load(path, response.content)
         except (httpx.HTTPError, ValueError) as exc:
             was_admitted = replica.admitted(loop.time())
             if replica.url not in self._unanswered:

@@ -70,7 +70,11 @@ def ready_endpoints(slices: Iterable[dict[str, Any]], port_name: str) -> list[En
 def parse_load(text: str) -> tuple[ReplicaSignals, bool]:
     """A replica's ``/load`` JSON (``conveyor.contracts.load``) as (signals, ready);
     ValueError naming what is wrong."""
-    load = ReplicaLoad.from_json(json.loads(text))
+    return load_signals(ReplicaLoad.from_json(json.loads(text)))
+
+
+def load_signals(load: ReplicaLoad) -> tuple[ReplicaSignals, bool]:
+    """A replica's load record, whatever engine filled it, as (signals, ready)."""
     replica = ReplicaSignals(
         waiting=load.waiting,
         running=load.running,

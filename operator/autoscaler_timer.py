@@ -7,7 +7,9 @@ Each tick (a kopf timer per LLMService, ``--autoscale-interval``):
    running, KV usage, still loading?) and ``GET /metrics`` (the TTFT histogram, of which only
    the change over the last ``--autoscale-ttft-window`` seconds counts; the finished-request
    and token counters, whose change over the LLMService's demand and panic windows, with the
-   backlog's, gives demand and, from replicas that had a queue throughout, capacity);
+   backlog's, gives demand and, from replicas that had a queue throughout, capacity); a
+   vLLM or SGLang replica has no ``/load``: all of it is read from its ``/metrics``, under
+   its engine's names (``conveyor.contracts.engine_load``), so ``decide`` stays engine-blind;
 3. the namespace gateway's replicas (the ``conveyor-gateway`` Service's EndpointSlices),
    ``GET /metrics``, ``conveyor_gateway_pending_requests{model=...}`` summed over gateways:
    requests held because no replica is ready (scale from zero); and each gateway's count of
@@ -36,6 +38,12 @@ from typing import Any, Protocol
 
 import httpx
 
+from conveyor.contracts.engine_load import (
+    METRICS_ENGINES,
+    METRICS_PATH,
+    EngineMetrics,
+    load_from_metrics,
+)
 from conveyor.operator import signals
 from conveyor.operator.autoscaler import decide
 from conveyor.operator.autoscaler_model import AutoscalingPolicy, Decision, Observation
@@ -47,6 +55,7 @@ from conveyor.operator.autoscaler_observe import (
     ServiceState,
     build_observation,
     endpointslices_path,
+    load_signals,
     parse_load,
     pending_requests,
     ready_endpoints,
@@ -152,8 +161,9 @@ class AutoscalerTimer:
         runtime, gateways = await asyncio.gather(
             self._endpoints(namespace, name), self._endpoints(namespace, GATEWAY_NAME)
         )
+        engine = METRICS_ENGINES.get(spec.get("engine") or "conveyor")
         replicas, (pending, rejected) = await asyncio.gather(
-            asyncio.gather(*(self._scrape_replica(e) for e in runtime)),
+            asyncio.gather(*(self._scrape_replica(e, engine) for e in runtime)),
             self._gateways(gateways, model),
         )
         current = int(spec.get("replicas", policy.min_replicas))
@@ -195,7 +205,14 @@ class AutoscalerTimer:
         )
         return ready_endpoints(slices, PORT_NAME)
 
-    async def _scrape_replica(self, endpoint: Endpoint) -> ReplicaScrape:
+    async def _scrape_replica(
+        self, endpoint: Endpoint, engine: EngineMetrics | None = None
+    ) -> ReplicaScrape:
+        """One replica's load, TTFT histogram and counters: from ``/load`` and ``/metrics``
+        (Conveyor), or all from ``/metrics`` for an engine that has no ``/load`` (vLLM,
+        SGLang), read through ``conveyor.contracts.engine_load``."""
+        if engine is not None:
+            return await self._scrape_metrics_only(endpoint, engine)
         load_text, metrics_text = await asyncio.gather(
             self.scraper.get_text(f"{endpoint.url}/load"),
             self.scraper.get_text(f"{endpoint.url}/metrics"),
@@ -211,6 +228,26 @@ class AutoscalerTimer:
             try:
                 ttft = signals.parse_histogram(text)
                 counters = signals.parse_counters(text)
+            except ValueError as exc:
+                log.warning("replica %s: bad /metrics: %s", endpoint.url, exc)
+        return ReplicaScrape(endpoint, load, ready, ttft, counters)
+
+    async def _scrape_metrics_only(
+        self, endpoint: Endpoint, engine: EngineMetrics
+    ) -> ReplicaScrape:
+        result: str | BaseException
+        try:
+            result = await self.scraper.get_text(f"{endpoint.url}{METRICS_PATH}")
+        except (httpx.HTTPError, OSError) as exc:
+            result = exc
+        load, ready, ttft, counters = None, False, None, None
+        if (text := _answered(result, f"replica {endpoint.url}: /metrics")) is not None:
+            try:
+                load, ready = load_signals(load_from_metrics(text, engine))
+                ttft = signals.parse_histogram(text, engine.ttft)
+                counters = signals.parse_counters(
+                    text, engine.requests, engine.prompt_tokens, engine.generation_tokens
+                )
             except ValueError as exc:
                 log.warning("replica %s: bad /metrics: %s", endpoint.url, exc)
         return ReplicaScrape(endpoint, load, ready, ttft, counters)

@@ -133,20 +133,26 @@ def parse_rejected(text: str, model: str) -> float:
     return total
 
 
-def parse_counters(text: str) -> tuple[float, float] | None:
+def parse_counters(
+    text: str,
+    requests: str = REQUEST_SUCCESS,
+    prompt_tokens: str = PROMPT_TOKENS,
+    generation_tokens: str = GENERATION_TOKENS,
+) -> tuple[float, float] | None:
     """(finished requests, prompt + generated tokens) in a runtime's Prometheus text, summed
-    over label sets; None when it has no request counter (another engine, or not yet)."""
-    totals = {REQUEST_SUCCESS: 0.0, PROMPT_TOKENS: 0.0, GENERATION_TOKENS: 0.0}
+    over label sets; None when it has no request counter (not yet). The names are Conveyor's
+    unless an engine's own are given (``conveyor.contracts.engine_load.EngineMetrics``)."""
+    totals = {requests: 0.0, prompt_tokens: 0.0, generation_tokens: 0.0}
     found = False
     for family in text_string_to_metric_families(text):
         # declared is enough: a replica that finished nothing yet has no labelled sample
-        found = found or family.name in (REQUEST_SUCCESS, REQUEST_SUCCESS.removesuffix("_total"))
+        found = found or family.name in (requests, requests.removesuffix("_total"))
         for sample in family.samples:
             if sample.name in totals:
                 totals[sample.name] += sample.value
     if not found:
         return None
-    return totals[REQUEST_SUCCESS], totals[PROMPT_TOKENS] + totals[GENERATION_TOKENS]
+    return totals[requests], totals[prompt_tokens] + totals[generation_tokens]
 
 
 class _Scrape(Protocol):

@@ -1,7 +1,8 @@
 """What two components exchange, one torch-free module per document.
 
 ``load``: a replica's ``GET /load`` record (the runtime writes it, the gateway and the
-autoscaler read it). ``endpoint_slice``: which endpoints of a Kubernetes EndpointSlice may
+autoscaler read it). ``engine_load``: that record from whatever engine a replica runs
+(Conveyor's ``/load``, vLLM's and SGLang's ``/metrics``), for the same two readers. ``endpoint_slice``: which endpoints of a Kubernetes EndpointSlice may
 take new requests (the gateway's discovery and the autoscaler). ``openai_error``: the OpenAI
 error body (the runtime and the gateway).
 

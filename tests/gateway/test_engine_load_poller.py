@@ -1,0 +1,74 @@
+"""The load poller reads a vLLM replica through the engine adapter, at the same interval as a
+Conveyor one: /load answers 404, so its /metrics is read, then and at every later poll."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+
+from conveyor.contracts.engine_load import VLLM, load_from_metrics
+from conveyor.gateway.load_poller import LoadPoller
+from conveyor.gateway.metrics import GatewayMetrics
+from conveyor.gateway.pool import Registry
+from conveyor.gateway.round_robin import RoundRobin
+
+VLLM_TEXT = (
+    Path(__file__).parent.parent / "unit" / "exposition" / "vllm-0.32.0-cpu.txt"
+).read_text()
+CONVEYOR_LOAD = {
+    "running": 1, "waiting": 0, "kv_cache_usage": 0.1, "max_running_requests": 4,
+    "max_queued_requests": None, "ready": True,
+}  # fmt: skip
+
+
+def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
+    asked: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(f"{request.url.host}{request.url.path}")
+        if request.url.host == "vllm":
+            if request.url.path == "/metrics":
+                return httpx.Response(200, text=VLLM_TEXT)
+            return httpx.Response(404, json={"detail": "Not Found"})
+        if request.url.path == "/load":
+            return httpx.Response(200, json=CONVEYOR_LOAD)
+        raise AssertionError(f"unexpected request {request.url}")
+
+    metrics = GatewayMetrics()
+
+    async def run() -> None:
+        registry = Registry(lambda _name: RoundRobin())
+        registry.sync("test", {"m": {"http://vllm", "http://conveyor"}})
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            poller = LoadPoller(
+                registry=registry, client=client, metrics=metrics,
+                interval_s=0.0, timeout_s=1.0, backend_api_key=None,
+            )  # fmt: skip
+            for _ in range(3):
+                for replica in registry.replicas.values():
+                    await poller._poll(replica)
+            now = asyncio.get_running_loop().time()
+            vllm = registry.replicas["http://vllm"]
+            assert vllm.admitted(now) and vllm.load == load_from_metrics(VLLM_TEXT)
+            assert registry.replicas["http://conveyor"].load is not None
+            assert registry.replicas["http://conveyor"].load.max_running_requests == 4
+
+    asyncio.run(run())
+    # one 404 on /load finds out, then /metrics only; the Conveyor replica only ever /load
+    assert [a for a in asked if a.startswith("vllm")] == ["vllm/load"] + ["vllm/metrics"] * 3
+    assert set(a for a in asked if a.startswith("conveyor")) == {"conveyor/load"}
+    # the gateway's own gauges say what vLLM's say
+    expected = load_from_metrics(VLLM_TEXT)
+    for signal, value in (
+        ("running", expected.running),
+        ("waiting", expected.waiting),
+        ("kv_cache_usage", expected.kv_cache_usage),
+    ):
+        got = metrics.registry.get_sample_value(
+            "conveyor_gateway_backend_load",
+            {"model": "m", "backend": "http://vllm", "signal": signal},
+        )
+        assert got == value, signal
+    assert VLLM.running in VLLM_TEXT
