@@ -8,20 +8,46 @@ own settings: how it runs pods (images, restart back-off, grace). The cluster's 
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from conveyor.bench.peers import vllm_env
+
+VLLM_IMAGE = "vllm-openai"
+"""vLLM's own image (``vllm/vllm-openai``), which this agent runs as vLLM for CPU."""
 
 
 def default_images() -> dict[str, tuple[str, ...]]:
     """Image name (last path component, no tag) -> directories put first on the container's PATH."""
     venv_bin = str(Path(sys.prefix) / "bin")
-    return {
+    images = {
         # The project's one image: this checkout's environment, so `conveyor serve` runs.
         "conveyor": (venv_bin,),
         # Plain images whose programs this machine has: its own Python and coreutils.
         "python": (str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"),
         "busybox": ("/usr/bin", "/bin"),
+    }
+    # vLLM's image: vLLM for CPU in its own cached environment (installed by the project's
+    # set-up, ``python -m conveyor.bench.peers.vllm_env install``), so `vllm serve` runs.
+    if vllm_env.is_installed():
+        images[VLLM_IMAGE] = (str(vllm_env.env_dir() / "bin"),)
+    return images
+
+
+def default_image_env() -> dict[str, dict[str, str]]:
+    """Image name -> the environment its image sets (a Dockerfile's ENV); the container's own
+    ``env`` wins. vLLM for CPU: the device, a KV cache of 1 GiB (``VLLM_CPU_KVCACHE_SPACE``;
+    vLLM's default of 4 GiB per replica is more than pods here get) and every core of this
+    machine for its threads (by default it leaves one out)."""
+    cores = len(os.sched_getaffinity(0))
+    return {
+        VLLM_IMAGE: {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        }
     }
 
 
@@ -38,10 +64,13 @@ class AgentSettings:
     tag are ignored (``ghcr.io/x/conveyor:1.2`` is ``conveyor``); others wait with ErrImagePull."""
 
     entrypoints: dict[str, tuple[str, ...]] = field(
-        default_factory=lambda: {"prometheus": ("prometheus",)}
+        default_factory=lambda: {"prometheus": ("prometheus",), VLLM_IMAGE: ("vllm", "serve")}
     )
     """Image name -> its ENTRYPOINT, run when a container sets ``args`` but no ``command`` (the
     ``prometheus`` image maps to the cluster's built tools, added at start from its state)."""
+
+    image_env: dict[str, dict[str, str]] = field(default_factory=default_image_env)
+    """Image name -> the environment its image sets, under the container's own ``env``."""
 
     restart_backoff_initial_s: float = 10.0
     """First back-off before restarting a container that died again (the kubelet's 10 s)."""

@@ -636,6 +636,7 @@ class PodWorker:
             "HOSTNAME": self.pod["spec"].get("hostname") or self.name,
             "HOME": "/root" if not uid else "/",
         }
+        env |= self.ctx.settings.image_env.get(image_name(container.get("image", "")), {})
         if self.pod["spec"].get("enableServiceLinks", True):
             if self._services is None:
                 listed = await self.ctx.api.get(f"/api/v1/namespaces/{self.namespace}/services")
