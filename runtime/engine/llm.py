@@ -42,9 +42,20 @@ class LLM:
     """Generate for a list of prompts with continuous batching, offline (no server)."""
 
     def __init__(self, model: str = EngineSettings.model, **settings: object):
+        """``settings``: any ``EngineSettings`` field, e.g. ``tensor_parallel_size=2``."""
         self.engine = LLMEngine(EngineSettings(model=model, **settings))  # type: ignore[arg-type]
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks, if any (they also end with this process)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> LLM:

@@ -2,7 +2,8 @@
 
 Not thread-safe: one thread owns an engine. The HTTP server runs it on its own
 thread behind a narrow client (submit, stream outputs, abort); the offline
-``LLM`` calls it directly.
+``LLM`` calls it directly. A tensor-parallel engine owns processes (its other ranks):
+``close()`` stops them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from conveyor.runtime.engine.sequence import FinishReason, Sequence
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.state import EngineState
 from conveyor.runtime.engine.structured_output import StructuredOutputs
+from conveyor.runtime.engine.tensor_parallel import RankFailure
 from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model
 from conveyor.runtime.sampling_params import SamplingParams
 
@@ -35,7 +37,7 @@ class LLMEngine:
         started = time.monotonic()
         progress = on_progress or log.info
         self.settings = settings
-        threads = configure_threads(settings.num_threads)
+        threads = configure_threads(settings.num_threads, settings.tensor_parallel_size)
         progress(f"resolving model {settings.model!r}")
         files = open_model(settings.model)
         self.model_path = files.path
@@ -45,15 +47,24 @@ class LLMEngine:
             open_model(settings.tokenizer) if settings.tokenizer else files
         )
         self.runner = ModelRunner(settings, self.hf_config, files, on_progress=progress)
-        self.state = EngineState.derive(
-            settings, self.hf_config, self.tokenizer, files.generation_config, self.runner, threads
-        )
+        try:
+            self.state = EngineState.derive(
+                settings,
+                self.hf_config,
+                self.tokenizer,
+                files.generation_config,
+                self.runner,
+                threads,
+            )
+            self.runner.allocate_kv_cache(self.state.num_blocks)
+        except BaseException:
+            self.runner.close()
+            raise
         self.runner.eos_token_ids = self.state.eos_token_ids
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.runner.vocab_size, self.state.eos_token_ids
         )
         self.runner.structured_outputs = self.structured_outputs
-        self.runner.allocate_kv_cache(self.state.num_blocks)
         self.block_manager = BlockManager(
             self.state.num_blocks, settings.block_size, settings.enable_prefix_caching
         )
@@ -72,9 +83,21 @@ class LLMEngine:
         self.generation_tokens = 0
         self.steps = 0
         progress(self.kv_cache_summary())
+        tp = settings.tensor_parallel_size
         progress(
-            f"engine ready in {time.monotonic() - started:.1f}s ({self.runner.device}, {threads} threads)"
+            f"engine ready in {time.monotonic() - started:.1f}s ({self.runner.device}, {threads} "
+            + (f"threads x {tp} tensor-parallel ranks)" if tp > 1 else "threads)")
         )
+
+    def close(self) -> None:
+        """Stop the engine's other processes (tensor-parallel ranks); idempotent."""
+        self.runner.close()
+
+    def on_rank_failure(self, callback: Callable[[RankFailure], None]) -> None:
+        """Call ``callback`` (from another thread) if a tensor-parallel rank dies while idle;
+        a rank that dies during a step fails that step."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.on_failure = callback
 
     @property
     def max_model_len(self) -> int:

@@ -4,6 +4,11 @@ It owns the model, the KV cache and the per-request random generators. Given
 a scheduled batch it lays the step's tokens out flat (decodes first, then
 prefill chunks), runs one forward pass, and samples for every sequence whose
 last known token was computed in this step.
+
+Under tensor parallelism (``--tensor-parallel-size N``) the engine's runner is rank 0: it
+spawns ranks 1..N-1 (``tensor_parallel.py``), each a runner over its own shard of the model
+and of the KV cache, and hands them every step's layout before it runs its own part; the
+layers' all-reduces keep the ranks in step. Only rank 0 computes logits and samples.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from conveyor.runtime.engine import tensor_parallel
 from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
@@ -24,6 +30,7 @@ from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
 from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_supported
+from conveyor.runtime.layers.parallel import SINGLE, TensorParallel, check_split
 from conveyor.runtime.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
 
@@ -37,6 +44,21 @@ log = logging.getLogger("conveyor.runtime")
 class Sample:
     token_id: int
     logprob: TokenLogprob | None
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One step's tokens laid out flat, as plain lists (what rank 0 sends the other ranks)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    num_decodes: int
+    decode_tables: list[list[int]]
+    decode_lens: list[int]
+    prefill_tables: list[list[int]]
+    prefill_ctx: list[int]
+    prefill_q: list[int]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,12 +85,64 @@ class ModelRunner:
         config: PretrainedConfig,
         files: ModelFiles,
         on_progress: Callable[[str], None] | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
+        """``tp``: this rank's place, for ranks 1..N-1; the engine's runner (rank 0) leaves
+        it unset and starts the other ranks itself when ``tensor_parallel_size`` > 1."""
         self.settings = settings
         self.config = config
-        self.device = resolve_device(settings.device)
+        self.device = tensor_parallel.rank_device(
+            resolve_device(settings.device), tp.rank if tp else 0
+        )
         self.dtype = resolve_dtype(settings.dtype, config, self.device)
         self.backend = select_backend(settings.attention_backend, self.device)
+        self.ranks: tensor_parallel.Ranks | None = None
+        """Ranks 1..N-1, on rank 0 of a tensor-parallel replica."""
+        if tp is None and settings.tensor_parallel_size > 1:
+            tp = self._start_ranks(files, on_progress or log.info)
+        self.tp = tp or SINGLE
+        try:
+            self._build(files, on_progress)
+            if self.ranks is not None:
+                per_rank = [self.weight_bytes, *self.ranks.wait_ready()]
+                mib = ", ".join(f"{b / (1 << 20):.1f}" for b in per_rank)
+                (on_progress or log.info)(
+                    f"tensor parallel: {len(per_rank)} ranks, weights per rank {mib} MiB"
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_ranks(self, files: ModelFiles, progress: Callable[[str], None]) -> TensorParallel:
+        """Refuse a split the model cannot take (before any process starts), spawn the other
+        ranks and meet them."""
+        c, size = self.config, self.settings.tensor_parallel_size
+        heads = c.num_attention_heads
+        check_split(
+            heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size, size
+        )
+        port = tensor_parallel.free_port()
+        progress(f"starting {size - 1} more tensor-parallel rank(s)")
+        self.ranks = tensor_parallel.Ranks.start(self.settings, files.path, port)
+        try:
+            return self.ranks.connect(self.settings, port, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the other ranks (a tensor-parallel rank 0); idempotent."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (its shard, under tensor parallelism)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _build(self, files: ModelFiles, on_progress: Callable[[str], None] | None) -> None:
+        settings, config = self.settings, self.config
         self.model = build_model(
             config,
             files,
@@ -77,6 +151,7 @@ class ModelRunner:
             device=self.device,
             load_format=settings.load_format,
             seed=settings.seed,
+            tp=self.tp,
             on_progress=on_progress,
         )
         s = self.model.shape
@@ -114,6 +189,8 @@ class ModelRunner:
             self.model.tied_head_packed = pack(self.model.embed_tokens.weight)
             packed += 1
         log.info("%d linear weights packed for oneDNN (used for steps of 2 rows or more)", packed)
+        if self.tp.size > 1:
+            return  # the layers' all-reduces run between the Python layers
         self.model.fused_layers = self.backend.decoder_layers(self.model)
         if self.model.fused_layers is not None:
             log.info("the decoder's layers run in one C++ call a step")
@@ -127,7 +204,15 @@ class ModelRunner:
         return int(2 * s.num_layers * self.block_size * s.num_kv_heads * s.head_dim * elem)
 
     def num_blocks_for_memory(self, max_tokens_useful: int) -> int:
-        """How many KV blocks fit: the explicit token count, or the memory budget."""
+        """How many KV blocks fit: the explicit token count, or the memory budget (of the
+        rank with the least room, under tensor parallelism)."""
+        if self.ranks is None:
+            return self._num_blocks_for_memory(max_tokens_useful)
+        self.ranks.send(tensor_parallel.SizeKvCache(max_tokens_useful))
+        mine = self._num_blocks_for_memory(max_tokens_useful)
+        return min([mine, *(int(n) for n in self.ranks.gather())])
+
+    def _num_blocks_for_memory(self, max_tokens_useful: int) -> int:
         st = self.settings
         if st.max_total_tokens is not None:
             return -(-st.max_total_tokens // self.block_size)
@@ -169,6 +254,8 @@ class ModelRunner:
         return int(total * self.settings.mem_fraction_static - peak)
 
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+        if self.ranks is not None:
+            self.ranks.send(tensor_parallel.AllocateKvCache(num_blocks, capture_graphs))
         s = self.model.shape
         # (layers, K/V, blocks, block_size, kv_heads, head_dim); zeros, so padded reads are finite.
         self.kv_cache = torch.zeros(
@@ -189,13 +276,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, Sample]:
         """Run the model over ``batch``; returns a sample per sequence that reached its end."""
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(
-            batch.num_decodes, len(input_ids)
-        ):
-            hidden = self.cuda_graphs.run(input_ids, positions, meta)  # (T, hidden)
+        layout, sample_rows = self._layout(batch)
+        if self.ranks is not None:
+            self.ranks.send(tensor_parallel.RunStep(layout))
+            try:
+                hidden = self._forward(layout)
+            except RuntimeError as exc:  # an all-reduce whose peer died: say which
+                raise self.ranks.explain(exc) or exc from exc
         else:
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
+            hidden = self._forward(layout)
         if not sample_rows:
             return {}
         seqs = [batch.seqs[i] for i, _ in sample_rows]
@@ -209,10 +298,32 @@ class ModelRunner:
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
         }
 
+    @torch.inference_mode()
+    def run_step(self, layout: StepLayout) -> None:
+        """A step on rank 1..N-1: this rank's part of the forward pass (rank 0 samples)."""
+        self._forward(layout)
+
+    def _forward(self, layout: StepLayout) -> torch.Tensor:
+        """The forward pass over the step's tokens -> hidden states (T, hidden)."""
+        input_ids, positions, meta = self._tensors(layout)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(
+            layout.num_decodes, len(input_ids)
+        ):
+            hidden: torch.Tensor = self.cuda_graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        return hidden
+
     def _prepare(
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
-        """The step's token ids (T,), positions (T,), attention metadata, and for each
+        """The step's token ids (T,), positions (T,), attention metadata, and the rows that
+        sample (see ``_layout``)."""
+        layout, sample_rows = self._layout(batch)
+        return (*self._tensors(layout), sample_rows)
+
+    def _layout(self, batch: ScheduledBatch) -> tuple[StepLayout, list[tuple[int, int]]]:
+        """The step's tokens laid out flat (decodes first, then prefill chunks), and for each
         sequence that samples, its index in the batch and its row among the T tokens."""
         bs = self.block_size
         ids: list[int] = []
@@ -238,21 +349,38 @@ class ModelRunner:
                 prefill_tables.append(table)
                 prefill_ctx.append(end)
                 prefill_q.append(n)
+        layout = StepLayout(
+            ids, pos, slots, batch.num_decodes,
+            decode_tables, decode_lens, prefill_tables, prefill_ctx, prefill_q,
+        )  # fmt: skip
+        return layout, sample_rows
+
+    def _tensors(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's token ids (T,), positions (T,) and attention metadata on the device."""
+        decode_lens, prefill_q, prefill_ctx = (
+            layout.decode_lens,
+            layout.prefill_q,
+            layout.prefill_ctx,
+        )
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_decode_tokens=batch.num_decodes,
+            slot_mapping=self._tensor(layout.slots, torch.int64),
+            num_decode_tokens=layout.num_decodes,
             decode_context_lens=self._tensor(decode_lens, torch.int32),
-            decode_block_tables=self._tensor(_pad(decode_tables), torch.int32),
+            decode_block_tables=self._tensor(_pad(layout.decode_tables), torch.int32),
             prefill_query_start_loc=self._tensor(_cumsum0(prefill_q), torch.int32),
             prefill_context_lens=self._tensor(prefill_ctx, torch.int32),
-            prefill_block_tables=self._tensor(_pad(prefill_tables), torch.int32),
+            prefill_block_tables=self._tensor(_pad(layout.prefill_tables), torch.int32),
             max_decode_context_len=max(decode_lens, default=0),
             max_prefill_query_len=max(prefill_q, default=0),
             max_prefill_context_len=max(prefill_ctx, default=0),
             prefill_query_lens_host=tuple(prefill_q),
             prefill_context_lens_host=tuple(prefill_ctx),
         )
-        return self._tensor(ids, torch.int64), self._tensor(pos, torch.int64), meta, sample_rows
+        ids, pos = (
+            self._tensor(layout.token_ids, torch.int64),
+            self._tensor(layout.positions, torch.int64),
+        )
+        return ids, pos, meta
 
     def _tensor(
         self, data: list[int] | list[float] | list[list[int]], dtype: torch.dtype

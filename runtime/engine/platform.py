@@ -32,10 +32,11 @@ def _cgroup_quota() -> float | None:
     return None
 
 
-def configure_threads(requested: int | None) -> int:
-    """Size torch's intra-op pool to the CPU limit (or the requested count)."""
+def configure_threads(requested: int | None, ranks: int = 1) -> int:
+    """Size torch's intra-op pool to the CPU limit (or the requested count), shared evenly
+    by ``ranks`` tensor-parallel processes (at least one thread each); returns one rank's."""
     import torch
 
-    threads = requested or cpu_limit()
+    threads = max(1, (requested or cpu_limit()) // ranks)
     torch.set_num_threads(threads)
     return threads

@@ -92,7 +92,13 @@ class EngineSettings:
     """GPU only: never capture CUDA graphs for decode."""
 
     num_threads: int | None = None
-    """CPU threads for torch; defaults to the process's CPU limit (cgroup quota or cores)."""
+    """CPU threads for torch, shared out evenly among the tensor-parallel ranks; defaults to
+    the process's CPU limit (cgroup quota or cores)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks one replica's model is split over (one process and one GPU each; on CPU, each
+    its share of the cores). 1: no split, no extra process. A model's attention heads, MLP
+    width and KV heads (or the ranks, for fewer KV heads) must divide by it."""
 
     def token_budget(self, device_type: str) -> int:
         """``chunked_prefill_size``, or the default for a device of this type."""
@@ -114,6 +120,7 @@ class EngineSettings:
         if self.max_total_tokens is not None:
             _check_positive("max_total_tokens", self.max_total_tokens)
         _check_positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
@@ -232,7 +239,16 @@ class EngineSettings:
             "--num-threads",
             type=int,
             default=None,
-            help="CPU threads for torch (default: the CPU limit of this process)",
+            help="CPU threads for torch, split evenly among tensor-parallel ranks (default: the "
+            "CPU limit of this process)",
+        )
+        g.add_argument(
+            "--tensor-parallel-size",
+            "--tp-size",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="split the model over this many ranks, one process (and GPU) each; the model's "
+            f"heads must divide by it (default {d.tensor_parallel_size})",
         )
 
     @classmethod
@@ -256,6 +272,7 @@ class EngineSettings:
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             num_threads=args.num_threads,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
 
     def replace(self, **changes: Any) -> EngineSettings:

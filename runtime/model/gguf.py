@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from conveyor.runtime.layers.parallel import Shard
+
 if TYPE_CHECKING:  # transformers is imported where a config or tokenizer is built (slow import)
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
@@ -292,9 +294,13 @@ class GGUFModel:
     # -- weights -----------------------------------------------------------------------
 
     def weights(
-        self, dtype: torch.dtype, progress: Callable[[str], None] | None = None
+        self,
+        dtype: torch.dtype,
+        progress: Callable[[str], None] | None = None,
+        shard_of: Callable[[str], Shard | None] | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor in ``dtype``) for every weight, dequantized one at a time."""
+        """(Hugging Face name, tensor in ``dtype``) for every weight, dequantized one at a time;
+        with ``shard_of``, only the shard of each tensor it names (a tensor-parallel rank's)."""
         heads = int(self._required("attention.head_count"))
         kv_heads = int(self.arch_field("attention.head_count_kv", heads))
         permuted = self.architecture in ("llama", "mistral")  # see the module docstring
@@ -303,9 +309,13 @@ class GGUFModel:
             if name == _ROPE_FREQS:
                 continue  # read into the config
             hf_name = hf_tensor_name(name)
-            weight = self._tensor(tensor)  # (rows, cols) float32, Hugging Face orientation
+            shard = shard_of(hf_name) if shard_of is not None else None
+            weight = self._tensor(tensor, shard)  # (rows, cols) float32, Hugging Face orientation
             if permuted and (".attn_q." in name or ".attn_k." in name):
-                weight = _unpermute(weight, heads if ".attn_q." in name else kv_heads)
+                # Whole heads' rows (a shard cuts between heads): unpermute this many heads.
+                full_rows = int(tensor.shape[-1])
+                n = heads if ".attn_q." in name else kv_heads
+                weight = _unpermute(weight, n * weight.shape[0] // full_rows)
             yield hf_name, weight.to(dtype)
             if progress and (i % 64 == 0 or i == total):
                 progress(f"dequantized {i}/{total} tensors of {self.path.name}")
@@ -342,13 +352,22 @@ class GGUFModel:
             raise
         return dest
 
-    def _tensor(self, tensor) -> torch.Tensor:
+    def _tensor(self, tensor, shard: Shard | None = None) -> torch.Tensor:
+        """The tensor as float32, or its ``shard``: a shard of rows (ggml's blocks run along a
+        row) is cut from the file's bytes before dequantizing, one of columns after."""
         from conveyor.runtime.model.ggml_quants import dequantize
 
         # GGUF lists dimensions innermost first; torch wants them outermost first.
         shape = tuple(int(d) for d in reversed(tensor.shape))
+        data = tensor.data
+        if shard is not None and shard.zero:
+            return torch.zeros(shape)
+        if shard is not None and shard.dim == 0 and len(shape) == 2 == data.ndim:
+            data = data[shard.start : shard.start + shard.size]  # (rows, bytes of a row)
+            shape, shard = (shard.size, shape[1]), None
         try:
-            return dequantize(tensor.data, tensor.tensor_type, shape)
+            full = dequantize(data, tensor.tensor_type, shape)
+            return full if shard is None else shard.of(full).contiguous()
         except (ValueError, IndexError, RuntimeError) as exc:
             raise GGUFError(
                 f"tensor {tensor.name!r} of {str(self.path)!r} cannot be read ({exc}); "

@@ -18,15 +18,20 @@ from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
+from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class DecoderShape:
-    """The hyper-parameters the layers need, read once from a transformers config."""
+    """The hyper-parameters the layers need, read once from a transformers config.
 
-    def __init__(self, config):
+    ``num_heads``, ``num_kv_heads`` and ``intermediate_size`` are this rank's share under
+    tensor parallelism (``layers/parallel.py``); the ``total_`` ones are the model's.
+    """
+
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         self.model_type = config.model_type
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -35,10 +40,21 @@ class DecoderShape:
             )
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
-        self.intermediate_size = config.intermediate_size
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = (
+            getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        )
+        self.head_dim = (
+            getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
+        )
+        self.total_intermediate_size = config.intermediate_size
+        self.tp = tp
+        self.split = HeadSplit.of(
+            self.total_num_heads, self.total_num_kv_heads, self.total_intermediate_size, tp
+        )
+        self.num_heads = self.split.num_heads
+        self.num_kv_heads = self.split.num_kv_heads
+        self.intermediate_size = self.split.intermediate_size
         self.vocab_size = config.vocab_size
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
@@ -65,6 +81,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = s.qk_norm
         self.scale = s.head_dim**-0.5
         self.backend = backend
+        self.tp = s.tp if s.tp.size > 1 else None  # o_proj is row-parallel: sum its partials
 
     def forward(self, positions, x, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -76,7 +93,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, Hq, D)
-        return self.o_proj(o.flatten(1))
+        out = self.o_proj(o.flatten(1))  # (T, hidden), this rank's heads' part
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
@@ -85,9 +103,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
         self.act = SiluAndMul()
+        self.tp = s.tp if s.tp.size > 1 else None  # down_proj is row-parallel
 
     def forward(self, x):
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))  # (T, hidden), this rank's part
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,9 +139,9 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, backend: AttentionBackend):
+    def __init__(self, config, backend: AttentionBackend, tp: TensorParallel = SINGLE):
         super().__init__()
-        s = self.shape = DecoderShape(config)
+        s = self.shape = DecoderShape(config, tp)
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -162,8 +182,31 @@ class LlamaForCausalLM(nn.Module):
 
     # -- weights ---------------------------------------------------------------------
 
+    def weight_shard(self, hf_name: str) -> Shard | None:
+        """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it). The
+        loaders read only that part and hand ``load_weights`` the shard."""
+        tp, sp, d = self.shape.tp, self.shape.split, self.shape.head_dim
+        if tp.size == 1:
+            return None
+        if ".q_proj." in hf_name:
+            return Shard(0, sp.head_start * d, sp.num_heads * d)
+        if ".k_proj." in hf_name or ".v_proj." in hf_name:
+            return Shard(0, sp.kv_head_start * d, sp.num_kv_heads * d)
+        if ".gate_proj." in hf_name or ".up_proj." in hf_name:
+            return Shard(0, sp.intermediate_start, sp.intermediate_size)
+        for row_parallel, start, size in (
+            (".o_proj.", sp.head_start * d, sp.num_heads * d),
+            (".down_proj.", sp.intermediate_start, sp.intermediate_size),
+        ):
+            if row_parallel in hf_name:
+                if hf_name.endswith(".bias"):  # added once, by rank 0 (``layers/parallel.py``)
+                    return None if tp.rank == 0 else Shard(0, 0, 0, zero=True)
+                return Shard(1, start, size)
+        return None  # embedding, norms, LM head: replicated
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face tensors into the (partly merged) parameters; all must be set."""
+        """Copy Hugging Face tensors (each already cut to ``weight_shard``) into the (partly
+        merged) parameters; all must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from conveyor.runtime.layers.attention import AttentionBackend
+from conveyor.runtime.layers.parallel import SINGLE, Shard, TensorParallel
 from conveyor.runtime.model.builtin import BUILTIN_MODELS, builtin_model_path
 from conveyor.runtime.model.gguf import GGUFModel, find_gguf, is_gguf
 from conveyor.runtime.model.llama import LlamaForCausalLM
@@ -125,22 +126,24 @@ def build_model(
     device: torch.device,
     load_format: str,
     seed: int,
+    tp: TensorParallel = SINGLE,
     on_progress: Callable[[str], None] | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model directly on ``device`` in ``dtype`` and fill its weights."""
+    """Build the model directly on ``device`` in ``dtype`` and fill its weights; under tensor
+    parallelism, this rank's part of the model, reading only its shard of each tensor."""
     progress = on_progress or log.info
     started = time.monotonic()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device), _no_init():
-            model = LlamaForCausalLM(config, backend)
+            model = LlamaForCausalLM(config, backend, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     # The rotary tables stay float32 (cast per step), as in the reference.
     model.rotary.float()
     if load_format == "dummy":
-        g = torch.Generator(device=device).manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed + tp.rank)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
@@ -152,7 +155,7 @@ def build_model(
         )
     elif files.gguf is not None:
         with torch.no_grad():
-            model.load_weights(files.gguf.weights(dtype, progress))
+            model.load_weights(files.gguf.weights(dtype, progress, model.weight_shard))
         progress(f"loaded {files.path.name} in {time.monotonic() - started:.1f}s")
     else:
         weights = sorted(glob.glob(str(files.path / "*.safetensors")))
@@ -162,7 +165,7 @@ def build_model(
                 "--load-format dummy"
             )
         with torch.no_grad():
-            model.load_weights(_iter_safetensors(weights, device, progress))
+            model.load_weights(_iter_safetensors(weights, device, progress, model.weight_shard))
         progress(f"loaded {len(weights)} weight file(s) in {time.monotonic() - started:.1f}s")
     model.eval()
     return model
@@ -188,8 +191,12 @@ def _no_init() -> Iterator[None]:
 
 
 def _iter_safetensors(
-    files: list[str], device: torch.device, progress: Callable[[str], None]
+    files: list[str],
+    device: torch.device,
+    progress: Callable[[str], None],
+    shard_of: Callable[[str], Shard | None],
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, or only the shard of it ``shard_of`` names (read from the memory map alone)."""
     from safetensors import safe_open
 
     for i, file in enumerate(files, 1):
@@ -198,4 +205,13 @@ def _iter_safetensors(
             file, framework="pt", device=str(device) if device.type == "cuda" else "cpu"
         ) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+                shard = shard_of(name)
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                if shard.zero:
+                    yield name, torch.zeros(part.get_shape())
+                    continue
+                index = [slice(None)] * shard.dim + [slice(shard.start, shard.start + shard.size)]
+                yield name, part[tuple(index)]

@@ -277,10 +277,19 @@ class EngineClient:
             return
         try:
             self._post(self._on_loaded, engine, engine.stats())
+            engine.on_rank_failure(self._on_rank_failure)
             self._loop_steps(engine)
         except BaseException as exc:
             logger.exception("engine thread failed")
             self._post(self._on_dead, exc)
+        finally:
+            engine.close()  # a tensor-parallel engine's other ranks stop with it
+
+    def _on_rank_failure(self, error: BaseException) -> None:
+        """A tensor-parallel rank died between steps (on its watcher thread): the engine is
+        dead now, and its thread leaves the loop."""
+        self._post(self._on_dead, error)
+        self._inbox.put(_STOP)
 
     def _loop_steps(self, engine: LLMEngine) -> None:
         inbox = self._inbox

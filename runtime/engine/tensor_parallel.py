@@ -1,0 +1,371 @@
+"""The other ranks of a tensor-parallel replica: one process each, driven by rank 0.
+
+Rank 0 is the engine's own process: it runs the scheduler (and the server) and its model
+runner holds rank 0's shard. ``Ranks.start`` spawns ranks 1..N-1; each builds a model
+runner over its own shard and KV cache, then obeys rank 0's commands, which arrive over a
+pipe: size the KV cache, allocate it, run a step (the step's layout: token ids, positions,
+block tables; small lists, never tensors), stop. The model's all-reduces run over a process
+group of their own (gloo on CPU, NCCL on GPU) that no other code shares, so an engine can be
+built and closed many times in one process.
+
+Failure is loud, never a hang: a rank that dies closes its sockets, so the all-reduce that
+waits for it raises at once (gloo and NCCL both), and a watcher thread on rank 0 notices a
+rank that exits between steps and calls the engine's ``on_rank_failure``. Ranks exit when
+rank 0 goes away: their pipe reaches its end, their all-reduce fails, and on Linux the
+kernel kills them when the thread that spawned them ends (``PR_SET_PDEATHSIG``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from conveyor.runtime.engine.model_runner import StepLayout
+    from conveyor.runtime.engine.settings import EngineSettings
+    from conveyor.runtime.layers.parallel import TensorParallel
+
+log = logging.getLogger("conveyor.runtime")
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long an all-reduce waits for a rank that is alive but stuck. A rank that dies fails
+its peers' all-reduces at once; this only bounds a hang (a step takes seconds at most)."""
+
+START_TIMEOUT = datetime.timedelta(minutes=10)
+"""How long the ranks may take to meet: each imports torch and reads its shard first."""
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died or failed; the replica cannot go on."""
+
+
+# -- commands from rank 0 -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SizeKvCache:
+    """Reply with how many KV blocks fit on this rank (the smallest answer is used)."""
+
+    max_tokens_useful: int
+
+
+@dataclass(frozen=True)
+class AllocateKvCache:
+    num_blocks: int
+    capture_graphs: bool = True
+
+
+@dataclass(frozen=True)
+class RunStep:
+    layout: StepLayout
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+Command = SizeKvCache | AllocateKvCache | RunStep | Stop
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs to build its part of the replica (pickled to it)."""
+
+    settings: EngineSettings
+    model_path: str
+    """The model as rank 0 resolved it (a built-in model is generated once, by rank 0)."""
+    rank: int
+    port: int
+    """The rendezvous (``torch.distributed.TCPStore``) on 127.0.0.1, served by rank 0."""
+    parent: int
+    """Rank 0's process id."""
+
+
+# -- the process group ------------------------------------------------------------------------
+
+
+def process_group(rank: int, size: int, port: int, device: torch.device) -> Any:
+    """The ranks' own process group (gloo for CPU tensors, NCCL for CUDA), met on ``port``."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, is_master=rank == 0, timeout=START_TIMEOUT, wait_for_workers=True
+    )
+    if device.type == "cuda":
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = COLLECTIVE_TIMEOUT
+        return dist.ProcessGroupNCCL(store, rank, size, nccl)
+    # The options that name the device (torch's own process-group setup uses them too): on
+    # loopback, whatever the host name resolves to.
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, size, opts)
+
+
+def rank_device(base: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the r-th GPU after the one named (``cuda`` is ``cuda:0``), or the CPU."""
+    import torch
+
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
+
+
+# -- rank 0's side ----------------------------------------------------------------------------
+
+
+class RankProcess:
+    """One rank's process, its command pipe and a file descriptor that turns readable when
+    it exits (a pidfd on Linux)."""
+
+    def __init__(self, rank: int, popen: subprocess.Popen[bytes], conn: Connection) -> None:
+        self.rank = rank
+        self.popen = popen
+        self.conn = conn
+        self.exit_fd: int | None = os.pidfd_open(popen.pid) if hasattr(os, "pidfd_open") else None
+
+    def exited(self, timeout: float) -> int | None:
+        """The exit code once the process has exited, waiting up to ``timeout`` seconds."""
+        try:
+            return self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def describe_exit(self) -> str:
+        code = self.exited(5)
+        if code is not None and code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}" if code is not None else "stopped answering"
+        return f"tensor-parallel rank {self.rank} {how}"
+
+
+class Ranks:
+    """Ranks 1..N-1 of this replica, as seen from rank 0: start, command, watch, close."""
+
+    def __init__(self, processes: list[RankProcess]) -> None:
+        self.processes = processes
+        self.failure: str | None = None
+        """Why the replica cannot go on (a rank that exited), once one has."""
+        self.on_failure: Callable[[RankFailure], None] | None = None
+        """Called (on the watcher thread) when a rank exits while the replica runs."""
+        self._closing = False
+        self._watcher = threading.Thread(target=self._watch, name="conveyor-tp-watch", daemon=True)
+
+    @classmethod
+    def start(cls, settings: EngineSettings, model_path: Path, port: int) -> Ranks:
+        """Start ranks 1..N-1; each starts loading its shard at once, beside rank 0. Plain
+        subprocesses (not multiprocessing's spawn, which would re-run the caller's script),
+        each with a socket to rank 0 as its command pipe."""
+        processes = []
+        try:
+            for rank in range(1, settings.tensor_parallel_size):
+                ours, theirs = socket.socketpair()
+                with theirs:
+                    popen = subprocess.Popen(
+                        [sys.executable, "-c", _ENTRY, str(theirs.fileno())],
+                        pass_fds=(theirs.fileno(),),
+                    )
+                conn = Connection(ours.detach())
+                processes.append(RankProcess(rank, popen, conn))
+                conn.send(RankSpec(settings, str(model_path), rank, port, os.getpid()))
+        except BaseException:
+            cls(processes).close()
+            raise
+        ranks = cls(processes)
+        if all(p.exit_fd is not None for p in processes):
+            ranks._watcher.start()
+        return ranks
+
+    def connect(self, settings: EngineSettings, port: int, device: torch.device) -> TensorParallel:
+        """Rank 0's place in the ranks' process group, once every rank has joined it; a rank
+        that dies first fails this at once instead of leaving it waiting."""
+        from conveyor.runtime.layers.parallel import TensorParallel
+
+        size = settings.tensor_parallel_size
+        done_reader, done_writer = multiprocessing.Pipe(duplex=False)
+        joined: list[TensorParallel | BaseException] = []
+
+        def join() -> None:
+            try:
+                joined.append(TensorParallel(0, size, process_group(0, size, port, device)))
+            except BaseException as exc:
+                joined.append(exc)
+            done_writer.send(True)
+
+        threading.Thread(target=join, name="conveyor-tp-join", daemon=True).start()
+        exits = {p.exit_fd: p for p in self.processes if p.exit_fd is not None}
+        ready = wait([done_reader, *exits])
+        if done_reader not in ready:
+            raise RankFailure(exits[ready[0]].describe_exit())  # type: ignore[index]
+        result = joined[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def wait_ready(self) -> list[int]:
+        """Block until every rank has built its model; the weight bytes each holds."""
+        return [int(self._recv(p)) for p in self.processes]
+
+    def send(self, command: Command) -> None:
+        """Hand every rank ``command`` (they run it while rank 0 runs its own part)."""
+        for p in self.processes:
+            try:
+                p.conn.send(command)
+            except OSError as exc:  # BrokenPipeError: the rank is gone
+                raise RankFailure(self.failure or p.describe_exit()) from exc
+
+    def gather(self) -> list[Any]:
+        """Every rank's reply to the last command."""
+        return [self._recv(p) for p in self.processes]
+
+    def _recv(self, p: RankProcess) -> Any:
+        try:
+            reply = p.conn.recv()  # the socket ends when the process does
+        except (EOFError, OSError):
+            raise RankFailure(self.failure or p.describe_exit()) from None
+        if isinstance(reply, RankError):
+            raise RankFailure(f"tensor-parallel rank {p.rank}: {reply.message}")
+        return reply
+
+    def explain(self, exc: BaseException) -> RankFailure | None:
+        """A failed all-reduce's cause: a rank that died (waited for briefly), or None."""
+        for p in self.processes:
+            if p.exited(2) is not None:
+                return RankFailure(self.failure or p.describe_exit())
+        return None
+
+    def _watch(self) -> None:
+        exits = {p.exit_fd: p for p in self.processes if p.exit_fd is not None}
+        ready = wait(list(exits))
+        if self._closing:
+            return
+        self.failure = exits[ready[0]].describe_exit()  # type: ignore[index]
+        log.error("%s; this replica cannot go on", self.failure)
+        if self.on_failure is not None:
+            self.on_failure(RankFailure(self.failure))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every rank: ask, wait up to ``timeout`` seconds, then kill."""
+        self._closing = True
+        for p in self.processes:
+            with contextlib.suppress(OSError):
+                p.conn.send(Stop())
+        for p in self.processes:
+            if p.exited(timeout) is None:
+                log.warning("tensor-parallel rank %d did not stop; killing it", p.rank)
+                p.popen.kill()
+                p.exited(5)
+            p.conn.close()
+            if p.exit_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(p.exit_fd)
+                p.exit_fd = None
+
+
+_ENTRY = (
+    "import sys; from conveyor.runtime.engine.tensor_parallel import main; main(int(sys.argv[1]))"
+)
+"""A rank process's program (``python -c``): ``main`` with its end of the command socket."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- a rank's own process -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankError:
+    """A rank's reply when it could not do what it was asked (its model failed to load)."""
+
+    message: str
+
+
+def main(fd: int) -> None:
+    """A rank's process: read its ``RankSpec`` from rank 0, build its part of the model,
+    then obey rank 0 until told to stop or rank 0 is gone."""
+    conn = Connection(fd)
+    spec: RankSpec = conn.recv()
+    _linux_process_setup(spec.rank, spec.parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s %(levelname)s %(name)s[rank{spec.rank}]: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        runner = _build(spec)
+    except BaseException as exc:
+        log.exception("rank %d failed to start", spec.rank)
+        with contextlib.suppress(OSError):
+            conn.send(RankError(f"{type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    conn.send(runner.weight_bytes)
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:  # rank 0 is gone
+            sys.exit(1)
+        if isinstance(command, RunStep):
+            runner.run_step(command.layout)
+        elif isinstance(command, SizeKvCache):
+            conn.send(runner.num_blocks_for_memory(command.max_tokens_useful))
+        elif isinstance(command, AllocateKvCache):
+            runner.allocate_kv_cache(command.num_blocks, command.capture_graphs)
+        else:
+            return
+
+
+def _build(spec: RankSpec) -> Any:
+    from conveyor.runtime.engine.model_runner import ModelRunner, resolve_device
+    from conveyor.runtime.engine.platform import configure_threads
+    from conveyor.runtime.layers.parallel import TensorParallel
+    from conveyor.runtime.model.loader import load_config, open_model
+
+    st = spec.settings
+    configure_threads(st.num_threads, st.tensor_parallel_size)
+    files = open_model(spec.model_path)
+    device = rank_device(resolve_device(st.device), spec.rank)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+    group = process_group(spec.rank, st.tensor_parallel_size, spec.port, device)
+    tp = TensorParallel(spec.rank, st.tensor_parallel_size, group)
+    return ModelRunner(st, load_config(files), files, tp=tp)
+
+
+def _linux_process_setup(rank: int, parent: int) -> None:
+    """Linux: name the process ``conveyor-tp<rank>`` (as ``ps`` and ``top`` show it), and
+    SIGKILL it when the thread that spawned it ends (rank 0 killed)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig, pr_set_name = 1, 15
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(pr_set_name, f"conveyor-tp{rank}".encode())
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # rank 0 died before the line above
+        sys.exit(1)
