@@ -9,8 +9,8 @@
 #   2. the virtual environment is created or refreshed alongside it,
 #   3. lint: ruff, then mypy and import-linter (scripts/typecheck.sh),
 #   4. unit and integration tests (tests/),
-#   5. the Go build is waited for, then the end-to-end tests (e2e/) run on one
-#      cluster for the whole session,
+#   5. the Go build and vLLM for CPU's install (started after phase 2) are waited
+#      for, then the end-to-end tests (e2e/) run on one cluster for the whole session,
 #   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`).
 # pytest's "no tests collected" (exit 5) fails the run: a suite that runs
 # nothing must not pass. CONVEYOR_E2E=0 skips phases 1 and 5 (no cluster).
@@ -47,6 +47,17 @@ if ! scripts/bootstrap.sh; then
     echo "bootstrap failed"; exit 1
 fi
 phase_done "python install" $t
+
+vllm_pid=""
+if [[ "$run_e2e" != 0 ]]; then
+    # vLLM for CPU, which the cluster's node agent runs for vLLM's image (e2e/test_engines.py):
+    # its own cached environment, pinned; a no-op once installed, minutes cold, overlapped
+    # with lint and the unit tests.
+    say "installing vLLM for CPU in the background (log: $logs/vllm-install.log)"
+    t_vllm=$SECONDS
+    "$venv/bin/python" -m conveyor.bench.peers.vllm_env install > "$logs/vllm-install.log" 2>&1 &
+    vllm_pid=$!
+fi
 
 say "phase 3: lint (ruff, then types and layering: scripts/typecheck.sh)"
 t=$SECONDS
@@ -87,6 +98,18 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         phase_done "go build (waited)" $t
         phases+=("$(printf '%-28s %5ds' "go build (wall, overlapped)" "$(( SECONDS - t_build ))")")
     fi
+    if [[ -n "$vllm_pid" ]]; then
+        t=$SECONDS
+        if ! wait "$vllm_pid"; then
+            tail -n 20 "$logs/vllm-install.log"
+            echo "installing vLLM for CPU failed"
+            phase_done "vllm install (waited)" $t
+            summary
+            exit 1
+        fi
+        phase_done "vllm install (waited)" $t
+        phases+=("$(printf '%-28s %5ds' "vllm install (wall, overlapped)" "$(( SECONDS - t_vllm ))")")
+    fi
     say "phase 5b: end-to-end tests on the one-machine cluster"
     run_pytest "e2e tests" e2e --ignore=e2e/walkthrough -p no:cacheprovider --durations=12 "$@"
     rc_e2e=$?
@@ -97,6 +120,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
 elif [[ -n "$build_pid" ]]; then
     wait "$build_pid" || true
 fi
+[[ -n "$vllm_pid" ]] && wait "$vllm_pid" 2>/dev/null
 
 summary
 if [[ $rc_tests -ne 0 || $rc_e2e -ne 0 ]]; then
