@@ -88,6 +88,8 @@ def serve_args(llmservice: dict[str, Any]) -> list[str]:
     for field, flag in ENGINE_FLAGS.items():
         if field in runtime:
             args += [flag, str(runtime[field])]
+    if (gpus := int((spec.get("resources") or {}).get("gpus", 0))) > 1:
+        args += ["--tensor-parallel-size", str(gpus)]  # one replica spans its GPUs
     return args + list(runtime.get("extraArgs") or [])
 
 

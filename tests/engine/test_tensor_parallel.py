@@ -263,3 +263,27 @@ def test_serve_exits_non_zero_when_a_rank_dies():
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{server.url}/health", timeout=5)
         assert "tensor-parallel rank 1 was killed by SIGKILL" in server.logs()
+
+
+def test_the_operator_passes_resources_gpus_as_the_size():
+    from conveyor.operator.crd import apply_defaults
+    from conveyor.operator.runtime_manifests import runtime_deployment
+    from conveyor.operator.settings import OperatorSettings
+    from conveyor.runtime.server.cli import build_parser
+    from conveyor.runtime.server.settings import ServerSettings
+
+    obj = apply_defaults(
+        {
+            "apiVersion": "conveyor.dev/v1alpha1",
+            "kind": "LLMService",
+            "metadata": {"name": "big", "namespace": "team", "uid": "u", "generation": 1},
+            "spec": {"model": {"builtin": "conveyor-tiny"}, "resources": {"gpus": 2}},
+        }
+    )
+    deployment = runtime_deployment(obj, OperatorSettings(runtime_image="conveyor:1"))
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[0] == "serve"
+    settings = ServerSettings.from_cli_args(build_parser().parse_args(args[1:]))
+    assert settings.engine.tensor_parallel_size == 2
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
