@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from conveyor.observability import names as n
+from conveyor.observability.engine_series import engine_rules
 
 WINDOWS = ("1m", "5m")
 QUANTILES = {"p50": 0.5, "p95": 0.95, "p99": 0.99}
@@ -43,7 +44,9 @@ ERROR_RATIO_RECORD = "namespace_model:conveyor_gateway_requests:error_ratio_5m"
 
 
 def recording_rules() -> list[dict[str, Any]]:
-    rules: list[dict[str, Any]] = []
+    # vLLM's and SGLang's series under Conveyor's names first: the rules below (evaluated in
+    # order, in the same group) and every panel and alert then cover an LLMService of any engine.
+    rules: list[dict[str, Any]] = engine_rules()
     for histogram in (n.TTFT, n.TPOT):
         for window in WINDOWS:
             rules.append(

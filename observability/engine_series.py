@@ -1,0 +1,98 @@
+"""Recording rules that give vLLM's and SGLang's series Conveyor's names.
+
+Every dashboard panel and alert is written against Conveyor's runtime series (``names.py``).
+A replica of an LLMService on vLLM or SGLang exports the same signals under its engine's own
+names and labels (``model_name`` for ``model``, vLLM's ``finished_reason`` for
+``finish_reason``, an ``engine`` index); these rules record them under Conveyor's names, with
+Conveyor's labels, so the same panels and alerts show an LLMService of any engine. The scrape
+labels (``namespace``, ``llmservice``, ``pod``) come from the pod as for any runtime pod.
+
+Histograms are mapped bucket, sum and count alike (each engine keeps its own bucket bounds;
+``histogram_quantile`` reads whatever bounds a series has). A signal an engine does not
+export is left out for that engine (its panel shows no data for it, as it would anyway).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.contracts.engine_load import SGLANG, VLLM
+from conveyor.observability import names as n
+
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+ENGINE_GAUGES: dict[str, dict[str, str]] = {
+    VLLM.engine: {
+        n.RUNNING: VLLM.running,
+        n.WAITING: VLLM.waiting,
+        n.KV_CACHE_USAGE: VLLM.kv_cache_usage,
+    },
+    SGLANG.engine: {
+        n.RUNNING: SGLANG.running,
+        n.WAITING: SGLANG.waiting,
+        n.KV_CACHE_USAGE: SGLANG.kv_cache_usage,
+    },
+}
+ENGINE_COUNTERS: dict[str, dict[str, str]] = {
+    VLLM.engine: {
+        n.PROMPT_TOKENS: VLLM.prompt_tokens,
+        n.GENERATION_TOKENS: VLLM.generation_tokens,
+        n.REQUEST_SUCCESS: VLLM.requests,
+        n.PREFIX_QUERIES: "vllm:prefix_cache_queries_total",
+        n.PREFIX_HITS: "vllm:prefix_cache_hits_total",
+        n.PREEMPTIONS: "vllm:num_preemptions_total",
+    },
+    SGLANG.engine: {
+        n.PROMPT_TOKENS: SGLANG.prompt_tokens,
+        n.GENERATION_TOKENS: SGLANG.generation_tokens,
+        n.REQUEST_SUCCESS: SGLANG.requests,
+        # SGLang counts the prompt tokens found in its radix cache among all prompt tokens
+        n.PREFIX_QUERIES: SGLANG.prompt_tokens,
+        n.PREFIX_HITS: "sglang:cached_tokens_total",
+        n.PREEMPTIONS: "sglang:num_retracted_requests_total",
+    },
+}
+ENGINE_HISTOGRAMS: dict[str, dict[str, str]] = {
+    VLLM.engine: {
+        n.TTFT: VLLM.ttft,
+        n.TPOT: "vllm:request_time_per_output_token_seconds",
+        n.ITL: "vllm:inter_token_latency_seconds",
+        n.E2E: "vllm:e2e_request_latency_seconds",
+        n.QUEUE_TIME: "vllm:request_queue_time_seconds",
+    },
+    SGLANG.engine: {
+        n.TTFT: SGLANG.ttft,
+        n.ITL: "sglang:inter_token_latency_seconds",
+        n.E2E: "sglang:e2e_request_latency_seconds",
+        n.QUEUE_TIME: "sglang:queue_time_seconds",
+    },
+}
+
+ENGINE_ONLY_LABELS = ("model_name", "engine", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank")
+"""Labels the engines add that Conveyor's series do not have: vLLM's engine-core index,
+SGLang's parallel ranks (summed away once mapped)."""
+
+
+def conveyor_labels(expr: str, *, finish_reason: bool = False) -> str:
+    """``expr`` (an engine's series) with Conveyor's labels: ``model`` from ``model_name``,
+    ``finish_reason`` from vLLM's ``finished_reason`` (``finish_reason``), the engine's own
+    labels summed away."""
+    expr = f'label_replace({expr}, "{n.MODEL}", "$1", "model_name", "(.+)")'
+    dropped = ENGINE_ONLY_LABELS
+    if finish_reason:
+        expr = f'label_replace({expr}, "finish_reason", "$1", "finished_reason", "(.+)")'
+        dropped = (*dropped, "finished_reason")
+    return f"sum without ({', '.join(dropped)}) ({expr})"
+
+
+def engine_rules() -> list[dict[str, Any]]:
+    """One recording rule per mapped series of each engine."""
+    rules: list[dict[str, Any]] = []
+    for engine in (VLLM.engine, SGLANG.engine):
+        for ours, theirs in {**ENGINE_GAUGES[engine], **ENGINE_COUNTERS[engine]}.items():
+            expr = conveyor_labels(theirs, finish_reason=ours == n.REQUEST_SUCCESS)
+            rules.append({"record": ours, "expr": expr})
+        for ours, theirs in ENGINE_HISTOGRAMS[engine].items():
+            for suffix in HISTOGRAM_SUFFIXES:
+                rules.append({"record": ours + suffix, "expr": conveyor_labels(theirs + suffix)})
+    return rules
