@@ -71,13 +71,15 @@ def make_upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
 
     aiohttp rather than httpx here: httpcore's pool scans every connection on each request
     and release, which took two thirds of the gateway's CPU at 200 concurrent streams
-    (``conveyor bench gateway --part overhead``); aiohttp's connector does not.
+    (``conveyor bench gateway --part overhead``); aiohttp's connector does not. Replicas'
+    silence (``--upstream-timeout``) is watched by ``upstream_attempt``, not by a
+    ``sock_read`` timeout that moves a timer on every chunk; replicas set no cookies, so
+    there is no jar to filter each request and response through.
     """
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, use_dns_cache=True),
-        timeout=aiohttp.ClientTimeout(
-            total=None, connect=settings.connect_timeout_s, sock_read=settings.upstream_timeout_s
-        ),
+        timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s),
+        cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,  # bytes pass through as the replica encoded them
         trust_env=False,
         skip_auto_headers=("User-Agent",),
@@ -115,7 +117,10 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
             timeout_s=settings.load_poll_timeout_s,
             backend_api_key=settings.backend_api_key,
         )
-        tasks = [asyncio.create_task(poller.run(), name="load poller")]
+        tasks = [
+            asyncio.create_task(poller.run(), name="load poller"),
+            asyncio.create_task(proxy.silence_watch().run(), name="upstream silence watch"),
+        ]
         if settings.backends or settings.backends_file:
             static = StaticDiscovery(
                 registry=registry,
@@ -166,6 +171,26 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ProxyFirst:
+    """The ASGI app the gateway serves: the proxied paths go straight to the proxy, the rest
+    to the FastAPI app.
+
+    FastAPI's stack (error and exception middlewares, body limit, exit stack, the router's
+    regex per route) wraps every request, and its receive and send, in a Python call per
+    layer, every streamed chunk included: a tenth of the gateway's CPU at 2,000 streams
+    (docs/profiles/gateway-proxy.md). The proxy answers its own errors and needs none of it.
+    """
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in PROXIED_PATHS:
+            await self.app.state.gateway.proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
 
 class _ProxyRoute:

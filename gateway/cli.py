@@ -126,10 +126,10 @@ def main(argv: list[str]) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request is noise
     import uvicorn
 
-    from conveyor.gateway.app import build_app
+    from conveyor.gateway.app import ProxyFirst, build_app
 
     config = uvicorn.Config(
-        build_app(settings),
+        ProxyFirst(build_app(settings)),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,

@@ -6,16 +6,24 @@ elsewhere, and the replica is ejected for ``--ejection`` seconds; after it, a fa
 stream with an OpenAI-style error event. Streams pass through chunk by chunk as the replica
 sends them. Closing the upstream response before its end is what aborts the request on the
 replica (its KV blocks are freed).
+
+A replica silent for ``--upstream-timeout`` fails the attempt: until the response head, an
+``asyncio.timeout`` around the request; after it, the :class:`SilenceWatch`, one task that
+looks at every open stream a few times per timeout. aiohttp's own ``sock_read`` timeout did
+this by moving a timer on every chunk, which took a tenth of the gateway's CPU at 2,000
+streams (docs/profiles/gateway-proxy.md); here a chunk costs one clock read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 from starlette.types import Send
+from yarl import URL
 
 from conveyor.gateway import sse
 from conveyor.gateway.errors import Failure
@@ -48,6 +56,47 @@ class UpstreamRequest:
     """Event-loop time the request reached the gateway."""
 
 
+@functools.lru_cache(maxsize=4096)
+def upstream_url(base: str, path: str) -> URL:
+    """A replica's URL for ``path``, parsed once rather than on every request."""
+    return URL(base + path)
+
+
+@dataclass(eq=False)
+class _Watched:
+    response: aiohttp.ClientResponse
+    replica: str
+    last: float
+    """Loop time the replica last sent something."""
+
+
+@dataclass
+class SilenceWatch:
+    """Fails the open upstream streams whose replica said nothing for ``timeout_s``."""
+
+    timeout_s: float
+    streams: set[_Watched] = field(default_factory=set)
+
+    @property
+    def interval_s(self) -> float:
+        """How often streams are looked at: a stream fails at most this late."""
+        return min(1.0, max(0.01, self.timeout_s / 4))
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.interval_s)  # the watch's period, not synchronisation
+            deadline = loop.time() - self.timeout_s
+            for watched in [w for w in self.streams if w.last < deadline]:
+                self.streams.discard(watched)
+                # what aiohttp's sock_read timeout does: the reader wakes with the error
+                watched.response.content.set_exception(
+                    aiohttp.ServerTimeoutError(
+                        f"{watched.replica} sent nothing for {self.timeout_s:g}s (--upstream-timeout)"
+                    )
+                )
+
+
 class Upstream:
     """Sends requests to replicas over the data path's one pooled client."""
 
@@ -61,6 +110,8 @@ class Upstream:
         self._session = session
         self._metrics = metrics
         self._s = settings
+        self.watch = SilenceWatch(settings.upstream_timeout_s)
+        """Run by the gateway (``watch.run()``) beside the load poller."""
 
     async def attempt(
         self, pool: Pool, replica: Replica, request: UpstreamRequest, send: Send
@@ -71,12 +122,16 @@ class Upstream:
         replica.in_flight += 1
         in_flight.inc()
         response: aiohttp.ClientResponse | None = None
+        watched: _Watched | None = None
         done = False
         try:
             try:
-                response = await self._session.post(
-                    replica.url + request.path, data=request.body, headers=request.headers
-                )
+                async with asyncio.timeout(self._s.upstream_timeout_s):
+                    response = await self._session.post(
+                        upstream_url(replica.url, request.path),
+                        data=request.body,
+                        headers=request.headers,
+                    )
             except UPSTREAM_ERRORS as exc:
                 return self._eject(
                     pool, replica, f"could not reach {replica.url}: {_describe(exc)}"
@@ -95,7 +150,8 @@ class Upstream:
             out_headers.append((BACKEND_HEADER, replica.url.encode()))
             if not (request.stream and response.content_type == "text/event-stream"):
                 try:
-                    content = await response.read()
+                    async with asyncio.timeout(self._s.upstream_timeout_s):
+                        content = await response.read()
                 except UPSTREAM_ERRORS as exc:
                     return self._eject(pool, replica, f"{replica.url} broke off: {_describe(exc)}")
                 out_headers.append((b"content-length", str(len(content)).encode()))
@@ -107,17 +163,21 @@ class Upstream:
                 self._finish(pool, replica, status, request.arrival)
                 return None
 
+            watched = _Watched(response, replica.url, loop.time())
+            self.watch.streams.add(watched)
             chunks = response.content.iter_any()
             try:
                 first = await sse.read_to_first_token(chunks)
             except UPSTREAM_ERRORS as exc:
                 return self._eject(pool, replica, f"{replica.url} broke off: {_describe(exc)}")
+            watched.last = loop.time()
             # The first byte goes out now: from here on there is no retry.
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
             await send({"type": "http.response.body", "body": first, "more_body": True})
             self._metrics.ttft.labels(pool.model).observe(loop.time() - request.arrival)
             try:
                 async for chunk in chunks:
+                    watched.last = loop.time()
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 done = True
             except UPSTREAM_ERRORS as exc:
@@ -130,6 +190,8 @@ class Upstream:
             self._finish(pool, replica, status, request.arrival)
             return None
         finally:
+            if watched is not None:
+                self.watch.streams.discard(watched)
             if response is not None:
                 if done:
                     response.release()  # read to the end: the connection goes back to the pool
@@ -164,4 +226,6 @@ class Upstream:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return "TimeoutError: no answer within --upstream-timeout"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

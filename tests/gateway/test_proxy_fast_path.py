@@ -1,0 +1,73 @@
+"""The proxy's fast path: proxied paths reach the proxy without FastAPI's stack, the other
+routes still answer through it, and a replica gone silent mid-stream ends the stream with an
+error event once ``--upstream-timeout`` passes (the silence watch that replaced aiohttp's
+per-chunk read timer)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from gateway_helpers import Processes, gateway, stub
+
+from conveyor.bench.wait import wait_until
+
+
+def _admitted(gw, count: int) -> None:
+    def ready() -> bool:
+        try:
+            pools = httpx.get(gw.url + "/debug/pools", timeout=5).json()
+        except httpx.HTTPError:
+            return False
+        return sum(r["admitted"] for p in pools.values() for r in p["replicas"]) == count
+
+    wait_until(ready, 30, f"{count} admitted replicas")
+
+
+def test_a_silent_replica_ends_the_stream_with_an_error_event(processes: Processes) -> None:
+    # one chunk at once, the next a minute later: silence well past the gateway's timeout
+    replica = processes.start(stub(tokens=3, token_interval_ms=60000))
+    replica.wait_http("/load")
+    gw = processes.start(gateway("--backend", replica.url, "--upstream-timeout", "0.5"))
+    gw.wait_http("/health")
+    _admitted(gw, 1)
+
+    body = {"model": "stub", "prompt": "x", "stream": True, "max_tokens": 3}
+    with httpx.stream("POST", gw.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        text = "".join(response.iter_text())
+    events = [e.removeprefix("data: ") for e in text.split("\n\n") if e.strip()]
+    assert json.loads(events[0])["choices"][0]["text"] == f"127.0.0.1:{replica.port} "
+    error = json.loads(events[1])["error"]
+    assert "sent nothing for 0.5s (--upstream-timeout)" in error["message"]
+    assert events[2] == "[DONE]"
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert (
+        f'conveyor_gateway_ejections_total{{backend="{replica.url}",model="stub"}} 1.0' in metrics
+    )
+
+
+def test_proxied_and_other_routes_both_answer(processes: Processes) -> None:
+    replica = processes.start(stub())
+    replica.wait_http("/load")
+    gw = processes.start(gateway("--backend", replica.url, "--api-key", "k"))
+    gw.wait_http("/health")
+    auth = {"authorization": "Bearer k"}
+
+    def admitted() -> bool:
+        pools = httpx.get(gw.url + "/debug/pools", headers=auth, timeout=5).json()
+        return any(r["admitted"] for p in pools.values() for r in p["replicas"])
+
+    wait_until(admitted, 30, "the replica to be admitted")
+    body = {"model": "stub", "prompt": "x", "max_tokens": 2}
+    refused = httpx.post(gw.url + "/v1/completions", json=body, timeout=10)
+    assert refused.status_code == 401  # auth is the proxy's own, not a middleware's
+    ok = httpx.post(gw.url + "/v1/completions", json=body, headers=auth, timeout=10)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    assert ok.headers["x-conveyor-backend"] == replica.url
+    # not proxied: FastAPI's routes, and its 405 for a GET on a proxied path
+    assert (
+        httpx.get(gw.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"] == "stub"
+    )
+    assert httpx.get(gw.url + "/v1/completions", timeout=10).status_code == 405
+    assert "conveyor_gateway_requests_total" in httpx.get(gw.url + "/metrics", timeout=10).text
