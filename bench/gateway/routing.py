@@ -20,6 +20,7 @@ from conveyor.bench.gateway.settings import MODEL, BenchSettings
 from conveyor.bench.gateway.table import table
 from conveyor.bench.procs import ChildProcess, start_all
 from conveyor.bench.stats import percentile
+from conveyor.gateway.sse import has_token
 from conveyor.runtime.metrics_names import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES, REQUEST_SUCCESS
 
 CONVEYOR_POLICIES = ("round-robin", "least-load", "prefix-aware")
@@ -53,8 +54,11 @@ async def run_user(
 ) -> list[tuple[float, float]]:
     """One user's conversation, turn after turn: (TTFT, end-to-end) per turn.
 
-    Each request carries the OpenAI ``user`` field: vllm-router's consistent_hash keys on it
-    (it would hash the whole, ever-changing, text otherwise); the others ignore it.
+    TTFT is the time to the first event that carries a token: a chat stream opens with a
+    role-only event, sent before prefill, which the Rust routers pass on at once and the
+    gateway holds back (so it can still retry); counting it would time the opening event.
+    Each request carries ``x-session-id``: vllm-router's consistent_hash keys on it (it
+    hashes the whole, ever-changing, text otherwise); the others ignore it.
     """
     rng = random.Random(f"{salt}-{user}")
     messages = [
@@ -62,19 +66,25 @@ async def run_user(
         {"role": "user", "content": f"[{salt} user {user}] " + words(rng, s.document_chars)},
     ]
     results = []
+    headers = {"x-session-id": f"{salt}-user-{user}"}
     for turn in range(s.turns):
         body = {"model": MODEL, "messages": messages, "stream": True, "max_tokens": s.max_tokens,
-                "temperature": 0.0, "user": f"{salt}-user-{user}"}  # fmt: skip
+                "temperature": 0.0}  # fmt: skip
         start = time.perf_counter()
         ttft = None
-        async with session.post(url + "/v1/chat/completions", json=body) as response:
+        received = b""
+        async with session.post(
+            url + "/v1/chat/completions", json=body, headers=headers
+        ) as response:
             if response.status != 200:
                 raise RuntimeError(
                     f"routing request failed: {response.status} {await response.text()}"
                 )
-            async for _chunk in response.content.iter_any():
+            async for chunk in response.content.iter_any():
                 if ttft is None:
-                    ttft = time.perf_counter() - start
+                    received += chunk
+                    if has_token(received):
+                        ttft = time.perf_counter() - start
         results.append((ttft or 0.0, time.perf_counter() - start))
         messages += [
             {"role": "assistant", "content": f"answer {turn}: " + words(rng, s.turn_chars)},
@@ -146,6 +156,9 @@ def bench_routing(
           f"{s.max_total_tokens} KV tokens, {s.users} users x {s.turns} turns; working set "
           f"~{working_set} tokens ==", flush=True)  # fmt: skip
     replicas = [processes.replica(s.num_threads, s.max_total_tokens) for _ in range(s.replicas)]
+    print("  (each proxy with its defaults but the policy; the routers' cache_aware sends a request"
+          "\n   to the worker whose tree matches over --cache-threshold 0.3 of its text, and balances"
+          "\n   only once loads differ by over 64 requests)", flush=True)  # fmt: skip
     figures: dict[str, dict[str, float]] = {}
     rows = []
     try:
