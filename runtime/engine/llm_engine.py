@@ -22,7 +22,7 @@ from conveyor.runtime.engine.sequence import FinishReason, Sequence
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.state import EngineState
 from conveyor.runtime.engine.structured_output import StructuredOutputs
-from conveyor.runtime.engine.tensor_parallel import RankFailure
+from conveyor.runtime.engine.tensor_parallel import RankFailure, Ranks
 from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model
 from conveyor.runtime.sampling_params import SamplingParams
 
@@ -38,15 +38,26 @@ class LLMEngine:
         progress = on_progress or log.info
         self.settings = settings
         threads = configure_threads(settings.num_threads, settings.tensor_parallel_size)
-        progress(f"resolving model {settings.model!r}")
-        files = open_model(settings.model)
-        self.model_path = files.path
-        self.model_name = settings.model
-        self.hf_config = load_config(files)
-        self.tokenizer = load_tokenizer(
-            open_model(settings.tokenizer) if settings.tokenizer else files
+        # The other tensor-parallel ranks' processes start first: they import torch while
+        # this one reads the config and tokenizer (the runner stops them if anything fails).
+        size = settings.tensor_parallel_size
+        ranks = Ranks.start(size) if size > 1 else None
+        try:
+            progress(f"resolving model {settings.model!r}")
+            files = open_model(settings.model)
+            self.model_path = files.path
+            self.model_name = settings.model
+            self.hf_config = load_config(files)
+            self.tokenizer = load_tokenizer(
+                open_model(settings.tokenizer) if settings.tokenizer else files
+            )
+        except BaseException:
+            if ranks is not None:
+                ranks.close()
+            raise
+        self.runner = ModelRunner(
+            settings, self.hf_config, files, on_progress=progress, ranks=ranks
         )
-        self.runner = ModelRunner(settings, self.hf_config, files, on_progress=progress)
         try:
             self.state = EngineState.derive(
                 settings,

@@ -86,9 +86,11 @@ class ModelRunner:
         files: ModelFiles,
         on_progress: Callable[[str], None] | None = None,
         tp: TensorParallel | None = None,
+        ranks: tensor_parallel.Ranks | None = None,
     ) -> None:
-        """``tp``: this rank's place, for ranks 1..N-1; the engine's runner (rank 0) leaves
-        it unset and starts the other ranks itself when ``tensor_parallel_size`` > 1."""
+        """``tp``: this rank's place, for ranks 1..N-1. The engine's runner (rank 0) leaves
+        it unset and, when ``tensor_parallel_size`` > 1, drives the other ranks: ``ranks``,
+        started early by the engine, or started here."""
         self.settings = settings
         self.config = config
         self.device = tensor_parallel.rank_device(
@@ -96,7 +98,7 @@ class ModelRunner:
         )
         self.dtype = resolve_dtype(settings.dtype, config, self.device)
         self.backend = select_backend(settings.attention_backend, self.device)
-        self.ranks: tensor_parallel.Ranks | None = None
+        self.ranks: tensor_parallel.Ranks | None = ranks
         """Ranks 1..N-1, on rank 0 of a tensor-parallel replica."""
         if tp is None and settings.tensor_parallel_size > 1:
             tp = self._start_ranks(files, on_progress or log.info)
@@ -114,17 +116,20 @@ class ModelRunner:
             raise
 
     def _start_ranks(self, files: ModelFiles, progress: Callable[[str], None]) -> TensorParallel:
-        """Refuse a split the model cannot take (before any process starts), spawn the other
-        ranks and meet them."""
+        """Refuse a split the model cannot take, set the other ranks to work and meet them."""
         c, size = self.config, self.settings.tensor_parallel_size
         heads = c.num_attention_heads
-        check_split(
-            heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size, size
-        )
-        port = tensor_parallel.free_port()
-        progress(f"starting {size - 1} more tensor-parallel rank(s)")
-        self.ranks = tensor_parallel.Ranks.start(self.settings, files.path, port)
         try:
+            check_split(
+                heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size, size
+            )
+            if self.ranks is None:
+                self.ranks = tensor_parallel.Ranks.start(size)
+            port = tensor_parallel.free_port()
+            progress(
+                f"tensor parallel over {size} ranks: this is rank 0, the others have processes of their own"
+            )
+            self.ranks.assign(self.settings, files.path, self.config, port)
             return self.ranks.connect(self.settings, port, self.device)
         except BaseException:
             self.close()

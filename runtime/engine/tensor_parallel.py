@@ -90,11 +90,11 @@ class RankSpec:
     settings: EngineSettings
     model_path: str
     """The model as rank 0 resolved it (a built-in model is generated once, by rank 0)."""
+    config: Any
+    """The model's transformers config, as rank 0 read it."""
     rank: int
     port: int
     """The rendezvous (``torch.distributed.TCPStore``) on 127.0.0.1, served by rank 0."""
-    parent: int
-    """Rank 0's process id."""
 
 
 # -- the process group ------------------------------------------------------------------------
@@ -167,25 +167,25 @@ class Ranks:
         self.on_failure: Callable[[RankFailure], None] | None = None
         """Called (on the watcher thread) when a rank exits while the replica runs."""
         self._closing = False
+        self._assigned = False
         self._watcher = threading.Thread(target=self._watch, name="conveyor-tp-watch", daemon=True)
 
     @classmethod
-    def start(cls, settings: EngineSettings, model_path: Path, port: int) -> Ranks:
-        """Start ranks 1..N-1; each starts loading its shard at once, beside rank 0. Plain
-        subprocesses (not multiprocessing's spawn, which would re-run the caller's script),
-        each with a socket to rank 0 as its command pipe."""
-        processes = []
+    def start(cls, size: int) -> Ranks:
+        """Start the processes of ranks 1..size-1, first thing: each imports torch and the
+        model code (seconds) while rank 0 reads the model's config, then waits for
+        ``assign``. Plain subprocesses (multiprocessing's spawn would re-run the caller's
+        script), each with a socket to rank 0 as its command pipe."""
+        processes: list[RankProcess] = []
         try:
-            for rank in range(1, settings.tensor_parallel_size):
+            for rank in range(1, size):
                 ours, theirs = socket.socketpair()
                 with theirs:
+                    argv = [str(theirs.fileno()), str(rank), str(os.getpid())]
                     popen = subprocess.Popen(
-                        [sys.executable, "-c", _ENTRY, str(theirs.fileno())],
-                        pass_fds=(theirs.fileno(),),
+                        [sys.executable, "-c", _ENTRY, *argv], pass_fds=(theirs.fileno(),)
                     )
-                conn = Connection(ours.detach())
-                processes.append(RankProcess(rank, popen, conn))
-                conn.send(RankSpec(settings, str(model_path), rank, port, os.getpid()))
+                processes.append(RankProcess(rank, popen, Connection(ours.detach())))
         except BaseException:
             cls(processes).close()
             raise
@@ -193,6 +193,15 @@ class Ranks:
         if all(p.exit_fd is not None for p in processes):
             ranks._watcher.start()
         return ranks
+
+    def assign(self, settings: EngineSettings, model_path: Path, config: Any, port: int) -> None:
+        """Tell each rank what to build: it loads its shard at once, beside rank 0."""
+        self._assigned = True
+        for p in self.processes:
+            try:
+                p.conn.send(RankSpec(settings, str(model_path), config, p.rank, port))
+            except OSError as exc:
+                raise RankFailure(p.describe_exit()) from exc
 
     def connect(self, settings: EngineSettings, port: int, device: torch.device) -> TensorParallel:
         """Rank 0's place in the ranks' process group, once every rank has joined it; a rank
@@ -263,14 +272,18 @@ class Ranks:
             self.on_failure(RankFailure(self.failure))
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop every rank: ask, wait up to ``timeout`` seconds, then kill."""
+        """Stop every rank: ask, wait up to ``timeout`` seconds, then kill. Ranks that were
+        never given work (the engine failed to start) hold nothing: they are killed at once."""
         self._closing = True
+        if not self._assigned:
+            timeout = 0
         for p in self.processes:
             with contextlib.suppress(OSError):
                 p.conn.send(Stop())
         for p in self.processes:
             if p.exited(timeout) is None:
-                log.warning("tensor-parallel rank %d did not stop; killing it", p.rank)
+                if self._assigned:
+                    log.warning("tensor-parallel rank %d did not stop; killing it", p.rank)
                 p.popen.kill()
                 p.exited(5)
             p.conn.close()
@@ -280,10 +293,9 @@ class Ranks:
                 p.exit_fd = None
 
 
-_ENTRY = (
-    "import sys; from conveyor.runtime.engine.tensor_parallel import main; main(int(sys.argv[1]))"
-)
-"""A rank process's program (``python -c``): ``main`` with its end of the command socket."""
+_ENTRY = "import sys; from conveyor.runtime.engine.tensor_parallel import main; main(sys.argv[1:])"
+"""A rank process's program (``python -c``): ``main`` with its end of the command socket, its
+rank and rank 0's process id."""
 
 
 def free_port() -> int:
@@ -302,18 +314,30 @@ class RankError:
     message: str
 
 
-def main(fd: int) -> None:
-    """A rank's process: read its ``RankSpec`` from rank 0, build its part of the model,
+def main(argv: list[str]) -> None:
+    """A rank's process (argv: its socket's file descriptor, its rank, rank 0's process id):
+    import the model code, read its ``RankSpec`` from rank 0, build its part of the model,
     then obey rank 0 until told to stop or rank 0 is gone."""
-    conn = Connection(fd)
-    spec: RankSpec = conn.recv()
-    _linux_process_setup(spec.rank, spec.parent)
+    fd, rank, parent = (int(a) for a in argv)
+    _linux_process_setup(rank, parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     logging.basicConfig(
         level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s %(name)s[rank{spec.rank}]: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s[rank{rank}]: %(message)s",
         stream=sys.stderr,
     )
+    # torch, the model code and transformers' config classes, while rank 0 reads the config
+    import transformers  # noqa: F401
+
+    import conveyor.runtime.engine.model_runner  # noqa: F401
+
+    conn = Connection(fd)
+    try:
+        spec = conn.recv()
+    except EOFError:
+        spec = None
+    if not isinstance(spec, RankSpec):  # rank 0 stopped before it had work for this rank
+        sys.exit(0)
     try:
         runner = _build(spec)
     except BaseException as exc:
@@ -341,7 +365,7 @@ def _build(spec: RankSpec) -> Any:
     from conveyor.runtime.engine.model_runner import ModelRunner, resolve_device
     from conveyor.runtime.engine.platform import configure_threads
     from conveyor.runtime.layers.parallel import TensorParallel
-    from conveyor.runtime.model.loader import load_config, open_model
+    from conveyor.runtime.model.loader import open_model
 
     st = spec.settings
     configure_threads(st.num_threads, st.tensor_parallel_size)
@@ -353,7 +377,7 @@ def _build(spec: RankSpec) -> Any:
         torch.cuda.set_device(device)
     group = process_group(spec.rank, st.tensor_parallel_size, spec.port, device)
     tp = TensorParallel(spec.rank, st.tensor_parallel_size, group)
-    return ModelRunner(st, load_config(files), files, tp=tp)
+    return ModelRunner(st, spec.config, files, tp=tp)
 
 
 def _linux_process_setup(rank: int, parent: int) -> None:
