@@ -78,7 +78,7 @@ def conveyor_labels(expr: str, *, finish_reason: bool = False) -> str:
     ``finish_reason`` from vLLM's ``finished_reason`` (``finish_reason``), the engine's own
     labels summed away."""
     expr = f'label_replace({expr}, "{n.MODEL}", "$1", "model_name", "(.+)")'
-    dropped = ENGINE_ONLY_LABELS
+    dropped: tuple[str, ...] = ENGINE_ONLY_LABELS
     if finish_reason:
         expr = f'label_replace({expr}, "finish_reason", "$1", "finished_reason", "(.+)")'
         dropped = (*dropped, "finished_reason")
