@@ -37,7 +37,11 @@ from operator_helpers import (
 
 from conveyor.bench.peers import vllm_env
 from conveyor.cluster.testing import KubeUnderTest
+from conveyor.cluster.tools import build_tools
 from conveyor.contracts.engine_load import VLLM, samples
+from conveyor.observability import panel_check
+from conveyor.observability.panel_check import AllowedEmpty
+from conveyor.observability.prometheus import Prometheus, PrometheusSettings
 from conveyor.operator.engines import UNSUPPORTED
 
 NAME = "vllm-tiny"
@@ -47,6 +51,25 @@ RUNTIME = {"maxRunningRequests": 2, "extraArgs": ["--enforce-eager"]}
 """Two sequences at a time, so a few concurrent requests queue (vLLM's waiting gauge moves);
 eager mode skips vLLM's compilation at start (it serves the same)."""
 READY_S = 600
+SCRAPE_S = 1.0
+"""Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""
+ALLOWED_EMPTY = (
+    AllowedEmpty("Error ratio", "conveyor_gateway_requests_total", "no request fails here"),
+    AllowedEmpty(
+        "Preemptions per replica", "conveyor_num_preemptions_total",
+        "vLLM's KV cache holds every sequence of the tiny model: none is preempted",
+    ),
+    AllowedEmpty(
+        "Prefix-cache hit rate", "conveyor_prefix_cache_hits_total",
+        "the prompts are short and distinct: vLLM caches whole 128-token blocks only",
+    ),
+    AllowedEmpty(
+        "Time to first token", "conveyor_autoscaler_target",
+        "the LLMService is not autoscaled (and the operator runs outside the cluster)",
+        must_exist=False,
+    ),
+)  # fmt: skip
+"""Panel queries of the LLMService dashboard that this run leaves empty, and why."""
 NO_PROXY = httpx.Client(trust_env=False, timeout=30)
 
 
@@ -90,8 +113,17 @@ def vllm_service(
     install_crd(kube)
     workdir = tmp_path_factory.mktemp("engines")
     identity = OperatorIdentity(kube, module_namespace, workdir)
+    prometheus = PrometheusSettings(
+        binary=build_tools(("prometheus",), quiet=True).path("prometheus"),
+        scrape_interval_s=SCRAPE_S,
+        evaluation_interval_s=SCRAPE_S,
+        kubeconfig=kube.kubeconfig,
+        namespaces=(module_namespace,),
+        work_dir=workdir / "prometheus",
+    )
     try:
-        with operators(identity, workdir) as start:
+        with Prometheus(prometheus) as prom, operators(identity, workdir) as start:
+            run_start = time.time()
             op = start("op-a")
             wait_for("the operator to take the Lease", op.is_leader, timeout_s=60)
             started = time.monotonic()
@@ -107,7 +139,13 @@ def vllm_service(
             )
             ready_s = time.monotonic() - started
             print(f"\n[e2e] vLLM LLMService apply -> Ready: {ready_s:.0f} s", file=sys.stderr)
-            yield {"status": status, "ready_s": ready_s, "namespace": module_namespace}
+            yield {
+                "status": status,
+                "ready_s": ready_s,
+                "namespace": module_namespace,
+                "prometheus": prom.api(),
+                "start": run_start,
+            }
     finally:
         identity.close()
 
@@ -278,3 +316,32 @@ def test_a_setting_vllm_lacks_is_refused_with_a_message(
     assert not kube.api.get(f"/apis/conveyor.dev/v1alpha1/namespaces/{namespace}/llmservices")[
         "items"
     ]
+
+
+def test_every_llmservice_dashboard_panel_shows_the_vllm_llmservice(
+    vllm_service: dict[str, Any],
+) -> None:
+    """After the module's traffic, the LLMService dashboard's panels draw the vLLM LLMService
+    from vLLM's own series, recorded under Conveyor's names by the chart's rules."""
+    api = vllm_service["prometheus"]
+    wait_for(
+        "vLLM's series recorded under Conveyor's names",
+        lambda: api.query(f'conveyor_num_requests_running{{llmservice="{NAME}"}}'),
+        timeout_s=60,
+    )
+    moment = time.time()
+    wait_for(
+        "every target scraped after the traffic",
+        lambda: panel_check.scraped_after(api, vllm_service["namespace"], moment, at_least=2),
+        timeout_s=60,
+    )
+    result = panel_check.check_dashboard(
+        "llmservice-overview.json",
+        api,
+        vllm_service["start"],
+        time.time(),
+        scrape_interval_s=SCRAPE_S,
+        allowed=ALLOWED_EMPTY,
+    )
+    print(f"\n[e2e] {result.figures()}", file=sys.stderr)
+    assert not result.failures, "\n".join(result.failures)
