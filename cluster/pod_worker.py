@@ -108,6 +108,7 @@ class ContainerRunner:
         self.ever_ran = False
         self.cgroup = ContainerCgroup(worker.ctx.cluster_name, worker.uid, self.name)
         self._load()
+        self._adopt()
 
     # ---- persistence (for an agent restart) ---------------------------------------------
 
@@ -121,6 +122,21 @@ class ContainerRunner:
         self.last_state = data["last_state"]
         self.attempt = data["attempt"]
         self.ever_ran = self.attempt >= 0
+
+    def _adopt(self) -> None:
+        """After an agent restart, a run still alive keeps what the API shows of it (running,
+        started, ready) from the pod's very first status report on, until its probes say
+        otherwise, as a restarted kubelet does. Reported as newly created until its runner got
+        going, every pod of the nodes flapped not Ready at each restart of the agent, and the
+        Services dropped their endpoints meanwhile."""
+        run = ContainerAttempt.find(self.dir / str(self.attempt)) if self.attempt >= 0 else None
+        if run is None or not run.alive():
+            return
+        for cs in (self.worker.pod.get("status") or {}).get("containerStatuses") or []:
+            if cs.get("name") == self.name and cs.get("containerID") == self.container_id():
+                self.ready = bool(cs.get("ready"))
+                self.started = bool(cs.get("started"))
+        self.state = {"running": {"startedAt": now_rfc3339(run.started_at or time.time())}}
 
     def _save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -167,13 +183,8 @@ class ContainerRunner:
 
     async def loop(self) -> None:
         """Run the container until the pod stops or ``restartPolicy`` says it is finished."""
+        # A run adopted after an agent restart (its status was restored by ``_adopt``).
         run = ContainerAttempt.find(self.dir / str(self.attempt)) if self.attempt >= 0 else None
-        if run is not None and run.alive():
-            # Adopted after an agent restart: keep what was reported until the probes say otherwise.
-            for cs in (self.worker.pod.get("status") or {}).get("containerStatuses") or []:
-                if cs.get("name") == self.name and cs.get("containerID") == self.container_id():
-                    self.ready = bool(cs.get("ready"))
-                    self.started = bool(cs.get("started"))
         if run is not None:
             self.worker.ctx.log.info(
                 "%s/%s: adopting run %d (alive: %s)",

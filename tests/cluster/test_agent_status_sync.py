@@ -69,3 +69,45 @@ def test_another_writer_s_own_condition_is_left_alone(tmp_path: Path) -> None:
     api_status["conditions"].append({"type": "DisruptionTarget", "status": "True"})
     worker.update(pod_with_status(worker, api_status))
     assert not worker._dirty.is_set()
+
+
+def test_an_adopted_running_container_is_reported_ready_from_the_first_report(
+    tmp_path: Path,
+) -> None:
+    """A restarted agent finds a container's run alive: the pod's first status report keeps it
+    running and Ready, as the API showed it (not ContainerCreating and not Ready until the first
+    probe, which made every pod flap at each restart of the agent)."""
+    import json
+    import os
+
+    from conveyor.cluster.process import process_start_time
+
+    run_dir = tmp_path / "u-1" / "containers" / "c"
+    (run_dir / "0").mkdir(parents=True)
+    (run_dir / "state.json").write_text(
+        json.dumps({"restart_count": 0, "backoff_s": 0.0, "last_state": {}, "attempt": 0})
+    )
+    # The run's shim: this very process stands in for it (alive, with its start time).
+    pid = os.getpid()
+    (run_dir / "0" / "shim.json").write_text(
+        json.dumps({"pid": pid, "start_time": process_start_time(pid), "started_at": 1.0e9})
+    )
+    ctx: Any = SimpleNamespace(pods_dir=lambda: tmp_path, cluster_name="test", host_ip="10.0.0.1")
+    reported = {
+        "phase": "Running",
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "containerStatuses": [
+            {"name": "c", "containerID": "conveyor://u-1-c-0", "ready": True, "started": True}
+        ],
+    }
+    pod = {
+        "metadata": {"uid": "u-1", "namespace": "ns", "name": "p"},
+        "spec": {"containers": [{"name": "c", "image": "conveyor"}]},
+        "status": reported,
+    }
+    worker = PodWorker(ctx, pod)
+    first = worker.build_status()
+    assert ready(first)["status"] == "True"
+    (container,) = first["containerStatuses"]
+    assert container["ready"] and container["started"]
+    assert "running" in container["state"]
