@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -42,6 +43,8 @@ class Target:
 
     name: str
     url: str
+    log: Path | None = None
+    """The proxy's log, kept so that errors can be read (None: direct)."""
 
 
 @dataclass
@@ -225,6 +228,11 @@ def most_streams(targets: list[Target], steps: list[int], ramp_s: float = 4.0) -
                          f"{time.perf_counter() - start:.1f}"])  # fmt: skip
             print(f"  {t.name}: {n} streams, {errors.total()} errors", flush=True)
             if errors:
+                if t.log is not None:
+                    said = [line for line in t.log.read_text(errors="replace").splitlines()
+                            if "WARN" in line or "ERROR" in line]  # fmt: skip
+                    print(f"  {t.name}'s log ({t.log}), last warnings:")
+                    print("\n".join("    " + line[:300] for line in said[-5:]) or "    none")
                 break
             held[t.name] = peak
     print(table(["path", "streams", "peak open", "completed", "errors", "kinds", "wall s"], rows))
@@ -237,16 +245,22 @@ def stub_paths(peers: list[tuple[RustRouter, Path]]) -> Iterator[list[Target]]:
     prefix-aware, the routers' cache_aware): ``direct`` first, then the proxies."""
     # A generous connect timeout: on a shared 2-core machine the stub, not the gateway, is
     # slow to accept thousands of connections at once.
+    logs = Path(tempfile.mkdtemp(prefix="conveyor-bench-gateway-"))
     with processes.stub() as stub:
         children: list[tuple[str, ChildProcess]] = [
             ("conveyor", processes.gateway([stub.url], "--connect-timeout", "10"))
         ]
         children += [(r.name, processes.rust_router(r, venv, [stub.url], "cache_aware"))
                      for r, venv in peers]  # fmt: skip
+        for name, child in children:
+            child.log_path, child.keep_log = logs / f"{name}.log", True
         start_all([child for _, child in children])
         try:
             processes.wait_admitted(children[0][1], 1)
-            yield [Target("direct", stub.url), *(Target(n, c.url) for n, c in children)]
+            yield [
+                Target("direct", stub.url),
+                *(Target(n, c.url, c.log_path) for n, c in children),
+            ]
         finally:
             for _, child in children:
                 child.stop()
