@@ -3,7 +3,8 @@
 # triton and transformers but no pip: runs from this checkout, nothing is installed.
 # Results (gpu_bench.json, offline.json; decode_mbu.png where matplotlib is installed) go to
 # $OUT, or ./gpu-bench-out.
-#   bash bench/gpu.sh [--stages kernels,decode,offline,plot] [--context-len 1024] ...
+#   bash bench/gpu.sh [--stages kernels,decode,offline,tp,plot] [--context-len 1024] ...
+# (tp runs where two GPUs are lent, and reports itself skipped elsewhere)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

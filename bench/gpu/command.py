@@ -18,7 +18,10 @@ every stage, so a run cut short still reports what it measured:
    read per step) / step time / the GPU's peak memory bandwidth.
 3. ``offline``: ``conveyor bench offline --compare`` on a 1B-shaped Llama
    (random weights saved once, so Hugging Face ``generate`` loads the same).
-4. ``plot``: a PNG of step time and MBU against batch size (skipped without matplotlib).
+4. ``tp``: tensor parallelism over two GPUs (skipped with fewer): greedy output at TP=2
+   against TP=1, and throughput and weights per rank at TP=1 and TP=2 for the 8B shape
+   (``tensor_parallel.py``).
+5. ``plot``: a PNG of step time and MBU against batch size (skipped without matplotlib).
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ from conveyor.bench.gpu.decode import stage_decode
 from conveyor.bench.gpu.kernels import stage_kernels
 from conveyor.bench.gpu.plot import stage_plot
 from conveyor.bench.gpu.shapes import LLAMA_1B, TINY, write_model_dir
+from conveyor.bench.gpu.tensor_parallel import stage_tp
 
-STAGES = ("kernels", "decode", "offline", "plot")
+STAGES = ("kernels", "decode", "offline", "tp", "plot")
 
 
 # -- stage 3: the scheduling comparison on the GPU ----------------------------------------
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = stage_offline(args, workdir)
                     if (workdir / "offline.json").exists():
                         (out / "offline.json").write_text((workdir / "offline.json").read_text())
+                elif stage == "tp":
+                    result = stage_tp(args, workdir)
                 else:
                     result = stage_plot(doc["stages"].get("decode", {}), out / "decode_mbu.png")
             except Exception:  # one stage failing must not lose the others' figures
@@ -226,6 +232,18 @@ def summary(doc: dict) -> str:
     o = doc["stages"].get("offline", {})
     for name, ratio in o.get("ratios", {}).items():
         lines.append(f"offline {name} throughput: {ratio:.2f}x")
+    tp = doc["stages"].get("tp", {})
+    if "skipped" in tp:
+        lines.append(f"tp: skipped ({tp['skipped']})")
+    elif "rows" in tp:
+        lines.append(
+            f"tp: TP=2 greedy equals TP=1: {tp['tiny_greedy_equal']}; TP=2/TP=1 throughput "
+            f"{tp['tp2_over_tp1_throughput']:.2f}x; "
+            + ", ".join(
+                f"TP={r['tp']} {r['output_tok_s']} tok/s, {r['weight_gib_rank0']} GiB on rank 0"
+                for r in tp["rows"]
+            )
+        )
     for name, v in doc["stages"].items():
         if "error" in v:
             lines.append(f"stage {name} FAILED: {v['error'].strip().splitlines()[-1]}")
