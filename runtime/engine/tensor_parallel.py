@@ -1,18 +1,20 @@
 """The other ranks of a tensor-parallel replica: one process each, driven by rank 0.
 
 Rank 0 is the engine's own process: it runs the scheduler (and the server) and its model
-runner holds rank 0's shard. ``Ranks.start`` spawns ranks 1..N-1; each builds a model
-runner over its own shard and KV cache, then obeys rank 0's commands, which arrive over a
-pipe: size the KV cache, allocate it, run a step (the step's layout: token ids, positions,
-block tables; small lists, never tensors), stop. The model's all-reduces run over a process
-group of their own (gloo on CPU, NCCL on GPU) that no other code shares, so an engine can be
-built and closed many times in one process.
+runner holds rank 0's shard. ``Ranks.start`` starts ranks 1..N-1 as plain subprocesses
+(``python -c``, so a caller's script is never re-run, as multiprocessing's spawn would);
+each builds a model runner over its own shard and KV cache, then obeys rank 0's commands,
+which arrive over a socket: size the KV cache, allocate it, run a step (the step's layout:
+token ids, positions, block tables; small lists, never tensors), stop. The model's
+all-reduces run over a process group of their own (gloo on CPU, NCCL on GPU) that no other
+code shares, so an engine can be built and closed many times in one process.
 
 Failure is loud, never a hang: a rank that dies closes its sockets, so the all-reduce that
 waits for it raises at once (gloo and NCCL both), and a watcher thread on rank 0 notices a
 rank that exits between steps and calls the engine's ``on_rank_failure``. Ranks exit when
-rank 0 goes away: their pipe reaches its end, their all-reduce fails, and on Linux the
-kernel kills them when the thread that spawned them ends (``PR_SET_PDEATHSIG``).
+rank 0 goes away: their socket reaches its end, their all-reduce fails, and on Linux the
+kernel kills them when the thread that started them ends (``PR_SET_PDEATHSIG``). SIGTERM
+and SIGINT are rank 0's alone: it drains with every rank still there, then stops them.
 """
 
 from __future__ import annotations
@@ -320,7 +322,10 @@ def main(argv: list[str]) -> None:
     then obey rank 0 until told to stop or rank 0 is gone."""
     fd, rank, parent = (int(a) for a in argv)
     _linux_process_setup(rank, parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    # A signal to the whole process group (Ctrl-C, a supervisor's SIGTERM) is rank 0's to act
+    # on: it drains, which needs every rank, then stops them.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s[rank{rank}]: %(message)s",
