@@ -382,15 +382,17 @@ class Cluster:
 
         self._wait("kube-proxy", f"kube-proxy's rules for {service_ip}", kubernetes_service_routed)
 
-    def restart(self, name: str) -> ManagedProcess:
+    def restart(self, name: str, *, down_s: float = 0.0) -> ManagedProcess:
         """Kill the component ``name`` (SIGKILL: a crash) and start it again with the same command
-        line, as its supervisor would (systemd, or the kubelet of a static pod). Returns once it
-        runs; waiting until it serves is the caller's. The fault tests use it."""
+        line ``down_s`` later, as its supervisor would (systemd's RestartSec, the kubelet of a
+        static pod). Returns once it runs; waiting until it serves is the caller's. The fault
+        tests use it."""
         assert self.state is not None, "the cluster is not started"
         old = self.processes[name]
         # A cluster attached from another process knows its components by pid only.
         argv = old.argv or _command_line(old)
         old.kill()
+        time.sleep(down_s)
         proc = ManagedProcess(
             name,
             argv,

@@ -1,0 +1,475 @@
+"""Faults under steady traffic: the stack recovers by itself and loses no request.
+
+One cluster, one namespace, one operator pod (as the chart runs it: its own RBAC, a Lease of
+6 s), one LLMService on the built-in tiny model with two replicas and a KV cache of 128
+tokens, behind two gateway pods. In each test two clients stream completions through the
+gateway back to back (``chaos_helpers.Traffic``, which resends as the OpenAI SDK does) while
+one fault happens; the test prints a ``[figures]`` line (requests answered and failed before
+and after their first byte during and after the fault, client and gateway retries, seconds
+until the LLMService was Ready again) and asserts that no request failed before its first
+byte and that the LLMService is Ready again. The faults run back to back; each test starts
+from a healthy stack and leaves one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+from chaos_helpers import (
+    Figures,
+    PhaseWatch,
+    Traffic,
+    container_pid,
+    elapsed,
+    frozen,
+    http,
+    pod_metric,
+    pod_ready,
+    wait,
+)
+from operator_helpers import (
+    LLMSERVICES,
+    apply_yaml,
+    children,
+    install_crd,
+    llmservice,
+    release_llmservices,
+)
+
+from conveyor.cluster import Cluster
+from conveyor.cluster.agent_process import AGENT_NAME, agent_ready
+from conveyor.cluster.api import ApiClient
+from conveyor.cluster.testing import KubeUnderTest
+from conveyor.operator.install import operator_deployment, operator_rbac
+from conveyor.runtime.metrics_names import NUM_PREEMPTIONS
+
+MODEL = "chaos"
+KV_TOKENS = 128
+"""The replicas' KV cache: 8 blocks of 16 tokens, small enough to oversubscribe 4x cheaply."""
+SERVICE = llmservice(
+    MODEL,
+    replicas=2,
+    resources={"gpus": 1, "cpu": "250m", "memory": "1Gi"},
+    runtime={"maxTotalTokens": KV_TOKENS, "blockSize": 16},
+)
+OPERATOR_ARGS = (
+    "--lease-duration", "6", "--lease-renew-interval", "2", "--lease-retry-interval", "1",
+    "--resync-interval", "5", "--gateway-replicas", "2", "--gateway-cpu", "200m",
+)  # fmt: skip
+FREEZE_S = 45
+ETCD_DOWN_S = 10
+RECOVER_S = 180
+"""Deadline for the stack to be healthy again after a fault (it takes seconds)."""
+GATEWAY_RETRIES = "conveyor_gateway_retries_total"
+
+
+@dataclass
+class Stack:
+    kube: KubeUnderTest
+    cluster: Cluster
+    namespace: str
+    operator: str
+    base_url: str
+
+    @property
+    def api(self) -> ApiClient:
+        return self.kube.api
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{self.namespace}/pods"
+        return self.api.get(path, labelSelector=selector)["items"]
+
+    def runtime_pods(self) -> list[dict[str, Any]]:
+        return self.pods(f"conveyor.dev/llmservice={MODEL}")
+
+    def gateway_pods(self) -> list[dict[str, Any]]:
+        return self.pods("app.kubernetes.io/component=gateway")
+
+    def operator_pods(self) -> list[dict[str, Any]]:
+        return self.pods("app.kubernetes.io/component=operator")
+
+    def llmservice(self, name: str = MODEL) -> dict[str, Any]:
+        return self.api.get(f"{LLMSERVICES.format(ns=self.namespace)}/{name}")
+
+    def healthy(self) -> bool:
+        """The LLMService Ready with both replicas, every pod of the stack Ready and not deleting."""
+        status = self.llmservice().get("status") or {}
+        pods = self.runtime_pods() + self.gateway_pods() + self.operator_pods()
+        return (
+            status.get("phase") == "Ready"
+            and status.get("readyReplicas") == 2
+            and len(pods) == 5
+            and all(pod_ready(p) and not p["metadata"].get("deletionTimestamp") for p in pods)
+        )
+
+    def wait_healthy(self, what: str = "the stack healthy") -> None:
+        wait(what, self.healthy, timeout_s=RECOVER_S, interval_s=0.5)
+
+    def gateway_retries(self) -> dict[str, float]:
+        return pod_metric(self.gateway_pods(), 8080, GATEWAY_RETRIES)
+
+
+@contextlib.contextmanager
+def namespace_for(kube: KubeUnderTest) -> Iterator[str]:
+    """A namespace for the module (the session's ``namespace`` fixture is per test)."""
+    name = f"chaos-{uuid.uuid4().hex[:6]}"
+    api = kube.api
+    api.create(
+        "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+    )
+    wait(
+        f"the default ServiceAccount of {name}",
+        lambda: api.get(f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+        timeout_s=60,
+    )
+    try:
+        yield name
+    finally:
+        api.delete(f"/api/v1/namespaces/{name}")
+        pods = f"/api/v1/namespaces/{name}/pods"
+
+        def gone() -> bool:
+            api.request("DELETE", pods, query={"gracePeriodSeconds": "0"})
+            return not api.get(pods)["items"]
+
+        wait(f"the pods of {name} deleted", gone, timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def stack(kube: KubeUnderTest) -> Iterator[Stack]:
+    if kube.cluster is None:
+        pytest.skip("the faults are done to the one-machine cluster's own processes")
+    install_crd(kube)
+    with namespace_for(kube) as namespace:
+        name = f"conveyor-operator-{namespace}"[:63]
+        rbac = operator_rbac(namespace, name=name)
+        args = ("--namespace", namespace, "--lease-namespace", namespace, *OPERATOR_ARGS)
+        try:
+            apply_yaml(
+                kube,
+                namespace,
+                *rbac,
+                operator_deployment(namespace, replicas=1, args=args, name=name),
+                SERVICE,
+            )
+            started = time.monotonic()
+            status = wait(
+                f"{MODEL} Ready",
+                lambda: (s := kube.api.get(f"{LLMSERVICES.format(ns=namespace)}/{MODEL}").get("status") or {}).get("phase") == "Ready" and s,
+                timeout_s=600,
+                interval_s=0.5,
+            )  # fmt: skip
+            base_url = f"http://{status['endpoint']['clusterIP']}:8080"
+            s = Stack(kube, kube.cluster, namespace, name, base_url)
+            s.wait_healthy()
+            print(f"\n[figures] chaos stack Ready in {elapsed(started):.1f} s", file=sys.stderr)
+            yield s
+        finally:
+            release_llmservices(kube, namespace)
+            for obj in rbac:
+                if obj["kind"].startswith("Cluster"):
+                    kube.kubectl(
+                        "delete", obj["kind"].lower(), obj["metadata"]["name"],
+                        "--ignore-not-found", check=False,
+                    )  # fmt: skip
+
+
+@dataclass
+class Run:
+    """One fault under traffic: the clients, the phase timeline, the fault's start and end."""
+
+    stack: Stack
+    traffic: Traffic
+    watch: PhaseWatch
+    retries_before: dict[str, float]
+    fault_start: float = 0.0
+    fault_end: float = 0.0
+
+    def begin(self) -> None:
+        self.fault_start = time.monotonic()
+
+    def end(self) -> None:
+        self.fault_end = time.monotonic()
+
+    def recover(self) -> None:
+        """Wait until the stack is healthy and serves again (fresh answers after that)."""
+        self.stack.wait_healthy("the stack healthy again")
+        self.traffic.wait_answers(10, since=time.monotonic())
+
+    def report(self, fault: str, extra: str = "") -> tuple[Figures, Figures]:
+        during = self.traffic.since(self.fault_start, self.fault_end)
+        after = self.traffic.since(self.fault_end)
+        retries_after = self.stack.gateway_retries()
+        gateway_retries = sum(v - self.retries_before.get(k, 0.0) for k, v in retries_after.items())
+        recovery = self.watch.recovery(self.fault_start, self.fault_end)
+        print(
+            f"\n[figures] {fault}: during ({self.fault_end - self.fault_start:.1f} s) "
+            f"{during.line()}; after {after.line()}; gateway retries {gateway_retries:.0f}; "
+            f"LLMService {recovery} (phases {' > '.join(self.watch.phases(self.fault_start))})"
+            f"{extra}",
+            file=sys.stderr,
+        )
+        return during, after
+
+
+@contextlib.contextmanager
+def under_traffic(stack: Stack) -> Iterator[Run]:
+    """A healthy stack, then clients and the phase watch running for the ``with`` block; the
+    assertions every fault shares at its end."""
+    stack.wait_healthy()
+    with (
+        Traffic(stack.base_url, MODEL) as traffic,
+        PhaseWatch(stack.api, stack.namespace, MODEL) as watch,
+    ):
+        traffic.wait_answers(10, since=time.monotonic())
+        run = Run(stack, traffic, watch, stack.gateway_retries())
+        yield run
+    failed = traffic.since(run.fault_start)
+    assert failed.failed_before_first_byte == 0, (
+        f"{failed.failed_before_first_byte} requests failed before their first byte: {failed.errors}"
+    )
+    assert stack.llmservice()["status"]["phase"] == "Ready"
+
+
+def test_control_plane_frozen_then_thawed(stack: Stack) -> None:
+    """etcd and the apiserver stopped (SIGSTOP) for 45 s: the data plane needs neither; after
+    SIGCONT the operator, the gateway's watches and the node agent catch up by themselves."""
+    operator_restarts = restarts(stack.operator_pods())
+    with under_traffic(stack) as run:
+        with frozen(stack.cluster, "etcd", "kube-apiserver"):
+            run.begin()
+            time.sleep(FREEZE_S)  # the outage itself; the clients run meanwhile
+        run.end()
+        run.recover()
+        during, _ = run.report(
+            f"apiserver+etcd frozen {FREEZE_S} s",
+            f"; operator restarts {restarts(stack.operator_pods()) - operator_restarts}",
+        )
+    assert during.answered > 0, "the data plane served nothing while the control plane was frozen"
+
+
+def test_etcd_killed_and_restarted(stack: Stack) -> None:
+    with under_traffic(stack) as run:
+        run.begin()
+        stack.cluster.restart("etcd", down_s=ETCD_DOWN_S)
+        wait("the apiserver ready again", lambda: stack.api.readyz()[0], timeout_s=RECOVER_S)
+        run.end()
+        run.recover()
+        run.report(f"etcd SIGKILLed, restarted {ETCD_DOWN_S} s later")
+
+
+def test_operator_killed_during_a_burst_of_changes(stack: Stack) -> None:
+    """Creates, then the operator pod killed while it reconciles them; updates and deletes while
+    it is away. Its replacement (after the Lease expires) converges every spec: one Deployment
+    per LLMService, none left of the deleted ones, every child owned by a live LLMService.
+    (test_operator.py kills a local operator during creates alone; this is the pod, under
+    traffic, with updates and deletes too.)"""
+    names = [f"burst-{i}" for i in range(4)]
+    with under_traffic(stack) as run:
+        (old,) = stack.operator_pods()
+        apply_yaml(stack.kube, stack.namespace, *(llmservice(n, replicas=0) for n in names))
+        wait(
+            "a first burst child",
+            lambda: any(
+                c["metadata"]["name"] in names for c in children(stack.api, stack.namespace)
+            ),
+            timeout_s=60,
+            interval_s=0.05,
+        )
+        run.begin()
+        stack.kube.kubectl(
+            "-n", stack.namespace, "delete", "pod", old["metadata"]["name"], "--grace-period=0", "--force",
+        )  # fmt: skip
+        patch = {"spec": {"runtime": {"maxRunningRequests": 3}}}
+        for name in names[:2]:
+            stack.kube.kubectl(
+                "-n", stack.namespace, "patch", "llmservice", name, "--type=merge", "-p", yaml.safe_dump(patch),
+            )  # fmt: skip
+        stack.kube.kubectl(
+            "-n", stack.namespace, "delete", "llmservice", *names[2:], "--wait=false"
+        )
+
+        def converged() -> bool:
+            for name in names[:2]:
+                obj = stack.llmservice(name)
+                status = obj.get("status") or {}
+                if status.get("observedGeneration") != obj["metadata"]["generation"]:
+                    return False
+                deployment = stack.api.get(
+                    f"/apis/apps/v1/namespaces/{stack.namespace}/deployments/{name}"
+                )
+                args = deployment["spec"]["template"]["spec"]["containers"][0].get("args") or []
+                if "3" not in args[args.index("--max-running-requests") + 1 :][:1]:
+                    return False
+            live = {
+                i["metadata"]["name"]
+                for i in stack.api.get(LLMSERVICES.format(ns=stack.namespace))["items"]
+            }
+            return live == {MODEL, *names[:2]}
+
+        wait("every burst spec converged", converged, timeout_s=RECOVER_S, interval_s=0.5)
+        run.end()
+        made = children(stack.api, stack.namespace)
+        deployments = sorted(
+            c["metadata"]["name"] for c in made
+            if c["kind"] == "deployments" and c["metadata"]["name"] != "conveyor-gateway"
+        )  # fmt: skip
+        live_uids = {
+            i["metadata"]["uid"]
+            for i in stack.api.get(LLMSERVICES.format(ns=stack.namespace))["items"]
+        }
+        orphans = [
+            f"{c['kind']}/{c['metadata']['name']}" for c in made
+            if not {r["uid"] for r in c["metadata"].get("ownerReferences") or []} <= live_uids
+        ]  # fmt: skip
+        wait("the deleted LLMServices' children collected", lambda: not [
+            c for c in children(stack.api, stack.namespace) if c["metadata"]["name"] in names[2:]
+        ], timeout_s=60)  # fmt: skip
+        (new,) = stack.operator_pods()
+        run.recover()
+        run.report(
+            "operator pod killed during 4 creates, 2 updates, 2 deletes",
+            f"; every spec converged {run.fault_end - run.fault_start:.1f} s after the kill",
+        )
+        stack.kube.kubectl(
+            "-n", stack.namespace, "delete", "llmservice", *names[:2], "--wait=false"
+        )
+    assert deployments == sorted([MODEL, *names[:2]]), "a Deployment missing or made twice"
+    assert orphans == []
+    assert new["metadata"]["name"] != old["metadata"]["name"]
+
+
+def test_node_agent_restarted(stack: Stack) -> None:
+    """The agent SIGKILLed and started again: every pod keeps its process and stays Ready."""
+    before = {
+        p["metadata"]["name"]: container_ids(p) for p in stack.runtime_pods() + stack.gateway_pods()
+    }
+    with under_traffic(stack) as run:
+        run.begin()
+        agent = stack.cluster.restart(AGENT_NAME)
+        assert agent.record is not None
+        wait(
+            "the new agent to adopt its pods",
+            lambda: agent_ready(stack.cluster.work_dir, agent.record.pid),
+            timeout_s=60,
+        )
+        run.end()
+        run.recover()
+        run.report("node agent SIGKILLed and restarted")
+        after = {
+            p["metadata"]["name"]: container_ids(p)
+            for p in stack.runtime_pods() + stack.gateway_pods()
+        }
+    assert after == before, "a pod was restarted or replaced"
+    assert run.watch.pods_unready_seen(run.fault_start) == 0, "a runtime pod was seen not Ready"
+
+
+def test_runtime_replica_killed_under_load(stack: Stack) -> None:
+    """One replica's processes SIGKILLed: requests not yet streaming are retried by the gateway
+    on the other replica; the node agent restarts the container and it serves again."""
+    with under_traffic(stack) as run:
+        victim = stack.runtime_pods()[0]
+        before = restarts([victim])
+        run.begin()
+        os.killpg(container_pid(stack.cluster, victim), signal.SIGKILL)
+        path = f"/api/v1/namespaces/{stack.namespace}/pods/{victim['metadata']['name']}"
+        wait(
+            "the replica restarted and Ready",
+            lambda: restarts([p := stack.api.get(path)]) > before and pod_ready(p),
+            timeout_s=RECOVER_S,
+        )
+        run.end()
+        run.recover()
+        during, after = run.report("one runtime replica SIGKILLed")
+    assert during.client_retries + after.client_retries == 0, (
+        "the gateway left a retry to the client"
+    )
+
+
+def test_gateway_pod_killed(stack: Stack) -> None:
+    """One of the two gateway pods deleted at once (grace 0): the other takes the traffic, the
+    replacement serves within seconds."""
+    with under_traffic(stack) as run:
+        old = {p["metadata"]["name"] for p in stack.gateway_pods()}
+        victim = sorted(old)[0]
+        run.begin()
+        stack.kube.kubectl(
+            "-n", stack.namespace, "delete", "pod", victim, "--grace-period=0", "--force"
+        )
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+        def replacement_serves() -> bool:
+            for pod in stack.gateway_pods():
+                if pod["metadata"]["name"] not in old and pod_ready(pod):
+                    return bool(
+                        http(
+                            f"http://{pod['status']['podIP']}:8080/v1/completions",
+                            body,
+                            timeout_s=10,
+                        )
+                    )
+            return False
+
+        wait("the replacement gateway to answer", replacement_serves, timeout_s=RECOVER_S)
+        run.end()
+        run.recover()
+        run.report(
+            "one of two gateway pods killed",
+            f"; the replacement answered {run.fault_end - run.fault_start:.1f} s after the kill",
+        )
+
+
+def test_kv_cache_oversubscribed_4x(stack: Stack) -> None:
+    """Eight requests of 64 tokens each sent at once to one replica whose KV cache holds 128:
+    four times what fits. Requests are preempted and resumed, never dropped: each completes with
+    every token asked for."""
+    prompt, max_tokens, count = "x" * 8, 56, 8  # 8 x (8 + 56) tokens = 4 x KV_TOKENS
+    assert count * (len(prompt) + max_tokens) == 4 * KV_TOKENS
+    with under_traffic(stack) as run:
+        replica = stack.runtime_pods()[0]
+        url = f"http://{replica['status']['podIP']}:8000"
+        before = pod_metric([replica], 8000, NUM_PREEMPTIONS)[replica["metadata"]["name"]]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+        run.begin()
+        with ThreadPoolExecutor(count) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: http(f"{url}/v1/completions", body, timeout_s=RECOVER_S), range(count)
+                )
+            )
+        run.end()
+        preempted = (
+            pod_metric([replica], 8000, NUM_PREEMPTIONS)[replica["metadata"]["name"]] - before
+        )
+        run.recover()
+        run.report(
+            "one replica's KV cache oversubscribed 4x",
+            f"; {count} requests completed in {run.fault_end - run.fault_start:.1f} s, {preempted:.0f} preemptions",
+        )
+    assert [a["usage"]["completion_tokens"] for a in answers] == [max_tokens] * count
+    assert preempted > 0, "nothing was preempted: the KV cache was not oversubscribed"
+
+
+def restarts(pods: list[dict[str, Any]]) -> int:
+    return sum(
+        c.get("restartCount", 0)
+        for p in pods
+        for c in (p.get("status") or {}).get("containerStatuses") or []
+    )
+
+
+def container_ids(pod: dict[str, Any]) -> list[str]:
+    return [
+        c.get("containerID", "") for c in (pod.get("status") or {}).get("containerStatuses") or []
+    ]
