@@ -17,7 +17,7 @@ import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.routing import Route
 
 from conveyor.gateway.auth import ApiKeyAuth
@@ -171,6 +171,7 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            metrics.worker_exited()
 
 
 class ProxyFirst:
@@ -191,6 +192,19 @@ class ProxyFirst:
             await self.app.state.gateway.proxy(scope, receive, send)
         else:
             await self.app(scope, receive, send)
+
+
+def from_environment() -> ProxyFirst:
+    """The app of one worker of ``conveyor gateway --workers N`` (uvicorn's factory): the
+    settings come as JSON in $CONVEYOR_GATEWAY_SETTINGS, set by the command."""
+    import os
+
+    from conveyor.gateway.cli import configure_logging
+    from conveyor.gateway.settings import SETTINGS_ENV, settings_from_json
+
+    settings = settings_from_json(os.environ[SETTINGS_ENV])
+    configure_logging(settings)
+    return ProxyFirst(build_app(settings))
 
 
 class _ProxyRoute:
@@ -231,7 +245,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         gateway: Gateway = request.app.state.gateway
-        return Response(generate_latest(gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(gateway.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def unauthorized(request: Request) -> Response | None:
         gateway: Gateway = request.app.state.gateway

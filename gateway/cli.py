@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import tempfile
 from typing import Any
 
 from conveyor.gateway.auth import API_KEY_ENV, load_api_keys
-from conveyor.gateway.settings import ROUTING_POLICIES, GatewaySettings, setting_docs
+from conveyor.gateway.metrics import MULTIPROC_ENV
+from conveyor.gateway.settings import (
+    ROUTING_POLICIES,
+    SETTINGS_ENV,
+    GatewaySettings,
+    setting_docs,
+    settings_to_json,
+)
 from conveyor.gateway.static_discovery import parse_backend
 
 # flag -> settings field (flags follow the names vLLM/SGLang users know where there is one)
@@ -41,6 +50,7 @@ FLAGS: dict[str, str] = {
     "--hold-timeout": "hold_timeout_s",
     "--max-held-requests": "max_held_requests",
     "--log-level": "log_level",
+    "--workers": "workers",
 }
 
 
@@ -107,7 +117,7 @@ def parse_settings(argv: list[str]) -> GatewaySettings:
             f"--bounded-load-factor must be at least 1.0 (got {settings.bounded_load_factor})"
         )
     for name in ("load_poll_interval_s", "load_poll_timeout_s", "max_attempts", "prefix_block_chars",
-                 "prefix_max_blocks", "ring_vnodes", "max_body_bytes"):  # fmt: skip
+                 "prefix_max_blocks", "ring_vnodes", "max_body_bytes", "workers"):  # fmt: skip
         if getattr(settings, name) <= 0:
             flag = next(f for f, n in FLAGS.items() if n == name)
             raise ValueError(f"{flag} must be positive (got {getattr(settings, name)})")
@@ -120,16 +130,10 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"conveyor gateway: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request is noise
+    configure_logging(settings)
     import uvicorn
 
-    from conveyor.gateway.app import ProxyFirst, build_app
-
-    config = uvicorn.Config(
-        ProxyFirst(build_app(settings)),
+    options: dict[str, Any] = dict(
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -137,5 +141,28 @@ def main(argv: list[str]) -> int:
         backlog=4096,
         timeout_graceful_shutdown=30,
     )
-    uvicorn.Server(config).run()
+    if settings.workers == 1:
+        from conveyor.gateway.app import ProxyFirst, build_app
+
+        uvicorn.Server(uvicorn.Config(ProxyFirst(build_app(settings)), **options)).run()
+        return 0
+    # Workers are fresh interpreters (uvicorn spawns them): the settings and the directory
+    # of the metrics they share go through the environment, read before their first import
+    # of prometheus_client.
+    with tempfile.TemporaryDirectory(prefix="conveyor-gateway-metrics-") as metrics_dir:
+        os.environ[MULTIPROC_ENV] = metrics_dir
+        os.environ[SETTINGS_ENV] = settings_to_json(settings)
+        uvicorn.run(
+            "conveyor.gateway.app:from_environment",
+            factory=True,
+            workers=settings.workers,
+            **options,
+        )
     return 0
+
+
+def configure_logging(settings: GatewaySettings) -> None:
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per proxied request is noise

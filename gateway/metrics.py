@@ -1,14 +1,18 @@
 """The gateway's Prometheus metrics (names and labels as ARCHITECTURE.md lists them).
 
 Each :class:`GatewayMetrics` owns its own registry, so tests and several apps in one
-process never share counters.
+process never share counters. With ``--workers`` above 1 every worker process writes its
+series to files in ``$PROMETHEUS_MULTIPROC_DIR`` (prometheus_client's multiprocess mode)
+and any worker's /metrics sums them all: counters and histograms add up, in-flight and
+held requests are summed over live workers, a replica's load is the latest any worker saw.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REQUESTS_TOTAL = "conveyor_gateway_requests_total"
 REQUEST_DURATION = "conveyor_gateway_request_duration_seconds"
@@ -26,6 +30,13 @@ LATENCY_BUCKETS = (
 """Milliseconds for the gateway's own overhead up to minutes for long generations."""
 
 LOAD_SIGNALS = ("running", "waiting", "kv_cache_usage")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+"""Set (by ``conveyor gateway --workers N``) before the workers import prometheus_client."""
+
+
+def multiprocess() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
 
 
 def _name(full: str, suffix: str = "") -> str:
@@ -59,10 +70,11 @@ class GatewayMetrics:
         )  # fmt: skip
         self.in_flight = Gauge(
             BACKEND_IN_FLIGHT, "The gateway's own in-flight requests per backend.",
-            ["model", "backend"], registry=r,
+            ["model", "backend"], registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
         self.load = Gauge(
-            BACKEND_LOAD, "Last /load seen per backend.", ["model", "backend", "signal"], registry=r,
+            BACKEND_LOAD, "Last /load seen per backend.", ["model", "backend", "signal"],
+            registry=r, multiprocess_mode="livemostrecent",
         )  # fmt: skip
         self.decisions = Counter(
             _name(ROUTING_DECISIONS_TOTAL, "_total"), "Routing decisions by policy and reason.",
@@ -70,8 +82,26 @@ class GatewayMetrics:
         )  # fmt: skip
         self.pending = Gauge(
             PENDING_REQUESTS, "Requests held while their model has no ready replica.", ["model"],
-            registry=r,
+            registry=r, multiprocess_mode="livesum",
         )  # fmt: skip
+
+    def exposition(self) -> bytes:
+        """The text /metrics answers: this registry's, or every worker's summed."""
+        if not multiprocess():
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess as mp
+
+        registry = CollectorRegistry()
+        mp.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
+
+    @staticmethod
+    def worker_exited() -> None:
+        """A worker's live gauges stop counting once it is gone (multiprocess mode)."""
+        if multiprocess():
+            from prometheus_client import multiprocess as mp
+
+            mp.mark_process_dead(os.getpid())  # type: ignore[no-untyped-call]
 
     def forget_backend(self, backend: str, models: set[str]) -> None:
         """Drop a removed replica's per-backend series so dashboards do not show ghosts."""

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 ROUTING_POLICIES = ("prefix-aware", "least-load", "round-robin")
 
@@ -105,6 +108,27 @@ class GatewaySettings:
 
     log_level: str = "info"
     """Log level of the gateway and uvicorn."""
+
+    workers: int = 1
+    """Processes serving the one port, for when one core is the limit (uvicorn's supervisor
+    restarts one that dies). Each routes alike (same ring, same replicas' /load) but counts
+    only its own in-flight requests and holds its own --max-held-requests; /metrics sums
+    them all (prometheus_client's multiprocess mode)."""
+
+
+SETTINGS_ENV = "CONVEYOR_GATEWAY_SETTINGS"
+"""How the settings reach worker processes (``--workers``): JSON in the environment."""
+
+
+def settings_to_json(settings: GatewaySettings) -> str:
+    return json.dumps(dataclasses.asdict(settings))
+
+
+def settings_from_json(text: str) -> GatewaySettings:
+    values: dict[str, Any] = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()
+    }
+    return GatewaySettings(**values)
 
 
 def setting_docs() -> dict[str, str]:

@@ -1,7 +1,7 @@
 """The proxy's fast path: proxied paths reach the proxy without FastAPI's stack, the other
-routes still answer through it, and a replica gone silent mid-stream ends the stream with an
+routes still answer through it, a replica gone silent mid-stream ends the stream with an
 error event once ``--upstream-timeout`` passes (the silence watch that replaced aiohttp's
-per-chunk read timer)."""
+per-chunk read timer), and ``--workers`` processes share the port and their metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 from gateway_helpers import Processes, gateway, stub
 
 from conveyor.bench.wait import wait_until
+from conveyor.gateway.settings import GatewaySettings, settings_from_json, settings_to_json
 
 
 def _admitted(gw, count: int) -> None:
@@ -71,3 +72,28 @@ def test_proxied_and_other_routes_both_answer(processes: Processes) -> None:
     )
     assert httpx.get(gw.url + "/v1/completions", timeout=10).status_code == 405
     assert "conveyor_gateway_requests_total" in httpx.get(gw.url + "/metrics", timeout=10).text
+
+
+def test_settings_reach_workers_unchanged() -> None:
+    settings = GatewaySettings(backends=("m=http://a:1",), api_keys=("k",), workers=3)
+    assert settings_from_json(settings_to_json(settings)) == settings
+
+
+def test_workers_share_the_port_and_sum_their_metrics(processes: Processes) -> None:
+    replica = processes.start(stub())
+    replica.wait_http("/load")
+    gw = processes.start(gateway("--backend", replica.url, "--workers", "2"))
+    gw.wait_http("/health")
+    body = {"model": "stub", "prompt": "x", "max_tokens": 1}
+
+    def answered() -> bool:  # each worker holds a request until it polled the replica
+        return httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
+
+    wait_until(answered, 30, "a first answer")
+    for _ in range(19):  # a new connection each: the kernel hands them to either worker
+        assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    line = (
+        f'conveyor_gateway_requests_total{{backend="{replica.url}",code="200",model="stub"}} 20.0'
+    )
+    for _ in range(3):  # whichever worker answers the scrape, it counts every worker's
+        assert line in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines()
