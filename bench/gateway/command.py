@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 from conveyor.bench.gateway import report, routers
-from conveyor.bench.gateway.overhead import bench_overhead
+from conveyor.bench.gateway.overhead import bench_overhead, gateway_name
 from conveyor.bench.gateway.routing import bench_routing
 from conveyor.bench.gateway.settings import BenchSettings
 
@@ -75,6 +75,9 @@ def main(argv: list[str]) -> int:
         peers = routers.parse_peers(s.peers)
         concurrency = _numbers(s.overhead_concurrency, "--overhead-concurrency")
         steps = _numbers(s.max_streams, "--max-streams")
+        workers = _numbers(s.gateway_workers, "--gateway-workers")
+        if min(workers) < 1:
+            raise ValueError("--gateway-workers takes numbers of processes, 1 or more")
     except ValueError as exc:
         print(f"conveyor bench gateway: {exc}", file=sys.stderr)
         return 2
@@ -89,10 +92,11 @@ def main(argv: list[str]) -> int:
     held: dict[str, int] = {}
     routing: report.Routing = {}
     if s.part in ("overhead", "all"):
-        overhead, held = bench_overhead(installed, concurrency, s.overhead_requests, steps)
+        overhead, held = bench_overhead(installed, concurrency, s.overhead_requests, steps, workers)
     if s.part in ("routing", "all"):
         routing = bench_routing(s, installed)
-    proxies = ["conveyor", *(r.name for r in peers)]
+    gateways = [gateway_name(n) for n in workers] if s.part != "routing" else ["conveyor"]
+    proxies = [*gateways, *(r.name for r in peers)]
     print("\n== side by side" + (" (ratios: conveyor / best peer)" if peers else "") + " ==")
     print(report.summary(proxies, overhead, held, routing))
     if s.plot:

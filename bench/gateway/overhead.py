@@ -239,24 +239,34 @@ def most_streams(targets: list[Target], steps: list[int], ramp_s: float = 4.0) -
     return held
 
 
+def gateway_name(workers: int) -> str:
+    """``conveyor`` for one process, ``conveyor-xN`` for ``--workers N``."""
+    return "conveyor" if workers == 1 else f"conveyor-x{workers}"
+
+
 @contextlib.contextmanager
-def stub_paths(peers: list[tuple[RustRouter, Path]]) -> Iterator[list[Target]]:
+def stub_paths(peers: list[tuple[RustRouter, Path]], workers: list[int]) -> Iterator[list[Target]]:
     """One stub, and each proxy in front of it with its default policy (the gateway's
-    prefix-aware, the routers' cache_aware): ``direct`` first, then the proxies."""
+    prefix-aware, the routers' cache_aware): ``direct`` first, then the gateway with each
+    number of ``workers``, then the routers."""
     # A generous connect timeout: on a shared 2-core machine the stub, not the gateway, is
     # slow to accept thousands of connections at once.
     logs = Path(tempfile.mkdtemp(prefix="conveyor-bench-gateway-"))
     with processes.stub() as stub:
         children: list[tuple[str, ChildProcess]] = [
-            ("conveyor", processes.gateway([stub.url], "--connect-timeout", "10"))
-        ]
+            (gateway_name(n),
+             processes.gateway([stub.url], "--connect-timeout", "10", "--workers", str(n)))
+            for n in workers
+        ]  # fmt: skip
         children += [(r.name, processes.rust_router(r, venv, [stub.url], "cache_aware"))
                      for r, venv in peers]  # fmt: skip
         for name, child in children:
             child.log_path, child.keep_log = logs / f"{name}.log", True
         start_all([child for _, child in children])
         try:
-            processes.wait_admitted(children[0][1], 1)
+            for name, child in children:
+                if name.startswith("conveyor"):
+                    processes.wait_admitted(child, 1)
             yield [
                 Target("direct", stub.url),
                 *(Target(n, c.url, c.log_path) for n, c in children),
@@ -267,11 +277,15 @@ def stub_paths(peers: list[tuple[RustRouter, Path]]) -> Iterator[list[Target]]:
 
 
 def bench_overhead(
-    peers: list[tuple[RustRouter, Path]], concurrency: list[int], requests: int, steps: list[int]
+    peers: list[tuple[RustRouter, Path]],
+    concurrency: list[int],
+    requests: int,
+    steps: list[int],
+    workers: list[int],
 ) -> tuple[dict[int, dict[str, dict[str, float | None]]], dict[str, int]]:
-    names = ", ".join(["conveyor", *(r.name for r, _ in peers)])
+    names = ", ".join([*(gateway_name(n) for n in workers), *(r.name for r, _ in peers)])
     print(f"\n== overhead (stub replica, no model): direct vs {names} ==", flush=True)
-    with stub_paths(peers) as targets:
+    with stub_paths(peers, workers) as targets:
         for t in targets:  # warm every path up: connections, caches
             asyncio.run(probe_under_load(t.url, 0, 50))
         latency = added_latency(targets, concurrency, requests)

@@ -49,7 +49,7 @@ def rows(
                        False, lambda v: f"{v:.0f}", ">= 4000"))  # fmt: skip
     if routing:
         chosen = {p: (
-            "conveyor prefix-aware" if p == "conveyor" and "conveyor prefix-aware" in routing
+            "conveyor prefix-aware" if is_conveyor(p) and "conveyor prefix-aware" in routing
             else best_routing(routing, p)
         ) for p in proxies}  # fmt: skip
 
@@ -70,11 +70,16 @@ def rows(
     return out
 
 
-def ratio(row: Row, proxies: list[str]) -> str:
-    """conveyor's figure over the best peer's (for an added latency: over the lower one's,
-    floored at 0.1 ms so a peer at noise level does not make the ratio infinite)."""
-    mine = row.values.get("conveyor")
-    peers = [v for p, v in row.values.items() if p != "conveyor" and v is not None]
+def is_conveyor(proxy: str) -> bool:
+    """``conveyor`` (one process) and ``conveyor-xN`` (``--workers N``) are the gateway."""
+    return proxy == "conveyor" or proxy.startswith("conveyor-x")
+
+
+def ratio(row: Row, proxies: list[str], mine_name: str = "conveyor") -> str:
+    """``mine_name``'s figure over the best peer's (for an added latency: over the lower
+    one's, floored at 0.1 ms so a peer at noise level does not make the ratio infinite)."""
+    mine = row.values.get(mine_name)
+    peers = [v for p, v in row.values.items() if not is_conveyor(p) and v is not None]
     if mine is None or not peers:
         return ""
     best = min(peers) if row.lower_is_better else max(peers)
@@ -84,15 +89,16 @@ def ratio(row: Row, proxies: list[str]) -> str:
 
 
 def summary(proxies: list[str], overhead: Overhead, held: dict[str, int], routing: Routing) -> str:
+    mine = [p for p in proxies if is_conveyor(p)]
     body = []
     for row in rows(proxies, overhead, held, routing):
         if not row.values:
-            body.append([row.metric, *([""] * len(proxies)), "", row.target])
+            body.append([row.metric, *([""] * len(proxies)), *([""] * len(mine)), row.target])
             continue
         cells = ["-" if row.values.get(p) is None else row.fmt(float(row.values[p] or 0.0))
                  for p in proxies]  # fmt: skip
-        body.append([row.metric, *cells, ratio(row, proxies), row.target])
-    headers = ["metric", *proxies, "conveyor / best peer", "target"]
+        body.append([row.metric, *cells, *(ratio(row, proxies, m) for m in mine), row.target])
+    headers = ["metric", *proxies, *(f"{m} / best peer" for m in mine), "target"]
     widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(headers)]
     text_columns = (0, len(headers) - 1)
 

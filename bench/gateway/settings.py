@@ -39,6 +39,9 @@ class BenchSettings:
     comma-separated: one measurement per number."""
     overhead_requests: int = 200
     """Probes per kind (non-streamed, streamed) per path and round for the added latency."""
+    gateway_workers: str = "1,2"
+    """The gateway's worker processes (``--workers``) in the overhead part, comma-separated:
+    one path per number (``conveyor``, ``conveyor-x2``, ...); the routing part runs one."""
     max_streams: str = "1000,2000,4000"
     """Numbers of streams held open at once through each path, tried in order until one fails."""
     plot: str = "gateway-bench.png"
