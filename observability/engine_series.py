@@ -86,13 +86,14 @@ def conveyor_labels(expr: str, *, finish_reason: bool = False) -> str:
 
 
 def engine_rules() -> list[dict[str, Any]]:
-    """One recording rule per mapped series of each engine."""
-    rules: list[dict[str, Any]] = []
+    """One recording rule per Conveyor series that an engine maps to: each engine's own
+    series, with Conveyor's labels, joined by ``or`` (one rule per name, as promtool wants)."""
+    sources: dict[str, list[str]] = {}
     for engine in (VLLM.engine, SGLANG.engine):
         for ours, theirs in {**ENGINE_GAUGES[engine], **ENGINE_COUNTERS[engine]}.items():
             expr = conveyor_labels(theirs, finish_reason=ours == n.REQUEST_SUCCESS)
-            rules.append({"record": ours, "expr": expr})
+            sources.setdefault(ours, []).append(expr)
         for ours, theirs in ENGINE_HISTOGRAMS[engine].items():
             for suffix in HISTOGRAM_SUFFIXES:
-                rules.append({"record": ours + suffix, "expr": conveyor_labels(theirs + suffix)})
-    return rules
+                sources.setdefault(ours + suffix, []).append(conveyor_labels(theirs + suffix))
+    return [{"record": ours, "expr": "\nor\n".join(exprs)} for ours, exprs in sources.items()]
