@@ -217,7 +217,22 @@ async def _run_load(stack: dict) -> None:
                 assert time.monotonic() < deadline, (
                     "no request reached the replica to kill while the gateway admitted it"
                 )
-        doomed.kill()
+            doomed.kill()
+
+            async def ejected() -> bool:
+                # counted when the gateway takes it out of routing, by a refused request or a
+                # failed /load poll, whichever comes first; the panel needs it before the last
+                # requests, so a scrape before the end of the range holds it
+                pools = (await poll.get(gw.url + "/debug/pools", timeout=5)).json()
+                return not any(
+                    r["url"] == doomed.url and r["admitted"]
+                    for pool in pools.values()
+                    for r in pool["replicas"]
+                )
+
+            deadline = time.monotonic() + 60
+            while not await ejected():
+                assert time.monotonic() < deadline, "the gateway never ejected the killed replica"
         await load
         await asyncio.gather(*(one(300 + i, stream=i % 2 == 0) for i in range(8)))
 
@@ -228,10 +243,11 @@ def run(stack: dict) -> dict:
     asyncio.run(_run_load(stack))
     end_of_load = time.time()
     prom: Prometheus = stack["prometheus"]
-    # every live target scraped after the last request (the killed one is down)
+    # every live target scraped after the last request (the killed one is down), and one more
+    # scrape interval: the range's last evaluation step (1 s here) falls after that scrape
     wait_until(
         lambda: panel_check.scraped_after(
-            prom.api(), NAMESPACE, end_of_load + SCRAPE_S, at_least=len(stack["pods"])
+            prom.api(), NAMESPACE, end_of_load + 2 * SCRAPE_S, at_least=len(stack["pods"])
         ),
         60,
         "a scrape after the load",
