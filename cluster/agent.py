@@ -161,7 +161,10 @@ class Agent:
                     ready.write_text(str(os.getpid()))
                 while True:
                     async for event in self.ctx.api.watch(
-                        "/api/v1/pods", {"resourceVersion": rv}, self.settings.watch_timeout_s
+                        "/api/v1/pods",
+                        {"resourceVersion": rv},
+                        self.settings.watch_timeout_s,
+                        idle_s=self.settings.watch_idle_s,
                     ):
                         obj = event.get("object") or {}
                         if event["type"] == "ERROR":

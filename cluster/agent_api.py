@@ -70,16 +70,17 @@ class AsyncApi:
         )
 
     async def watch(
-        self, path: str, params: dict[str, str], timeout_s: int
+        self, path: str, params: dict[str, str], timeout_s: int, *, idle_s: float = 90.0
     ) -> AsyncIterator[dict[str, Any]]:
-        """The events of a watch from ``resourceVersion`` in ``params`` until the server ends it."""
+        """The events of a watch from ``resourceVersion`` in ``params`` until the server ends it;
+        ``httpx.ReadTimeout`` when no event (bookmarks included) came for ``idle_s``."""
         query = {
             **params,
             "watch": "1",
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(timeout_s),
         }
-        timeout = httpx.Timeout(30.0, read=timeout_s + 30.0)
+        timeout = httpx.Timeout(30.0, read=min(idle_s, timeout_s + 30.0))
         async with self._client.stream("GET", path, params=query, timeout=timeout) as resp:
             if resp.status_code >= 300:
                 body = (await resp.aread()).decode(errors="replace")

@@ -91,6 +91,11 @@ class AgentSettings:
     watch_timeout_s: int = 300
     """Seconds a pod watch stays open before it is renewed (the apiserver closes longer ones)."""
 
+    watch_idle_s: float = 90.0
+    """Longest silence of the pod watch before it is given up and the pods listed again: the
+    apiserver sends a bookmark every minute on a quiet watch, so a silent one is dead (a
+    partitioned apiserver closes nothing)."""
+
     config_retry_s: float = 2.0
     """Seconds between tries for a pod whose Secret or ConfigMap is missing."""
 
