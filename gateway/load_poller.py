@@ -94,8 +94,8 @@ class LoadPoller:
         try:
             response = await self._get(replica.url, path)
             if response.status_code == 404:
-                # No such path: an engine that says its load on the other one (vLLM and SGLang
-                # on /metrics), or a Conveyor replica at an address a vLLM one had before.
+                # No /load: an engine that says its load on /metrics (vLLM, SGLang); and
+                # back to /load where an address read from /metrics has none.
                 path = METRICS_PATH if path == LOAD_PATH else LOAD_PATH
                 response = await self._get(replica.url, path)
                 if path == METRICS_PATH:
@@ -105,6 +105,9 @@ class LoadPoller:
             response.raise_for_status()
             report = read_load(path, response.content)
         except (httpx.HTTPError, ValueError) as exc:
+            if path == METRICS_PATH and isinstance(exc, ValueError):
+                # no engine's gauges: a Conveyor replica at an address a vLLM one had before
+                self._paths.pop(replica.url, None)
             was_admitted = replica.admitted(loop.time())
             if replica.url not in self._unanswered:
                 self._unanswered.add(replica.url)

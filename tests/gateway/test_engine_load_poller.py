@@ -72,3 +72,38 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
         )
         assert got == value, signal
     assert VLLM.running in VLLM_TEXT
+
+
+def test_an_address_that_changes_engine_is_read_the_new_engines_way() -> None:
+    """A pod IP reused by a Conveyor replica after a vLLM one: the poller, reading /metrics
+    there, finds no engine's gauges (one failed poll) and goes back to /load."""
+    engine = {"now": "vllm"}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if engine["now"] == "vllm":
+            if request.url.path == "/metrics":
+                return httpx.Response(200, text=VLLM_TEXT)
+            return httpx.Response(404)
+        if request.url.path == "/load":
+            return httpx.Response(200, json=CONVEYOR_LOAD)
+        assert request.url.path == "/metrics"
+        return httpx.Response(200, text="# TYPE conveyor_num_requests_running gauge\n")
+
+    async def run() -> None:
+        registry = Registry(lambda _name: RoundRobin())
+        registry.sync("test", {"m": {"http://pod"}})
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            poller = LoadPoller(
+                registry=registry, client=client, metrics=GatewayMetrics(),
+                interval_s=0.0, timeout_s=1.0, backend_api_key=None,
+            )  # fmt: skip
+            replica = registry.replicas["http://pod"]
+            await poller._poll(replica)
+            assert replica.load == load_from_metrics(VLLM_TEXT)
+            engine["now"] = "conveyor"
+            await poller._poll(replica)
+            assert replica.load is None  # the one poll that finds out
+            await poller._poll(replica)
+            assert replica.load is not None and replica.load.max_running_requests == 4
+
+    asyncio.run(run())
