@@ -92,8 +92,9 @@ class RankSpec:
     settings: EngineSettings
     model_path: str
     """The model as rank 0 resolved it (a built-in model is generated once, by rank 0)."""
-    config: Any
-    """The model's transformers config, as rank 0 read it."""
+    config: dict[str, Any]
+    """The model's transformers config, as rank 0 read it (``to_dict()``: a rank reads it
+    without importing transformers, two seconds of CPU, unless its rope is scaled)."""
     rank: int
     port: int
     """The rendezvous (``torch.distributed.TCPStore``) on 127.0.0.1, served by rank 0."""
@@ -201,7 +202,7 @@ class Ranks:
         self._assigned = True
         for p in self.processes:
             try:
-                p.conn.send(RankSpec(settings, str(model_path), config, p.rank, port))
+                p.conn.send(RankSpec(settings, str(model_path), config.to_dict(), p.rank, port))
             except OSError as exc:
                 raise RankFailure(p.describe_exit()) from exc
 
@@ -331,10 +332,7 @@ def main(argv: list[str]) -> None:
         format=f"%(asctime)s %(levelname)s %(name)s[rank{rank}]: %(message)s",
         stream=sys.stderr,
     )
-    # torch, the model code and transformers' config classes, while rank 0 reads the config
-    import transformers  # noqa: F401
-
-    import conveyor.runtime.engine.model_runner  # noqa: F401
+    import conveyor.runtime.engine.model_runner  # noqa: F401 - torch, while rank 0 reads the config
 
     conn = Connection(fd)
     try:
@@ -382,7 +380,23 @@ def _build(spec: RankSpec) -> Any:
         torch.cuda.set_device(device)
     group = process_group(spec.rank, st.tensor_parallel_size, spec.port, device)
     tp = TensorParallel(spec.rank, st.tensor_parallel_size, group)
-    return ModelRunner(st, spec.config, files, tp=tp)
+    return ModelRunner(st, _config(spec.config), files, tp=tp)
+
+
+def _config(values: dict[str, Any]) -> Any:
+    """The config's values as attributes, as the model reads them; a transformers config
+    where transformers computes the rope (a scaled rope type)."""
+    from types import SimpleNamespace
+
+    from conveyor.runtime.layers.rotary import rope_type
+
+    plain = SimpleNamespace(**values)
+    if rope_type(plain) == "default":
+        return plain
+    from transformers import AutoConfig
+
+    values = dict(values)
+    return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
 def _linux_process_setup(rank: int, parent: int) -> None:

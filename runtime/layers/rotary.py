@@ -29,13 +29,19 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, attention_scaling
 
 
-def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_type(config) -> str:
+    """``default`` (plain rope, computed here) or a scaled variant (transformers computes it)."""
     params = getattr(config, "rope_parameters", None) or {}
     scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = (
+    return str(
         params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     )
-    if rope_type == "default":
+
+
+def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = getattr(config, "rope_parameters", None) or {}
+    kind = rope_type(config)
+    if kind == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (
             base
@@ -44,7 +50,7 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     return inv_freq.float(), float(attention_scaling)
 
 
