@@ -142,7 +142,9 @@ def test_restart_kills_a_component_and_starts_the_same_command_line(tmp_path: Pa
         first._reap()
         assert not record.alive()
         assert second.record is not None and second.record.pid != record.pid
-        assert Path(f"/proc/{second.record.pid}/cmdline").read_bytes() == b"sleep\x00300\x00"
+        again = Path(f"/proc/{second.record.pid}/cmdline")
+        wait_for("sleep's exec again", lambda: again.read_bytes(), timeout_s=10, interval_s=0.01)
+        assert again.read_bytes() == b"sleep\x00300\x00"
         saved = read_state(cluster.work_dir)
         assert saved is not None and saved.processes == [second.record]
     finally:
