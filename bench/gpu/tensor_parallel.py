@@ -1,10 +1,11 @@
 """Stage ``tp`` of ``conveyor bench gpu``: tensor parallelism over two GPUs (NCCL).
 
 Needs two CUDA devices (reported as skipped otherwise). First the built-in tiny model's
-greedy output at TP=2 against TP=1 (Triton kernels, CUDA graphs, NCCL all-reduces), then
-output tokens per second and weight bytes per rank at TP=1 and TP=2 for the 8B shape in
-bfloat16 (dummy weights): the same requests, one engine after the other. ``--smoke`` runs
-it on CPU over gloo with tiny shapes, to check the stage itself.
+greedy output at TP=2 against TP=1 (Triton kernels, NCCL all-reduces), then output tokens
+per second and weight bytes per rank at TP=1 and TP=2 for the 8B shape in bfloat16 (dummy
+weights): the same requests, one engine after the other, both eager (a tensor-parallel
+replica does not capture CUDA graphs yet). ``--smoke`` runs it on CPU over gloo with tiny
+shapes, to check the stage itself.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def stage_tp(args, workdir: Path) -> dict:
             dtype="float32" if args.smoke else "bfloat16",
             max_running_requests=n,
             max_model_len=2048,
+            enforce_eager=True,
         )
         try:
             _greedy(e, prompts[:2], 4)  # warm-up: kernels compiled, graphs captured

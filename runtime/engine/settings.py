@@ -74,7 +74,8 @@ class EngineSettings:
     """GPU only: fraction of device memory for weights + KV cache (SGLang's default region)."""
 
     cpu_kv_cache_bytes: int = 1 << 30
-    """CPU only: KV-cache budget in bytes when ``max_total_tokens`` is unset (1 GiB)."""
+    """CPU only: KV-cache budget in bytes when ``max_total_tokens`` is unset (1 GiB); each
+    tensor-parallel rank's, for its own share of the KV heads."""
 
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes (hash of full blocks)."""
