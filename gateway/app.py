@@ -39,6 +39,10 @@ PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detok
 tools, logit_bias included); ``/tokenize`` and ``/detokenize`` are vLLM's."""
 
 
+KEEPALIVE_S = 4.0
+"""Seconds an idle upstream connection is kept: under the runtime's (uvicorn's) 5 s."""
+
+
 @dataclass
 class Gateway:
     """Everything one running gateway holds; built and torn down by the lifespan."""
@@ -77,7 +81,9 @@ def make_upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
     there is no jar to filter each request and response through.
     """
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, use_dns_cache=True),
+        # idle connections go before the replica's keep-alive (uvicorn's 5 s) ends them, so
+        # few are reused just as the replica closes them (upstream_attempt retries those)
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S, use_dns_cache=True),
         timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,  # bytes pass through as the replica encoded them

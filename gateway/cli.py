@@ -139,6 +139,9 @@ def main(argv: list[str]) -> int:
         log_level=settings.log_level,
         access_log=False,  # one line per request is noise at gateway rates; metrics count them
         backlog=4096,
+        # clients' pools keep idle connections for a while (15 s in aiohttp's): uvicorn's 5 s
+        # default closed them as they were reused when the gateway was busy; 75 s as nginx
+        timeout_keep_alive=75,
         timeout_graceful_shutdown=30,
     )
     if settings.workers == 1:

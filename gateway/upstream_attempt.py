@@ -7,6 +7,11 @@ stream with an OpenAI-style error event. Streams pass through chunk by chunk as 
 sends them. Closing the upstream response before its end is what aborts the request on the
 replica (its KV blocks are freed).
 
+A pooled connection the replica closed just as it was reused (its keep-alive ran out, or the
+gateway's loop was too busy to see the close) is not the replica failing: that request is
+sent once more before the replica is ejected; idle connections are dropped after 4 s, before
+uvicorn's 5 s keep-alive closes them on the replica's side.
+
 A replica silent for ``--upstream-timeout`` fails the attempt: until the response head, an
 ``asyncio.timeout`` around the request; after it, the :class:`SilenceWatch`, one task that
 looks at every open stream a few times per timeout. aiohttp's own ``sock_read`` timeout did
@@ -125,17 +130,22 @@ class Upstream:
         watched: _Watched | None = None
         done = False
         try:
-            try:
-                async with asyncio.timeout(self._s.upstream_timeout_s):
-                    response = await self._session.post(
-                        upstream_url(replica.url, request.path),
-                        data=request.body,
-                        headers=request.headers,
+            for retry_stale in (True, False):
+                try:
+                    async with asyncio.timeout(self._s.upstream_timeout_s):
+                        response = await self._session.post(
+                            upstream_url(replica.url, request.path),
+                            data=request.body,
+                            headers=request.headers,
+                        )
+                    break
+                except UPSTREAM_ERRORS as exc:
+                    if retry_stale and _stale_connection(exc):
+                        continue  # the replica had closed that pooled connection: once more
+                    return self._eject(
+                        pool, replica, f"could not reach {replica.url}: {_describe(exc)}"
                     )
-            except UPSTREAM_ERRORS as exc:
-                return self._eject(
-                    pool, replica, f"could not reach {replica.url}: {_describe(exc)}"
-                )
+            assert response is not None
             status = response.status
             if status >= 500:
                 return self._eject(pool, replica, f"{replica.url} answered {status}", response)
@@ -223,6 +233,18 @@ class Upstream:
         self._metrics.duration.labels(pool.model).observe(
             asyncio.get_running_loop().time() - arrival
         )
+
+
+def _stale_connection(exc: BaseException) -> bool:
+    """Whether ``exc`` is a pooled keep-alive connection the replica closed as it was reused
+    (it disconnected, or the request could not be written): the replica is fine, and the
+    request is tried once more on it before it counts as a failure. A refused or timed-out
+    connect is not this."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(
+        exc, aiohttp.ClientConnectorError
+    )
 
 
 def _describe(exc: BaseException) -> str:

@@ -82,15 +82,12 @@ def test_settings_reach_workers_unchanged() -> None:
 def test_workers_share_the_port_and_sum_their_metrics(processes: Processes) -> None:
     replica = processes.start(stub())
     replica.wait_http("/load")
-    gw = processes.start(gateway("--backend", replica.url, "--workers", "2"))
+    # the model named: each worker has the pool at once and holds a request until it has
+    # polled the replica, rather than answering 404 before it discovered the model
+    gw = processes.start(gateway("--backend", f"stub={replica.url}", "--workers", "2"))
     gw.wait_http("/health")
     body = {"model": "stub", "prompt": "x", "max_tokens": 1}
-
-    def answered() -> bool:  # each worker holds a request until it polled the replica
-        return httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
-
-    wait_until(answered, 30, "a first answer")
-    for _ in range(19):  # a new connection each: the kernel hands them to either worker
+    for _ in range(20):  # a new connection each: the kernel hands them to either worker
         assert httpx.post(gw.url + "/v1/completions", json=body, timeout=30).status_code == 200
     line = (
         f'conveyor_gateway_requests_total{{backend="{replica.url}",code="200",model="stub"}} 20.0'
