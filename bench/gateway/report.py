@@ -48,10 +48,13 @@ def rows(
         out.append(Row("most streams held, 0 errors", {p: float(held.get(p, 0)) for p in proxies},
                        False, lambda v: f"{v:.0f}", ">= 4000"))  # fmt: skip
     if routing:
-        chosen = {p: (
-            "conveyor prefix-aware" if is_conveyor(p) and "conveyor prefix-aware" in routing
-            else best_routing(routing, p)
-        ) for p in proxies}  # fmt: skip
+        # the routing part runs the gateway with one process: its figures go under "conveyor"
+        chosen: dict[str, str | None] = {}
+        for p in proxies:
+            if p == "conveyor":
+                chosen[p] = "conveyor prefix-aware" if "conveyor prefix-aware" in routing else None
+            else:
+                chosen[p] = None if is_conveyor(p) else best_routing(routing, p)
 
         def pick(key: str) -> dict[str, float | None]:
             return {p: None if chosen[p] is None else routing[str(chosen[p])][key] for p in proxies}
