@@ -123,6 +123,7 @@ class ModelRunner:
             check_split(
                 heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size, size
             )
+            tensor_parallel.check_devices(self.device, size)
             if self.ranks is None:
                 self.ranks = tensor_parallel.Ranks.start(size)
             port = tensor_parallel.free_port()

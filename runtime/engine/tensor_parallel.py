@@ -131,6 +131,20 @@ def rank_device(base: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + rank)
 
 
+def check_devices(base: torch.device, size: int) -> None:
+    """Refuse ``size`` ranks on GPUs this machine does not have, saying how many it has."""
+    import torch
+
+    if base.type != "cuda":
+        return
+    first, count = base.index or 0, torch.cuda.device_count()
+    if first + size > count:
+        raise ValueError(
+            f"--tensor-parallel-size {size} needs GPUs {first}..{first + size - 1}, one per "
+            f"rank, but this machine has {count}; lower the size or give the replica more GPUs"
+        )
+
+
 # -- rank 0's side ----------------------------------------------------------------------------
 
 
@@ -226,7 +240,9 @@ class Ranks:
         exits = {p.exit_fd: p for p in self.processes if p.exit_fd is not None}
         ready = wait([done_reader, *exits])
         if done_reader not in ready:
-            raise RankFailure(exits[ready[0]].describe_exit())  # type: ignore[index]
+            gone = exits[ready[0]]  # type: ignore[index]
+            self._recv(gone)  # raises with its reason, if it sent one
+            raise RankFailure(gone.describe_exit())
         result = joined[0]
         if isinstance(result, BaseException):
             raise result
@@ -249,6 +265,7 @@ class Ranks:
         return [self._recv(p) for p in self.processes]
 
     def _recv(self, p: RankProcess) -> Any:
+        """``p``'s next reply; RankFailure, with its reason, when it has failed or gone."""
         try:
             reply = p.conn.recv()  # the socket ends when the process does
         except (EOFError, OSError):
