@@ -144,6 +144,7 @@ def plot(
     if held:
         ax = next(ax_iter)
         ax.bar(list(held), list(held.values()), color="tab:green")
+        ax.tick_params(axis="x", labelrotation=20)
         ax.set_ylabel("most concurrent streams held, 0 errors")
         ax.set_title("concurrency")
     if routing:
