@@ -19,7 +19,7 @@ from test_correctness import run_staggered, workload
 from conveyor.runtime import SamplingParams
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.engine.settings import EngineSettings
-from conveyor.runtime.model.gguf import GGUFError, GGUFModel
+from conveyor.runtime.model.gguf import GGUFError, GGUFModel, _reader
 from conveyor.runtime.model.loader import open_model, resolve_model_path
 
 QTYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -224,3 +224,50 @@ def test_fast_dequantizers_equal_the_gguf_packages(qtype):
     got = dequantize(raw, kind, (48, 96))
     assert got.dtype == torch.float32 and got.shape == (48, 96)
     assert torch.equal(got, torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_metadata_reads_as_the_gguf_package_reads_it(tmp_path, endian):
+    """The one-pass metadata reader gives every kind of value as the gguf package's fields do
+    (a big-endian file is read by the package itself)."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / f"{endian}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian[endian])
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 0.1)
+    w.add_uint64("t.u64", 2**63 + 5)
+    w.add_int64("t.i64", -(2**62))
+    w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo <|im_end|>")
+    w.add_array("t.strs", ["a", "", "ü é", "Ġthe"])
+    w.add_array("t.ints", [3, 1, 4, 1, 5])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.bools", [True, False])
+    w.add_uint32("general.alignment", 64)
+    w.add_tensor("token_embd.weight", np.arange(64 * 3, dtype=np.float32).reshape(3, 64))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    model = GGUFModel.__new__(GGUFModel)  # the reader alone: this file is no model
+    model.reader = gguf_reader = _reader(path)
+    package = gguf.GGUFReader(path)
+    keys = [k for k in package.fields if not k.startswith("GGUF.")]
+    assert len(keys) == 18
+    for key in keys:
+        expected = package.fields[key].contents()
+        got = model.field(key)
+        assert got == expected and type(got) is type(expected), key
+    assert (gguf_reader.metadata is None) == (endian == "BIG")
+    assert gguf_reader.alignment == package.alignment == 64
+    assert gguf_reader.data_offset == package.data_offset
+    assert np.array_equal(gguf_reader.tensors[0].data, package.tensors[0].data)
