@@ -28,6 +28,19 @@ from conveyor.runtime.model.llama import LlamaForCausalLM
 
 log = logging.getLogger("conveyor.runtime")
 
+LOAD_TIMES: dict[str, float] = {}
+"""Seconds this process spent in each loading step: resolve, config, tokenizer, weights (the
+server's start-up line reports them; whoever reads them clears them first)."""
+
+
+@contextlib.contextmanager
+def _timed(step: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        LOAD_TIMES[step] = LOAD_TIMES.get(step, 0.0) + time.monotonic() - started
+
 
 @dataclass(frozen=True)
 class ModelFiles:
@@ -46,8 +59,9 @@ class ModelFiles:
 
 def open_model(model: str) -> ModelFiles:
     """Resolve ``model`` (see ``resolve_model_path``) and open it: a GGUF is read and checked."""
-    path = resolve_model_path(model)
-    return ModelFiles(path, GGUFModel(path) if is_gguf(path) else None)
+    with _timed("resolve"):
+        path = resolve_model_path(model)
+        return ModelFiles(path, GGUFModel(path) if is_gguf(path) else None)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -95,19 +109,21 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_config(files: ModelFiles):
-    if files.gguf is not None:
-        return files.gguf.config()
-    from transformers import AutoConfig
+    with _timed("config"):
+        if files.gguf is not None:
+            return files.gguf.config()
+        from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(files.path)
+        return AutoConfig.from_pretrained(files.path)
 
 
 def load_tokenizer(files: ModelFiles):
-    if files.gguf is not None:
-        return files.gguf.tokenizer()
-    from transformers import AutoTokenizer
+    with _timed("tokenizer"):
+        if files.gguf is not None:
+            return files.gguf.tokenizer()
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(files.path)
+        return AutoTokenizer.from_pretrained(files.path)
 
 
 def config_dtype(config) -> torch.dtype:
@@ -131,6 +147,23 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Build the model directly on ``device`` in ``dtype`` and fill its weights; under tensor
     parallelism, this rank's part of the model, reading only its shard of each tensor."""
+    with _timed("weights"):
+        return _build_model(
+            config, files, backend, dtype, device, load_format, seed, tp, on_progress
+        )
+
+
+def _build_model(
+    config,
+    files: ModelFiles,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+    tp: TensorParallel,
+    on_progress: Callable[[str], None] | None,
+) -> LlamaForCausalLM:
     progress = on_progress or log.info
     started = time.monotonic()
     default_dtype = torch.get_default_dtype()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -56,13 +58,70 @@ GRAMMAR_THREADS = 2
 """Grammar compiling threads: two keep one large schema from delaying every cached one."""
 
 
-def default_engine_factory(settings: ServerSettings) -> Callable[[], LLMEngine]:
-    def build() -> LLMEngine:
-        from conveyor.runtime.engine.llm_engine import LLMEngine
+def default_engine_factory(
+    settings: ServerSettings, timings: dict[str, float] | None = None
+) -> Callable[[], LLMEngine]:
+    """Builds the engine on the engine thread; ``timings`` gets the seconds of each start-up
+    step, for the log line ``log_ready`` writes."""
 
-        return LLMEngine(settings.engine, on_progress=logging.getLogger("conveyor.runtime").info)
+    def build() -> LLMEngine:
+        started = time.monotonic()
+        from conveyor.runtime.engine.llm_engine import LLMEngine
+        from conveyor.runtime.model.loader import LOAD_TIMES
+
+        imported = time.monotonic()
+        LOAD_TIMES.clear()
+        engine = LLMEngine(settings.engine, on_progress=logging.getLogger("conveyor.runtime").info)
+        if timings is not None:
+            timings["engine imports"] = imported - started
+            timings.update(LOAD_TIMES)
+            timings["engine set-up"] = time.monotonic() - imported - sum(LOAD_TIMES.values())
+            if (age := process_age()) is not None:
+                timings["process start"] = age - (time.monotonic() - started)
+        return engine
 
     return build
+
+
+def process_age() -> float | None:
+    """Seconds since this process was exec'd (Linux: /proc); None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+STARTUP_STEPS = (
+    ("process start", "process start (interpreter + server imports)"),
+    ("engine imports", "engine imports (torch)"),
+    ("resolve", "model resolve"),
+    ("config", "config"),
+    ("tokenizer", "tokenizer"),
+    ("weights", "weights"),
+    ("engine set-up", "engine set-up (runner + KV cache)"),
+)
+"""(key in the timings, what the start-up line calls it), in the order they happen."""
+
+
+def startup_line(total: float | None, timings: dict[str, float]) -> str:
+    """``ready in 9.1 s: process start (...) 2.0 s, engine imports (torch) 3.1 s, ...``"""
+    steps = ", ".join(
+        f"{label} {timings[key]:.1f} s" for key, label in STARTUP_STEPS if key in timings
+    )
+    head = f"ready in {total:.1f} s" if total is not None else "ready"
+    return f"{head}: {steps}" if steps else head
+
+
+async def log_ready(client: EngineClient, timings: dict[str, float]) -> None:
+    """One line once the engine is loaded: how long since exec and where the time went."""
+    try:
+        await client.wait_loaded()
+    except EngineDeadError:
+        return
+    logger.info("%s", startup_line(process_age(), timings))
 
 
 def build_app(
@@ -73,7 +132,8 @@ def build_app(
 ) -> FastAPI:
     """The app; ``drain`` is shared with whoever handles SIGTERM (``cli.serve``)."""
     drain = drain or Drain()
-    factory = engine_factory or default_engine_factory(settings)
+    timings: dict[str, float] = {}
+    factory = engine_factory or default_engine_factory(settings, timings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
@@ -97,12 +157,14 @@ def build_app(
             else None
         )
         grammars = asyncio.create_task(prepare_grammars(client, grammar_pool))
+        ready_log = asyncio.create_task(log_ready(client, timings))
         try:
             yield {"ctx": ctx}
         finally:
             if stats_log is not None:
                 stats_log.cancel()
             grammars.cancel()
+            ready_log.cancel()
             await client.shutdown()
             pool.shutdown(wait=False, cancel_futures=True)
             grammar_pool.shutdown(wait=False, cancel_futures=True)
@@ -181,8 +243,7 @@ def build_app(
             running=snap.num_running,
             waiting=snap.num_waiting,
             kv_cache_usage=snap.kv_cache_usage,
-            max_running_requests=snap.max_running_requests
-            or settings.engine.max_running_requests,
+            max_running_requests=snap.max_running_requests or settings.engine.max_running_requests,
             max_queued_requests=settings.max_queued_requests,
             ready=ctx.ready,
             model=ctx.model_name,
