@@ -1,8 +1,9 @@
 """Polls every replica's load on a fixed interval from one background task.
 
 A replica's load is read through ``conveyor.contracts.engine_load``, whatever engine it runs:
-Conveyor's ``GET /load``, or, where a replica answers that with 404 (vLLM, SGLang), its
-``GET /metrics``, which is where it is read from then on. Both at the same interval.
+Conveyor's ``GET /load``, or, where a replica has no such document there (SGLang answers 404,
+vLLM a ``/load`` of its own), its ``GET /metrics``, which is where it is read from then on.
+Both at the same interval.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import logging
 import httpx
 
 from conveyor.contracts.engine_load import LOAD_PATH, METRICS_PATH, read_load
+from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
@@ -83,31 +85,41 @@ class LoadPoller:
     def _forget_poll(self, url: str, _task: asyncio.Task[None]) -> None:
         self._polls.pop(url, None)
 
-    async def _get(self, url: str, path: str) -> httpx.Response:
-        return await self._client.get(f"{url}{path}", headers=self._headers, timeout=self._timeout)
+    async def _get(self, url: str, path: str) -> ReplicaLoad:
+        response = await self._client.get(
+            f"{url}{path}", headers=self._headers, timeout=self._timeout
+        )
+        response.raise_for_status()
+        return read_load(path, response.content)
+
+    async def _read(self, url: str) -> ReplicaLoad:
+        """The replica's load from where it was last read (``/load`` at first). Where that
+        path is missing or holds another document (vLLM has a ``/load`` of its own,
+        ``{"server_load": n}``), the other path is read, and from then on if it answers."""
+        path = self._paths.get(url, LOAD_PATH)
+        try:
+            return await self._get(url, path)
+        except (httpx.HTTPStatusError, ValueError) as exc:
+            if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code != 404:
+                raise
+            other = METRICS_PATH if path == LOAD_PATH else LOAD_PATH
+            try:
+                report = await self._get(url, other)
+            except (httpx.HTTPError, ValueError):
+                raise exc from None  # what the path it is read from said
+        if other == METRICS_PATH:
+            self._paths[url] = other
+        else:
+            self._paths.pop(url, None)
+        return report
 
     async def _poll(self, replica: Replica) -> None:
         loop = asyncio.get_running_loop()
         sent_at = loop.time()
         in_flight = replica.in_flight
-        path = self._paths.get(replica.url, LOAD_PATH)
         try:
-            response = await self._get(replica.url, path)
-            if response.status_code == 404:
-                # No /load: an engine that says its load on /metrics (vLLM, SGLang); and
-                # back to /load where an address read from /metrics has none.
-                path = METRICS_PATH if path == LOAD_PATH else LOAD_PATH
-                response = await self._get(replica.url, path)
-                if path == METRICS_PATH:
-                    self._paths[replica.url] = path
-                else:
-                    self._paths.pop(replica.url, None)
-            response.raise_for_status()
-            report = read_load(path, response.content)
+            report = await self._read(replica.url)
         except (httpx.HTTPError, ValueError) as exc:
-            if path == METRICS_PATH and isinstance(exc, ValueError):
-                # no engine's gauges: a Conveyor replica at an address a vLLM one had before
-                self._paths.pop(replica.url, None)
             was_admitted = replica.admitted(loop.time())
             if replica.url not in self._unanswered:
                 self._unanswered.add(replica.url)

@@ -1,5 +1,6 @@
 """The load poller reads a vLLM replica through the engine adapter, at the same interval as a
-Conveyor one: /load answers 404, so its /metrics is read, then and at every later poll."""
+Conveyor one: vLLM's /load is a document of its own (``{"server_load": n}``; SGLang has none,
+404), so its /metrics is read, then and at every later poll."""
 
 from __future__ import annotations
 
@@ -8,12 +9,18 @@ from pathlib import Path
 
 import httpx
 
-from conveyor.contracts.engine_load import VLLM, load_from_metrics
+from conveyor.contracts.engine_load import SGLANG, VLLM, load_from_metrics
 from conveyor.gateway.load_poller import LoadPoller
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.round_robin import RoundRobin
 
+SGLANG_TEXT = "".join(
+    f'# TYPE {name} gauge\n{name}{{model_name="m",tp_rank="0"}} {value}\n'
+    for name, value in ((SGLANG.running, 3), (SGLANG.waiting, 1), (SGLANG.kv_cache_usage, 0.5))
+)
+"""SGLang's three load gauges under its own names (tests/unit/test_engine_load.py has its
+fuller exposition, written from its metric definitions)."""
 VLLM_TEXT = (
     Path(__file__).parent.parent / "unit" / "exposition" / "vllm-0.32.0-cpu.txt"
 ).read_text()
@@ -31,6 +38,10 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
         if request.url.host == "vllm":
             if request.url.path == "/metrics":
                 return httpx.Response(200, text=VLLM_TEXT)
+            return httpx.Response(200, json={"server_load": 0})  # vLLM's own /load
+        if request.url.host == "sglang":
+            if request.url.path == "/metrics":
+                return httpx.Response(200, text=SGLANG_TEXT)
             return httpx.Response(404, json={"detail": "Not Found"})
         if request.url.path == "/load":
             return httpx.Response(200, json=CONVEYOR_LOAD)
@@ -40,7 +51,7 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
 
     async def run() -> None:
         registry = Registry(lambda _name: RoundRobin())
-        registry.sync("test", {"m": {"http://vllm", "http://conveyor"}})
+        registry.sync("test", {"m": {"http://vllm", "http://sglang", "http://conveyor"}})
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             poller = LoadPoller(
                 registry=registry, client=client, metrics=metrics,
@@ -52,12 +63,15 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
             now = asyncio.get_running_loop().time()
             vllm = registry.replicas["http://vllm"]
             assert vllm.admitted(now) and vllm.load == load_from_metrics(VLLM_TEXT)
+            sglang = registry.replicas["http://sglang"].load
+            assert sglang is not None and (sglang.running, sglang.waiting) == (3, 1)
             assert registry.replicas["http://conveyor"].load is not None
             assert registry.replicas["http://conveyor"].load.max_running_requests == 4
 
     asyncio.run(run())
-    # one 404 on /load finds out, then /metrics only; the Conveyor replica only ever /load
+    # one look at /load finds out, then /metrics only; the Conveyor replica only ever /load
     assert [a for a in asked if a.startswith("vllm")] == ["vllm/load"] + ["vllm/metrics"] * 3
+    assert [a for a in asked if a.startswith("sglang")] == ["sglang/load"] + ["sglang/metrics"] * 3
     assert set(a for a in asked if a.startswith("conveyor")) == {"conveyor/load"}
     # the gateway's own gauges say what vLLM's say
     expected = load_from_metrics(VLLM_TEXT)
@@ -76,7 +90,7 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
 
 def test_an_address_that_changes_engine_is_read_the_new_engines_way() -> None:
     """A pod IP reused by a Conveyor replica after a vLLM one: the poller, reading /metrics
-    there, finds no engine's gauges (one failed poll) and goes back to /load."""
+    there, finds no engine's gauges and goes back to /load in the same poll."""
     engine = {"now": "vllm"}
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -101,8 +115,6 @@ def test_an_address_that_changes_engine_is_read_the_new_engines_way() -> None:
             await poller._poll(replica)
             assert replica.load == load_from_metrics(VLLM_TEXT)
             engine["now"] = "conveyor"
-            await poller._poll(replica)
-            assert replica.load is None  # the one poll that finds out
             await poller._poll(replica)
             assert replica.load is not None and replica.load.max_running_requests == 4
 
