@@ -192,7 +192,7 @@ def _reader(path: Path):
         def _build_fields(self, offs: int, count: int) -> int:
             if self.byte_order != "I" or sys.byteorder != "little":
                 return super()._build_fields(offs, count)
-            self.metadata, end = read_metadata(memoryview(self._data), offs, int(count))
+            self.metadata, end = read_metadata(self._data.data, offs, int(count))
             # What GGUFReader.__init__ reads from its own fields after this, set here.
             if (alignment := self.metadata.get("general.alignment")) is not None:
                 if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
