@@ -716,3 +716,46 @@ def test_operator_as_a_pod_under_its_own_rbac_with_a_standby(
                     "--ignore-not-found",
                     check=False,
                 )
+
+
+def test_two_gpus_make_one_tensor_parallel_replica_that_answers_through_the_gateway(
+    kube: KubeUnderTest, namespace: str, operator: OperatorProcess, running_pods: None
+) -> None:
+    """``resources.gpus: 2``: one replica whose model is split over two ranks (tensor
+    parallelism) answers through the gateway with the tokens one rank gives, greedy."""
+    import openai
+
+    from conveyor.runtime import LLM, SamplingParams
+
+    name = "tp"
+    apply_yaml(
+        kube,
+        namespace,
+        llmservice(name, resources={"gpus": 2, "cpu": "500m", "memory": "2Gi"}),
+    )
+    status = wait_for(
+        "the tensor-parallel LLMService Ready",
+        lambda: (s := llmservice_status(kube.api, namespace, name)).get("phase") == "Ready" and s,
+        timeout_s=300,
+    )
+    container = deployment(kube, namespace, name)["spec"]["template"]["spec"]["containers"][0]
+    args = container.get("args") or []
+    assert args[args.index("--tensor-parallel-size") + 1] == "2", args
+    client = openai.OpenAI(
+        base_url=f"http://{status['endpoint']['clusterIP']}:8080/v1", api_key="none",
+        max_retries=0, timeout=120,
+    )  # fmt: skip
+    prompt = "The conveyor belt carries"
+    answered = wait_for(
+        "the gateway to route to the tensor-parallel replica",
+        lambda: client.completions.create(model=name, prompt=prompt, max_tokens=12, temperature=0),
+        timeout_s=120,
+    )
+    with LLM("conveyor-tiny") as one_rank:
+        expected = one_rank.generate(prompt, SamplingParams(temperature=0, max_tokens=12))[0]
+    assert answered.choices[0].text == expected.text
+    print(
+        f"\n[figures] tensor-parallel replica: {startup_split(kube, namespace, name)}; "
+        f"answer: {answered.choices[0].text!r}",
+        file=sys.stderr,
+    )
