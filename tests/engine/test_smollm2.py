@@ -104,3 +104,19 @@ def test_answers_and_stops_at_im_end():
     assert result.finish_reason == "stop"
     assert result.token_ids[-1] == llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert "<|im_end|>" not in result.text and "<|im_start|>" not in result.text
+
+
+def test_tensor_parallel_over_three_ranks_matches_transformers(engine_factory, prompts, expected):
+    """Its 9 attention heads and 3 KV heads split over 3 ranks (gloo on CPU), each rank loading
+    its shard of the Q4_1 file: the short prompts batched give transformers' tokens."""
+    engine = engine_factory(max_running_requests=8, tensor_parallel_size=3)
+    try:
+        short = [i for i, p in enumerate(prompts) if len(p) < 200]
+        requests = [(prompts[i], MAX_TOKENS) for i in short]
+        outputs = run_staggered(
+            engine, requests, [n // 2 for n in range(len(short))], ignore_eos=True
+        )
+        for n, i in enumerate(short):
+            assert outputs[f"r{n}"] == expected[i], f"prompt {i} ({len(prompts[i])} tokens)"
+    finally:
+        engine.close()
