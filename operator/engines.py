@@ -71,7 +71,7 @@ CONVEYOR = Engine(
         "drainTimeoutSeconds": "--drain-timeout",
         "toolCallParser": "--tool-call-parser",
     },
-    tensor_parallel_flag=None,
+    tensor_parallel_flag="--tensor-parallel-size",
     ready_path="/ready",
 )
 VLLM = Engine(
@@ -172,8 +172,8 @@ def engine_flags(engine: Engine, runtime: dict[str, Any], gpus: int) -> list[str
             args += [flag, str(runtime[setting])]
     if engine is VLLM and "toolCallParser" in runtime:
         args.append("--enable-auto-tool-choice")  # vLLM parses tool calls only with it
-    if engine.tensor_parallel_flag and gpus > 0:
-        args += [engine.tensor_parallel_flag, str(gpus)]
+    if engine.tensor_parallel_flag and gpus > 1:
+        args += [engine.tensor_parallel_flag, str(gpus)]  # one replica spans its GPUs
     return args + list(engine.always)
 
 

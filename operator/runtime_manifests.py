@@ -85,12 +85,8 @@ def serve_args(llmservice: dict[str, Any]) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(RUNTIME_PORT),
     ]  # fmt: skip
-    for field, flag in ENGINE_FLAGS.items():
-        if field in runtime:
-            args += [flag, str(runtime[field])]
-    if (gpus := int((spec.get("resources") or {}).get("gpus", 0))) > 1:
-        args += ["--tensor-parallel-size", str(gpus)]  # one replica spans its GPUs
-    return args + list(runtime.get("extraArgs") or [])
+    gpus = int((spec.get("resources") or {}).get("gpus", 0))
+    return args + engine_flags(CONVEYOR, runtime, gpus) + list(runtime.get("extraArgs") or [])
 
 
 def engine_model(spec: dict[str, Any]) -> str:
