@@ -133,6 +133,7 @@ def config_dtype(config) -> torch.dtype:
     return dtype
 
 
+@_timed("weights")
 def build_model(
     config,
     files: ModelFiles,
@@ -147,23 +148,6 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Build the model directly on ``device`` in ``dtype`` and fill its weights; under tensor
     parallelism, this rank's part of the model, reading only its shard of each tensor."""
-    with _timed("weights"):
-        return _build_model(
-            config, files, backend, dtype, device, load_format, seed, tp, on_progress
-        )
-
-
-def _build_model(
-    config,
-    files: ModelFiles,
-    backend: AttentionBackend,
-    dtype: torch.dtype,
-    device: torch.device,
-    load_format: str,
-    seed: int,
-    tp: TensorParallel,
-    on_progress: Callable[[str], None] | None,
-) -> LlamaForCausalLM:
     progress = on_progress or log.info
     started = time.monotonic()
     default_dtype = torch.get_default_dtype()
