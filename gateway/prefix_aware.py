@@ -1,18 +1,38 @@
-"""``prefix-aware`` (the default): consistent hashing with bounded loads on the prompt's prefix.
+"""``prefix-aware`` (the default): a prompt prefix keeps its replica; new prefixes are placed
+by consistent hashing with bounded loads.
 
-The prompt's leading blocks hash to a point on a ring of replicas; the request goes to the
-first replica clockwise whose load stays within ``bounded_load_factor`` times the mean
-(Mirrokni et al., "Consistent Hashing with Bounded Loads"). Requests sharing a prefix meet
-on the replica that has it cached; a hot prefix spills over to the next replicas on the
-ring instead of piling onto one. Load is the outstanding-request estimate that least-load
-also uses, so a replica's own queue and the gateway's recent sends both count. The ring is
-built from the pool's members only, so every gateway replica makes the same choice from
-the same loads without sharing state.
+A prompt's leading blocks make its key (for a chat, the conversation's opening, which every
+turn repeats). The policy remembers where each key last went, its *home*, in a bounded
+table (least recently used first out), and:
+
+- a key with a home goes there while the home's load stays within ``bounded_load_factor``
+  times the mean (``affinity``): every turn of a conversation meets its cached prefix, and
+  a replica joining the pool moves no conversation off the replica that holds its cache;
+- a new key, or one whose home is over that bound or gone, is *placed*: its hash picks a
+  point on a ring of replicas and it goes to the first replica clockwise whose load is at
+  most the mean (``placement`` for a new key, ``overflow`` for a moved one), and that
+  replica becomes its home.
+
+Placing at the mean, not at ``bounded_load_factor`` times it, is what keeps the replicas
+even: with a few dozen conversations, hashing alone puts half again as many on one replica
+as on another (balls into bins), and a loose bound lets a burst of new conversations pile
+up there; at the mean a burst spreads exactly, and the looser bound for known keys then
+only moves a conversation when its replica is really overloaded. This is the split the
+SGLang router's cache_aware policy makes (a prefix it has seen goes where its tree matches;
+one it has not, to the worker with the least cached), with a hash ring instead of a radix
+tree per replica, so new keys still prefer the same replica in every gateway.
+
+Load is the outstanding-request estimate that least-load also uses (Mirrokni et al.,
+"Consistent Hashing with Bounded Loads"), so a replica's own queue and the gateway's recent
+sends both count. Two gateway processes agree on a new key's ring walk; a key one of them
+placed away from the ring's first replica (loads differed) may be placed differently by the
+other, which costs that conversation one prefix miss, never balance.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from conveyor.gateway.hash_ring import HashRing
@@ -20,6 +40,10 @@ from conveyor.gateway.least_load import least_loaded
 from conveyor.gateway.prefix_key import RouteRequest
 from conveyor.gateway.replica import Replica
 from conveyor.gateway.routing import Decision, LoadView
+
+MAX_HOMES = 100_000
+"""Keys whose home is remembered (about 10 MB); far more conversations than a pool's caches
+hold, so a key forgotten here has long left every replica's cache too."""
 
 
 def load_bound(total: float, members: int, factor: float) -> float:
@@ -30,15 +54,20 @@ def load_bound(total: float, members: int, factor: float) -> float:
 class PrefixAware:
     name = "prefix-aware"
 
-    def __init__(self, bounded_load_factor: float = 1.25, vnodes: int = 100) -> None:
+    def __init__(
+        self, bounded_load_factor: float = 1.25, vnodes: int = 100, max_homes: int = MAX_HOMES
+    ) -> None:
         if bounded_load_factor < 1.0:
             raise ValueError(
                 f"bounded load factor must be at least 1.0 (got {bounded_load_factor}); 1.25 is usual"
             )
         self.factor = bounded_load_factor
         self.vnodes = vnodes
+        self.max_homes = max_homes
         self._ring = HashRing((), vnodes)
         self._ring_members: frozenset[str] = frozenset()
+        self._homes: OrderedDict[int, str] = OrderedDict()
+        """Routing key -> the replica its prefix was last sent to, least recently used first."""
         self._turn = 0
 
     def set_members(self, urls: frozenset[str]) -> None:
@@ -46,6 +75,9 @@ class PrefixAware:
         if urls != self._ring_members:
             self._ring = HashRing(urls, self.vnodes)
             self._ring_members = urls
+            gone = [key for key, home in self._homes.items() if home not in urls]
+            for key in gone:
+                del self._homes[key]
 
     def choose(
         self, candidates: Sequence[Replica], request: RouteRequest, view: LoadView
@@ -54,13 +86,32 @@ class PrefixAware:
         if not by_url.keys() <= self._ring_members:
             self.set_members(self._ring_members | by_url.keys())
         loads = {url: view.outstanding(replica) for url, replica in by_url.items()}
-        bound = load_bound(sum(loads.values()), len(loads), self.factor)
-        first = True
-        for url in self._ring.walk(request.key):
-            if url not in by_url:
-                continue  # ejected or queue full: not a candidate now
-            if loads[url] + 1 <= bound:
-                return Decision(by_url[url], "affinity" if first else "overflow")
-            first = False
+        total = sum(loads.values())
+        key = request.key
+        home = self._homes.get(key)
+        if home in by_url and loads[home] + 1 <= load_bound(total, len(loads), self.factor):
+            self._homes.move_to_end(key)
+            return Decision(by_url[home], "affinity")
+        reason = "placement" if home is None else "overflow"
+        decision = self._place(key, by_url, loads, view, reason)
+        self._homes[key] = decision.replica.url
+        self._homes.move_to_end(key)
+        if len(self._homes) > self.max_homes:
+            self._homes.popitem(last=False)
+        return decision
+
+    def _place(
+        self,
+        key: int,
+        by_url: dict[str, Replica],
+        loads: dict[str, float],
+        view: LoadView,
+        reason: str,
+    ) -> Decision:
+        """The first replica on the ring from ``key`` whose load stays at most the mean."""
+        bound = load_bound(sum(loads.values()), len(loads), 1.0)
+        for url in self._ring.walk(key):
+            if url in by_url and loads[url] + 1 <= bound:  # not a candidate: ejected or full
+                return Decision(by_url[url], reason)
         self._turn += 1  # unreachable with whole-request loads; kept for fractional ones
-        return Decision(least_loaded(candidates, view, self._turn), "least_load")
+        return Decision(least_loaded(list(by_url.values()), view, self._turn), "least_load")

@@ -34,7 +34,8 @@ class LoadView:
 class Decision:
     replica: Replica
     reason: str
-    """Why this replica: ``round_robin``, ``least_load``, ``affinity`` or ``overflow``."""
+    """Why this replica: ``round_robin``, ``least_load``, or for prefix-aware ``affinity`` (the
+    prefix's home), ``placement`` (a new prefix) or ``overflow`` (its home was overloaded)."""
 
 
 class RoutingPolicy(Protocol):

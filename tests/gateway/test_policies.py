@@ -29,7 +29,9 @@ def request(text: str) -> RouteRequest:
     )
 
 
-def report(running: int = 0, waiting: int = 0, kv: float = 0.0, max_running: int = 8) -> ReplicaLoad:
+def report(
+    running: int = 0, waiting: int = 0, kv: float = 0.0, max_running: int = 8
+) -> ReplicaLoad:
     return ReplicaLoad(running, waiting, kv, max_running, None, True)
 
 
@@ -103,8 +105,9 @@ def test_prefix_aware_keeps_a_prefix_on_one_replica_and_gateways_agree() -> None
         text = f"user {user} opening message that is long enough"
         a = first.choose(pool, request(text), VIEW)
         b = second.choose(pool, request(text + " and a later turn"), VIEW)
-        assert a.replica is b.replica
-        assert a.reason == "affinity"
+        later = first.choose(pool, request(text + " and a later turn"), VIEW)
+        assert a.replica is b.replica is later.replica
+        assert (a.reason, b.reason, later.reason) == ("placement", "placement", "affinity")
 
 
 def test_prefix_aware_overflows_a_hot_prefix_to_the_next_replica() -> None:
@@ -116,9 +119,83 @@ def test_prefix_aware_overflows_a_hot_prefix_to_the_next_replica() -> None:
         decision = policy.choose(pool, hot, VIEW)
         decision.replica.in_flight += 1
         chosen.append(decision)
-    assert chosen[0].reason == "affinity"
+    assert chosen[0].reason == "placement"
     assert any(d.reason == "overflow" for d in chosen)
     assert max(r.in_flight for r in pool) <= math.ceil(1.25 * 40 / 4)
+
+
+def chat(opening: str, turns: int) -> RouteRequest:
+    """A chat request: keyed by its opening, whatever the turns after it say."""
+    messages = [{"role": "system", "content": "shared"}, {"role": "user", "content": opening}]
+    messages += [{"role": "user", "content": f"turn {t}"} for t in range(turns)]
+    return RouteRequest("/v1/chat/completions", {"model": "m", "messages": messages})
+
+
+def conversations(
+    policy: PrefixAware, pool: list[Replica], users: range, turns: int
+) -> dict[int, list[str]]:
+    """``users`` open their conversations in one burst, then take turns one after another
+    (closed loop: a user's next turn is sent when its last one finished). The replica of
+    each request, by user."""
+    seen: dict[int, list[str]] = {user: [] for user in users}
+    open_on: dict[int, Replica] = {}
+    for turn in range(turns):
+        for user in users:
+            if user in open_on:
+                open_on[user].in_flight -= 1
+            chosen = policy.choose(pool, chat(f"user {user}: a document", turn), VIEW).replica
+            chosen.in_flight += 1
+            open_on[user] = chosen
+            seen[user].append(chosen.url)
+    for replica in open_on.values():
+        replica.in_flight -= 1
+    return seen
+
+
+def test_prefix_aware_spreads_conversations_evenly_and_keeps_each_on_one_replica() -> None:
+    """32 conversations over 4 replicas: hashing alone puts about 11 on one and 5 on another;
+    placing each new one at most at the mean load spreads a burst exactly."""
+    pool = replicas(4)
+    seen = conversations(PrefixAware(), pool, range(32), turns=5)
+    assert all(len(set(urls)) == 1 for urls in seen.values())
+    counts = [sum(urls.count(r.url) for urls in seen.values()) for r in pool]
+    assert max(counts) / min(counts) <= 1.5, counts
+
+
+def test_prefix_aware_keeps_conversations_home_when_a_replica_joins() -> None:
+    """A replica joining moves no conversation (its cache stays where it is); the new
+    conversations that follow go to the new replica until it carries its share."""
+    pool = replicas(4)
+    old, new = pool[:3], pool[3]
+    policy = PrefixAware()
+    policy.set_members(frozenset(r.url for r in old))
+    before = conversations(policy, old, range(24), turns=2)
+    for replica in old:  # the 24 conversations stay open, each on its replica
+        replica.in_flight = sum(urls[-1] == replica.url for urls in before.values())
+    policy.set_members(frozenset(r.url for r in pool))
+    for user, urls in before.items():
+        home = next(r for r in old if r.url == urls[-1])
+        home.in_flight -= 1  # this turn finished; the user sends the next
+        decision = policy.choose(pool, chat(f"user {user}: a document", 2), VIEW)
+        decision.replica.in_flight += 1
+        assert (decision.replica, decision.reason) == (home, "affinity")
+    placed = []
+    for user in range(24, 30):
+        decision = policy.choose(pool, chat(f"user {user}: a document", 0), VIEW)
+        decision.replica.in_flight += 1
+        placed.append(decision.replica)
+    assert placed == [new] * 6
+
+
+def test_prefix_aware_forgets_the_least_recent_homes_past_its_table() -> None:
+    pool = replicas(4)
+    policy = PrefixAware(max_homes=3)
+    for user in range(5):
+        policy.choose(pool, chat(f"user {user}", 0), VIEW)
+    policy.choose(pool, chat("user 2", 1), VIEW)  # used again: kept over 3 and 4
+    policy.choose(pool, chat("user 5", 0), VIEW)
+    assert policy.choose(pool, chat("user 2", 2), VIEW).reason == "affinity"
+    assert policy.choose(pool, chat("user 3", 1), VIEW).reason == "placement"
 
 
 def test_prefix_aware_counts_the_replicas_own_queue() -> None:
