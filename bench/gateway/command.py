@@ -19,6 +19,11 @@ fresh text, so none inherits another's cache. TTFT p50/p95, throughput, the pref
 hit rate from the replicas' /metrics and the spread of requests over replicas (also from
 their /metrics, so it counts the same for every proxy).
 
+Part ``grow`` (``grow.py``): the same workload with one replica fewer, and that replica
+added once half the requests have finished (the gateway: a line in its backends file; the
+routers: their HTTP API): the prefix-cache hit rate before and after, and the new replica's
+share of the requests after it.
+
 Then one table: each figure per proxy and the gateway's over the best peer's, and a PNG.
 Figures only; nothing here asserts on time.
 """
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from conveyor.bench.gateway import report, routers
@@ -70,8 +76,9 @@ def main(argv: list[str]) -> int:
         )
     s = BenchSettings(**vars(parser.parse_args(argv)))
     try:
-        if s.part not in ("routing", "overhead", "all"):
-            raise ValueError("--part must be routing, overhead or all")
+        parts = parse_parts(s.part)
+        if "grow" in parts and s.replicas < 2:
+            raise ValueError("--part grow needs --replicas 2 or more (the last joins mid-run)")
         peers = routers.parse_peers(s.peers)
         concurrency = _numbers(s.overhead_concurrency, "--overhead-concurrency")
         steps = _numbers(s.max_streams, "--max-streams")
@@ -91,18 +98,34 @@ def main(argv: list[str]) -> int:
     overhead: report.Overhead = {}
     held: dict[str, int] = {}
     routing: report.Routing = {}
-    if s.part in ("overhead", "all"):
+    grown: report.Routing = {}
+    if "overhead" in parts:
         overhead, held = bench_overhead(installed, concurrency, s.overhead_requests, steps, workers)
-    if s.part in ("routing", "all"):
-        routing = bench_routing(s, installed)
-    gateways = [gateway_name(n) for n in workers] if s.part != "routing" else ["conveyor"]
+    if parts & {"routing", "grow"}:
+        with tempfile.TemporaryDirectory(prefix="conveyor-bench-gateway-") as workdir:
+            routing, grown = bench_routing(s, installed, parts, Path(workdir))
+    gateways = [gateway_name(n) for n in workers] if "overhead" in parts else ["conveyor"]
     proxies = [*gateways, *(r.name for r in peers)]
     print("\n== side by side" + (" (ratios: conveyor / best peer)" if peers else "") + " ==")
-    print(report.summary(proxies, overhead, held, routing))
+    print(report.summary(proxies, overhead, held, routing, grown))
     if s.plot:
         report.plot(Path(s.plot), proxies, overhead, held, routing)
         print(f"\nplot: {s.plot}")
     return 0
+
+
+PARTS = ("overhead", "routing", "grow")
+
+
+def parse_parts(spec: str) -> set[str]:
+    """``--part``: comma-separated parts, or ``all``; ValueError naming the known ones."""
+    parts = {p.strip() for p in spec.split(",") if p.strip()}
+    if parts == {"all"}:
+        return set(PARTS)
+    if not parts or not parts <= set(PARTS):
+        raise ValueError(f"--part takes all or a comma-separated list of {', '.join(PARTS)} "
+                         f"(got {spec!r})")  # fmt: skip
+    return parts
 
 
 def _numbers(spec: str, flag: str) -> list[int]:

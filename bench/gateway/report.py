@@ -28,7 +28,11 @@ def best_routing(routing: Routing, proxy: str) -> str | None:
 
 
 def rows(
-    proxies: list[str], overhead: Overhead, held: dict[str, int], routing: Routing
+    proxies: list[str],
+    overhead: Overhead,
+    held: dict[str, int],
+    routing: Routing,
+    grown: Routing | None = None,
 ) -> list[Row]:
     out: list[Row] = []
 
@@ -70,7 +74,33 @@ def rows(
         out.append(Row("routing: policy", {}, True, str, ", ".join(
             f"{p}: {str(chosen[p]).split(' ', 1)[-1]}" for p in proxies if chosen[p]
         )))  # fmt: skip
+    if grown:
+        out += grow_rows(proxies, routing, grown)
     return out
+
+
+def grow_rows(proxies: list[str], routing: Routing, grown: Routing) -> list[Row]:
+    """The grow phase under the policy each proxy's routing row shows (without a routing
+    phase: the gateway's prefix-aware, a router's cache_aware)."""
+    chosen: dict[str, str | None] = {}
+    for p in proxies:
+        if p == "conveyor":
+            label: str | None = "conveyor prefix-aware"
+        elif is_conveyor(p):
+            label = None
+        else:
+            label = best_routing(routing, p) or f"{p} cache_aware"
+        chosen[p] = label if label in grown else None
+
+    def pick(key: str) -> dict[str, float | None]:
+        return {p: None if chosen[p] is None else grown[str(chosen[p])][key] for p in proxies}
+
+    return [
+        Row("grow: prefix hit before join", pick("hit_before"), False, lambda v: f"{v:.1%}"),
+        Row("grow: prefix hit after join", pick("hit_after"), False, lambda v: f"{v:.1%}"),
+        Row("grow: new replica's share after", pick("new_share"), False, lambda v: f"{v:.1%}",
+            "fair: 1/replicas"),
+    ]  # fmt: skip
 
 
 def is_conveyor(proxy: str) -> bool:
@@ -91,10 +121,16 @@ def ratio(row: Row, proxies: list[str], mine_name: str = "conveyor") -> str:
     return f"{mine / best:.2f}x" if best else ""
 
 
-def summary(proxies: list[str], overhead: Overhead, held: dict[str, int], routing: Routing) -> str:
+def summary(
+    proxies: list[str],
+    overhead: Overhead,
+    held: dict[str, int],
+    routing: Routing,
+    grown: Routing | None = None,
+) -> str:
     mine = [p for p in proxies if is_conveyor(p)]
     body = []
-    for row in rows(proxies, overhead, held, routing):
+    for row in rows(proxies, overhead, held, routing, grown):
         if not row.values:
             body.append([row.metric, *([""] * len(proxies)), *([""] * len(mine)), row.target])
             continue

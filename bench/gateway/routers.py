@@ -47,6 +47,11 @@ class RustRouter:
     """The bench's policy label -> the router's ``--policy`` value."""
     log_level: str = "warning"
     """Its quietest useful ``--log-level`` (the two spell ``warn`` differently)."""
+    add_worker_path: str = "/add_worker"
+    """Where a worker is added at run time: ``POST PATH?url=URL`` (vllm-router answers once
+    it is added), or with ``add_worker_in_body`` ``POST PATH {"url": URL}`` (sglang-router
+    queues the job and answers 202)."""
+    add_worker_in_body: bool = False
 
     @property
     def requirement(self) -> str:
@@ -68,6 +73,8 @@ SGLANG_ROUTER = RustRouter(
     subcommand=("launch",),
     policies={"cache_aware": "cache_aware", "round_robin": "round_robin"},
     log_level="warn",
+    add_worker_path="/workers",
+    add_worker_in_body=True,
 )
 ROUTERS: dict[str, RustRouter] = {r.name: r for r in (VLLM_ROUTER, SGLANG_ROUTER)}
 
@@ -192,6 +199,31 @@ def command(
         "--worker-startup-check-interval", "1",
         "--log-level", router.log_level,
     ]  # fmt: skip
+
+
+def add_worker(router: RustRouter, base_url: str, worker: str) -> None:
+    """Add ``worker`` to the router running at ``base_url`` through its HTTP API (both list
+    theirs at ``GET /workers``: see ``has_healthy_worker``)."""
+    import httpx
+
+    url = base_url + router.add_worker_path
+    if router.add_worker_in_body:
+        response = httpx.post(url, json={"url": worker}, timeout=30)
+    else:
+        response = httpx.post(url, params={"url": worker}, timeout=30)
+    if response.status_code not in (200, 201, 202):
+        raise RuntimeError(
+            f"{router.name} refused to add worker {worker}: POST {router.add_worker_path} "
+            f"answered {response.status_code} {response.text[:200]}"
+        )
+
+
+def has_healthy_worker(base_url: str, worker: str) -> bool:
+    """Whether the router at ``base_url`` lists ``worker`` as healthy (``GET /workers``)."""
+    import httpx
+
+    listed = httpx.get(base_url + "/workers", timeout=10).json().get("workers", [])
+    return any(w.get("url") == worker and w.get("is_healthy") for w in listed)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,24 +11,29 @@ MODEL = "conveyor-tiny"
 @dataclass(frozen=True)
 class BenchSettings:
     part: str = "all"
-    """routing, overhead or all."""
+    """Parts to run, comma-separated: overhead, routing, grow (a replica joins mid-run), or all."""
     peers: str = ""
     """Rust routers measured side by side with the gateway, comma-separated: vllm-router,
     sglang-router (installed pinned into a cached environment on first use); empty: the
     gateway alone."""
     replicas: int = 4
     """Runtime replicas for the routing part; few, as they share the machine's cores."""
-    max_total_tokens: int = 4096
-    """KV cache of each replica in tokens; the users' working set must exceed one, fit in all."""
-    users: int = 8
-    """Concurrent users of the routing part, each with its own conversation."""
+    max_total_tokens: int = 8192
+    """KV cache of each replica in tokens; the users' working set must exceed one, fit in all
+    (in all but one too, for the grow part)."""
+    users: int = 32
+    """Concurrent users of the routing part, each with its own conversation: enough that how
+    evenly a policy spreads conversations shows (8 over 4 replicas is noise)."""
+    seed: int = 0
+    """Seed of the workload's text (each run salts it with its proxy and policy, so none
+    inherits another's cache): the same figures' workload from one bench to the next."""
     turns: int = 5
     """Turns per user."""
     system_chars: int = 400
     """Shared system prompt length (the built-in model's tokenizer is byte-level: chars = tokens)."""
-    document_chars: int = 900
+    document_chars: int = 300
     """Private document each user sends in the first message."""
-    turn_chars: int = 80
+    turn_chars: int = 40
     """Each later question; the canned assistant answer is as long."""
     max_tokens: int = 8
     """Output tokens per routing request: short, so prefill (what the cache saves) dominates."""
