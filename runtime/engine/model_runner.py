@@ -2,8 +2,8 @@
 
 It owns the model, the KV cache and the per-request random generators. Given
 a scheduled batch it lays the step's tokens out flat (decodes first, then
-prefill chunks), runs one forward pass, and samples for every sequence whose
-last known token was computed in this step.
+prefill chunks; ``step_inputs.py``), runs one forward pass, and samples for
+every sequence whose last known token was computed in this step.
 
 Under tensor parallelism (``--tensor-parallel-size N``) the engine's runner is rank 0: it
 spawns ranks 1..N-1 (``tensor_parallel.py``), each a runner over its own shard of the model
@@ -25,6 +25,7 @@ from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.engine.settings import EngineSettings
+from conveyor.runtime.engine.step_inputs import StepLayout, layout_step, step_tensors, to_device
 from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
@@ -44,21 +45,6 @@ log = logging.getLogger("conveyor.runtime")
 class Sample:
     token_id: int
     logprob: TokenLogprob | None
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """One step's tokens laid out flat, as plain lists (what rank 0 sends the other ranks)."""
-
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    num_decodes: int
-    decode_tables: list[list[int]]
-    decode_lens: list[int]
-    prefill_tables: list[list[int]]
-    prefill_ctx: list[int]
-    prefill_q: list[int]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -285,7 +271,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> dict[str, Sample]:
         """Run the model over ``batch``; returns a sample per sequence that reached its end."""
-        layout, sample_rows = self._layout(batch)
+        layout, sample_rows = layout_step(batch, self.block_size)
         if self.ranks is not None:
             self.ranks.send(tensor_parallel.RunStep(layout))
             try:
@@ -314,7 +300,7 @@ class ModelRunner:
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:
         """The forward pass over the step's tokens -> hidden states (T, hidden)."""
-        input_ids, positions, meta = self._tensors(layout)
+        input_ids, positions, meta = step_tensors(layout, self.device)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(
             layout.num_decodes, len(input_ids)
         ):
@@ -327,77 +313,14 @@ class ModelRunner:
         self, batch: ScheduledBatch
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[tuple[int, int]]]:
         """The step's token ids (T,), positions (T,), attention metadata, and the rows that
-        sample (see ``_layout``)."""
-        layout, sample_rows = self._layout(batch)
-        return (*self._tensors(layout), sample_rows)
-
-    def _layout(self, batch: ScheduledBatch) -> tuple[StepLayout, list[tuple[int, int]]]:
-        """The step's tokens laid out flat (decodes first, then prefill chunks), and for each
-        sequence that samples, its index in the batch and its row among the T tokens."""
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
-        decode_tables, decode_lens = [], []
-        prefill_tables, prefill_ctx, prefill_q = [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            start = seq.num_computed_tokens
-            end = start + n
-            ids += seq.token_ids[start:end]
-            table = seq.block_table
-            for p in range(start, end):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            if end == len(seq.token_ids):
-                sample_rows.append((i, len(ids) - 1))
-            if i < batch.num_decodes:
-                decode_tables.append(table)
-                decode_lens.append(end)
-            else:
-                prefill_tables.append(table)
-                prefill_ctx.append(end)
-                prefill_q.append(n)
-        layout = StepLayout(
-            ids, pos, slots, batch.num_decodes,
-            decode_tables, decode_lens, prefill_tables, prefill_ctx, prefill_q,
-        )  # fmt: skip
-        return layout, sample_rows
-
-    def _tensors(self, layout: StepLayout) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's token ids (T,), positions (T,) and attention metadata on the device."""
-        decode_lens, prefill_q, prefill_ctx = (
-            layout.decode_lens,
-            layout.prefill_q,
-            layout.prefill_ctx,
-        )
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(layout.slots, torch.int64),
-            num_decode_tokens=layout.num_decodes,
-            decode_context_lens=self._tensor(decode_lens, torch.int32),
-            decode_block_tables=self._tensor(_pad(layout.decode_tables), torch.int32),
-            prefill_query_start_loc=self._tensor(_cumsum0(prefill_q), torch.int32),
-            prefill_context_lens=self._tensor(prefill_ctx, torch.int32),
-            prefill_block_tables=self._tensor(_pad(layout.prefill_tables), torch.int32),
-            max_decode_context_len=max(decode_lens, default=0),
-            max_prefill_query_len=max(prefill_q, default=0),
-            max_prefill_context_len=max(prefill_ctx, default=0),
-            prefill_query_lens_host=tuple(prefill_q),
-            prefill_context_lens_host=tuple(prefill_ctx),
-        )
-        ids, pos = (
-            self._tensor(layout.token_ids, torch.int64),
-            self._tensor(layout.positions, torch.int64),
-        )
-        return ids, pos, meta
+        sample (see ``step_inputs.layout_step``)."""
+        layout, sample_rows = layout_step(batch, self.block_size)
+        return (*step_tensors(layout, self.device), sample_rows)
 
     def _tensor(
         self, data: list[int] | list[float] | list[list[int]], dtype: torch.dtype
     ) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(data, dtype, self.device)
 
     # -- sampling inputs ----------------------------------------------------------------
 
@@ -486,15 +409,3 @@ class ModelRunner:
             top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k and top_ids else []
             result.append(TokenLogprob(token_id=int(out.token_ids[i]), logprob=lps[i], top=top))
         return result
-
-
-def _pad(tables: list[list[int]]) -> list[list[int]]:
-    width = max((len(t) for t in tables), default=0)
-    return [t + [0] * (width - len(t)) for t in tables] if tables else []
-
-
-def _cumsum0(values: list[int]) -> list[int]:
-    out = [0]
-    for v in values:
-        out.append(out[-1] + v)
-    return out

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from conveyor.runtime.engine.model_runner import StepLayout
     from conveyor.runtime.engine.settings import EngineSettings
+    from conveyor.runtime.engine.step_inputs import StepLayout
     from conveyor.runtime.layers.parallel import TensorParallel
 
 log = logging.getLogger("conveyor.runtime")
