@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ import yaml
 from conveyor.bench.peers import vllm_env
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
 from conveyor.runtime.model.builtin import BUILTIN_MODELS
 
@@ -214,36 +214,19 @@ class Stack:
         self.kubectl("apply", "-n", s.namespace, "-f", "-", input_=text)
 
     def start_prometheus(self) -> None:
-        from conveyor.observability.prometheus import Prometheus, PrometheusSettings
-
-        assert self.cluster is not None and self.tools is not None
-        state = (
-            json.loads(self.state_file.read_text())
-            if self.state_file and self.state_file.exists()
-            else {}
-        )
-        pid = state.get("prometheus_pid")
-        if pid and _alive(pid):
-            self.prometheus_url = state.get("prometheus")
+        assert self.cluster is not None and self.tools is not None and self.state_file is not None
+        self.prometheus_url = running_prometheus(self.state_file)
+        if self.prometheus_url is not None:
             say(f"Prometheus is already up at {self.prometheus_url}")
             return
-        port = self.settings.prometheus_port if _port_free(self.settings.prometheus_port) else 0
-        prom = Prometheus(
-            PrometheusSettings(
-                binary=self.tools.path("prometheus"),
-                port=port,
-                kubeconfig=self.kubeconfig,
-                work_dir=self.cluster.work_dir / "prometheus",
-                scrape_interval_s=5,
-                evaluation_interval_s=5,
-            )
-        ).start()
-        self.prometheus_url = prom.url
-        assert self.state_file is not None
-        self.state_file.write_text(
-            json.dumps({**state, "prometheus_pid": prom.pid, "prometheus": prom.url}, indent=2)
+        self.prometheus_url = start_prometheus(
+            self.state_file,
+            binary=self.tools.path("prometheus"),
+            kubeconfig=self.kubeconfig,
+            work_dir=self.cluster.work_dir / "prometheus",
+            port=self.settings.prometheus_port,
         )
-        say(f"Prometheus at {prom.url} (discovers pods through the apiserver)")
+        say(f"Prometheus at {self.prometheus_url} (discovers pods through the apiserver)")
 
     def wait_for_answer(self) -> dict:
         import httpx
@@ -291,7 +274,7 @@ class Stack:
     def abort(self) -> None:
         """Undo what this run started (Ctrl-C or a failure): nothing half-started stays."""
         if self.started_cluster and self.cluster is not None:
-            stop_prometheus(self.cluster.work_dir)
+            stop_prometheus(self.cluster.work_dir / STACK_FILE)
             say("stopping the cluster this run started")
             self.cluster.stop()
             shutil.rmtree(self.cluster.work_dir / "prometheus", ignore_errors=True)
@@ -318,46 +301,6 @@ def engine_example(example: dict[str, Any], engine: str) -> dict[str, Any]:
     if not runtime:
         del spec["runtime"]
     return example
-
-
-def stop_prometheus(work_dir: Path) -> None:
-    state_file = work_dir / STACK_FILE
-    if not state_file.exists():
-        return
-    pid = json.loads(state_file.read_text()).get("prometheus_pid")
-    if pid and _alive(pid):
-        os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _alive(pid):
-            os.killpg(pid, signal.SIGKILL)
-    state_file.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie or a reused pid of another program does not count.
-    try:
-        return "prometheus" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
-    except OSError:
-        return False
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def print_welcome(info: dict, stack: Stack) -> None:
@@ -476,7 +419,7 @@ def main_down(argv: list[str]) -> int:
     if cluster is None:
         print("nothing is up (no running cluster on this machine)")
         return 0
-    stop_prometheus(cluster.work_dir)
+    stop_prometheus(cluster.work_dir / STACK_FILE)
     cluster.stop()
     shutil.rmtree(cluster.work_dir / "prometheus", ignore_errors=True)
     print(f"stopped cluster {cluster.settings.name!r}; nothing is left running")
