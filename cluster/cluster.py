@@ -9,7 +9,8 @@ mount and cgroup the cluster made (``teardown``). What was done is written to ``
 in the work directory as it happens (``state``), so ``conveyor cluster down`` (another
 process) can stop a cluster, and a later start can clean up after a crashed one, never
 touching a cluster whose processes still run. The components' command lines come from
-``control_plane``, their kubeconfigs from ``kubeconfigs``.
+``control_plane``, their kubeconfigs from ``kubeconfigs``; their processes are kept (started,
+waited for, restarted) by ``components``.
 """
 
 from __future__ import annotations
@@ -20,16 +21,16 @@ import shutil
 import socket
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from conveyor.cluster.agent_process import AGENT_NAME, agent_argv, agent_ready
-from conveyor.cluster.api import ApiClient, wait_for
+from conveyor.cluster.api import ApiClient
 from conveyor.cluster.certs import Pki, generate_pki
 from conveyor.cluster.cgroups import ClusterCgroup
+from conveyor.cluster.components import Components
 from conveyor.cluster.control_plane import (
     ControlPlaneInputs,
     Ports,
@@ -53,7 +54,7 @@ from conveyor.cluster.nodes import (
     node_ready,
 )
 from conveyor.cluster.podnet import PodNetworks
-from conveyor.cluster.process import ManagedProcess, component_env, tail
+from conveyor.cluster.process import ManagedProcess, ProcessRecord, tail
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.state import (
     STATE_FILE,
@@ -90,17 +91,6 @@ def free_ports(host: str) -> Ports:
     )
 
 
-def _command_line(proc: ManagedProcess) -> list[str]:
-    """The running process's command line, as the kernel has it."""
-    if proc.record is None or not proc.alive():
-        raise RuntimeError(f"{proc.name} does not run: its command line is unknown")
-    raw = Path(f"/proc/{proc.record.pid}/cmdline").read_bytes()
-    argv = [part.decode() for part in raw.split(b"\0") if part]
-    if not argv:
-        raise RuntimeError(f"{proc.name} (pid {proc.record.pid}) shows no command line")
-    return argv
-
-
 class Cluster:
     """The one-machine cluster. ``with Cluster(settings) as c:`` or ``start()`` then ``stop()``."""
 
@@ -112,7 +102,9 @@ class Cluster:
         self.pod_networks = PodNetworks(self.plan)
         self.cgroup = ClusterCgroup(s.name)
         self.state: ClusterState | None = None
-        self.processes: dict[str, ManagedProcess] = {}
+        self.components = Components(
+            self.logs_dir, self.cgroup, timeout_s=s.start_timeout_s, on_start=self._record
+        )
         self.tools: Tools | None = None
         self.pki: Pki | None = None
         self.timings: dict[str, float] = {}
@@ -134,8 +126,7 @@ class Cluster:
             if state.tools_dir:
                 cluster.tools = Tools(Path(state.tools_dir))
             for record in state.processes:
-                log = cluster.logs_dir / f"{record.name}.log"
-                cluster.processes[record.name] = ManagedProcess.adopt(record, log)
+                cluster.components.adopt(record)
             return cluster
         return None
 
@@ -150,6 +141,11 @@ class Cluster:
     def logs_dir(self) -> Path:
         """One log file per component (appended to at each start)."""
         return self.work_dir / "logs"
+
+    @property
+    def processes(self) -> dict[str, ManagedProcess]:
+        """The running components by name, in the order they started."""
+        return self.components.processes
 
     @property
     def host_address(self) -> str:
@@ -173,8 +169,6 @@ class Cluster:
     def node_names(self) -> tuple[list[str], list[str]]:
         """Names of the GPU nodes and the CPU nodes."""
         return node_names(self.settings.gpu_nodes, self.settings.cpu_nodes)
-
-    # ---- start -------------------------------------------------------------------------
 
     # ---- start -------------------------------------------------------------------------
 
@@ -256,7 +250,7 @@ class Cluster:
 
         self._start_etcd(inputs)
         self._run("kube-apiserver", apiserver_args(inputs))
-        self._wait("kube-apiserver", "/readyz", lambda: self.api.readyz()[0])
+        self.components.wait("kube-apiserver", "/readyz", lambda: self.api.readyz()[0])
         self.timings["start_to_readyz_s"] = time.monotonic() - t0
         self._run("kube-controller-manager", controller_manager_args(inputs))
         self._run("kube-scheduler", scheduler_args(inputs))
@@ -273,53 +267,16 @@ class Cluster:
 
     def _start_node_agent(self) -> None:
         """The node agent (``agent.py``): runs the pods bound to the simulated nodes."""
-        assert self.state is not None
-        proc = ManagedProcess(
-            AGENT_NAME,
-            agent_argv(self.work_dir),
-            self.logs_dir / f"{AGENT_NAME}.log",
-            env=component_env(),
-            cgroup_procs=self.cgroup.procs_files(),
+        record = self.components.start(AGENT_NAME, agent_argv(self.work_dir)).record
+        assert record is not None
+        self.components.wait(
+            AGENT_NAME, "the node agent", lambda: agent_ready(self.work_dir, record.pid)
         )
-        self.processes[AGENT_NAME] = proc
-        record = proc.start()
-        self.state.processes.append(record)
-        self._save_state()
-        self._wait(AGENT_NAME, "the node agent", lambda: agent_ready(self.work_dir, record.pid))
 
     def _run(self, name: str, args: list[str]) -> ManagedProcess:
-        assert self.tools is not None and self.state is not None
-        proc = ManagedProcess(
-            name,
-            [str(self.tools.path(name)), *args],
-            self.logs_dir / f"{name}.log",
-            env=component_env(),
-            cgroup_procs=self.cgroup.procs_files(),
-        )
-        self.processes[name] = proc
-        self.state.processes.append(proc.start())
-        self._save_state()
-        return proc
-
-    def _wait(self, name: str, what: str, check: Callable[[], Any]) -> Any:
-        """Wait for ``check`` while the component ``name`` runs; its log tail comes with a failure."""
-        proc = self.processes[name]
-
-        def still_running() -> None:
-            if not proc.alive():
-                raise RuntimeError(
-                    f"{name} exited (code {proc.exit_code()}) before {what}; "
-                    f"log {proc.log_path}:\n{proc.tail()}"
-                )
-
-        return wait_for(
-            what,
-            check,
-            timeout_s=self.settings.start_timeout_s,
-            interval_s=0.1,
-            guard=still_running,
-            context=lambda: f"; log {proc.log_path}:\n{proc.tail()}",
-        )
+        """Start the component ``name``, one of the cluster's tools, with ``args``."""
+        assert self.tools is not None
+        return self.components.start(name, [str(self.tools.path(name)), *args])
 
     def _start_etcd(self, inputs: ControlPlaneInputs) -> None:
         self._run("etcd", etcd_args(inputs))
@@ -329,7 +286,7 @@ class Cluster:
             with urllib.request.urlopen(f"{client}/health", timeout=2) as resp:
                 return bool(json.loads(resp.read()).get("health") == "true")
 
-        self._wait("etcd", "etcd /health", healthy)
+        self.components.wait("etcd", "etcd /health", healthy)
 
     def _start_nodes(self, inputs: ControlPlaneInputs, config_dir: Path) -> None:
         s = self.settings
@@ -365,7 +322,7 @@ class Cluster:
             nodes = self.api.get("/api/v1/nodes")["items"]
             return {n["metadata"]["name"] for n in nodes if node_ready(n)} >= set(gpu + cpu)
 
-        self._wait("kwok", "every node Ready and without not-ready taints", all_ready)
+        self.components.wait("kwok", "every node Ready and without not-ready taints", all_ready)
 
     def _start_kube_proxy(self, inputs: ControlPlaneInputs, config_dir: Path) -> None:
         gpu, cpu = self.node_names()
@@ -380,7 +337,9 @@ class Cluster:
                 return False
             return service_ip in run("nft", "list", "table", "ip", "kube-proxy").stdout
 
-        self._wait("kube-proxy", f"kube-proxy's rules for {service_ip}", kubernetes_service_routed)
+        self.components.wait(
+            "kube-proxy", f"kube-proxy's rules for {service_ip}", kubernetes_service_routed
+        )
 
     def restart(self, name: str, *, down_s: float = 0.0) -> ManagedProcess:
         """Kill the component ``name`` (SIGKILL: a crash) and start it again with the same command
@@ -388,23 +347,17 @@ class Cluster:
         static pod). Returns once it runs; waiting until it serves is the caller's. The fault
         tests use it."""
         assert self.state is not None, "the cluster is not started"
-        old = self.processes[name]
-        # A cluster attached from another process knows its components by pid only.
-        argv = old.argv or _command_line(old)
-        old.kill()
-        time.sleep(down_s)
-        proc = ManagedProcess(
-            name,
-            argv,
-            old.log_path,
-            env=component_env(),
-            cgroup_procs=self.cgroup.procs_files(),
-        )
-        record = proc.start()
-        self.processes[name] = proc
-        self.state.processes = [record if p.name == name else p for p in self.state.processes]
+        return self.components.restart(name, down_s=down_s)
+
+    def _record(self, record: ProcessRecord) -> None:
+        """Write down a component that now runs (in place of its earlier run, if any)."""
+        assert self.state is not None
+        names = [p.name for p in self.state.processes]
+        if record.name in names:
+            self.state.processes[names.index(record.name)] = record
+        else:
+            self.state.processes.append(record)
         self._save_state()
-        return proc
 
     def _save_state(self) -> None:
         assert self.state is not None
@@ -424,9 +377,7 @@ class Cluster:
             return
         for record in self.state.processes:
             if record.name not in self.processes:
-                self.processes[record.name] = ManagedProcess.adopt(
-                    record, self.logs_dir / f"{record.name}.log"
-                )
+                self.components.adopt(record)
         teardown(self.state, self.settings.stop_grace_s, list(reversed(self.processes.values())))
         (self.work_dir / STATE_FILE).unlink(missing_ok=True)
         self.processes.clear()

@@ -160,6 +160,16 @@ class ManagedProcess:
             return self._popen.poll() is None
         return self.record is not None and self.record.alive()
 
+    def command_line(self) -> list[str]:
+        """The running process's command line, as the kernel has it (for one adopted by pid)."""
+        if self.record is None or not self.alive():
+            raise RuntimeError(f"{self.name} does not run: its command line is unknown")
+        raw = Path(f"/proc/{self.record.pid}/cmdline").read_bytes()
+        argv = [part.decode() for part in raw.split(b"\0") if part]
+        if not argv:
+            raise RuntimeError(f"{self.name} (pid {self.record.pid}) shows no command line")
+        return argv
+
     def exit_code(self) -> int | None:
         """The exit status of a process this object started, once it has ended."""
         return None if self._popen is None else self._popen.poll()
