@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from conveyor.cluster.pod_logs import cri_lines_to_text
 from conveyor.cluster.podspec import (
     ConfigError,
     conditions,
@@ -164,8 +163,3 @@ def test_exec_runs_in_the_container() -> None:
     argv = exec_argv(ExecTarget(42, 1000, 1000, {"A": "1"}), ["true"])
     assert argv[:2] == ["nsenter", "--target=42"]
     assert "--setuid=1000" in argv and argv[-3:] == ["-i", "A=1", "true"]
-
-
-def test_cri_log_lines_back_to_text() -> None:
-    text = "2026-01-01T00:00:00.1Z stdout F hello\n2026-01-01T00:00:00.2Z stderr P par\n2026-01-01T00:00:00.3Z stdout F tial\n"
-    assert cri_lines_to_text(text) == "hello\npartial\n"
