@@ -19,6 +19,12 @@ class HashRing:
         self._members = [m for _, m in points]
         self.size = len(set(self._members))
 
+    def first(self, key: int) -> str | None:
+        """The member that owns ``key``: the first clockwise from its position."""
+        if not self._members:
+            return None
+        return self._members[bisect.bisect_left(self._hashes, key) % len(self._members)]
+
     def walk(self, key: int) -> Iterator[str]:
         """Each member once, in ring order starting at ``key``'s position."""
         if not self._members:

@@ -6,12 +6,13 @@ turn repeats). The policy remembers where each key last went, its *home*, in a b
 table (least recently used first out), and:
 
 - a key with a home goes there while the home's load stays within ``bounded_load_factor``
-  times the mean (``affinity``): every turn of a conversation meets its cached prefix, and
-  a replica joining the pool moves no conversation off the replica that holds its cache;
+  times the mean (``affinity``): every turn of a conversation meets its cached prefix;
 - a new key, or one whose home is over that bound or gone, is *placed*: its hash picks a
   point on a ring of replicas and it goes to the first replica clockwise whose load is at
   most the mean (``placement`` for a new key, ``overflow`` for a moved one), and that
-  replica becomes its home.
+  replica becomes its home. A home that is only out of reach for now (ejected, queue full,
+  not yet admitted) stays the key's home: the request is placed elsewhere, the next one
+  goes back.
 
 Placing at the mean, not at ``bounded_load_factor`` times it, is what keeps the replicas
 even: with a few dozen conversations, hashing alone puts half again as many on one replica
@@ -21,6 +22,12 @@ only moves a conversation when its replica is really overloaded. This is the spl
 SGLang router's cache_aware policy makes (a prefix it has seen goes where its tree matches;
 one it has not, to the worker with the least cached), with a hash ring instead of a radix
 tree per replica, so new keys still prefer the same replica in every gateway.
+
+A replica that joins takes over the keys whose ring point now falls on it, as in plain
+consistent hashing: about 1/n of the conversations move (each misses its prefix once) and
+the new replica carries its share at once, where keeping every home would leave it idle
+while the others, whose caches are full if capacity was added, keep evicting. Every other
+key keeps its home and its cache.
 
 Load is the outstanding-request estimate that least-load also uses (Mirrokni et al.,
 "Consistent Hashing with Bounded Loads"), so a replica's own queue and the gateway's recent
@@ -71,13 +78,21 @@ class PrefixAware:
         self._turn = 0
 
     def set_members(self, urls: frozenset[str]) -> None:
-        """The pool's replicas (ejected ones included, so an ejection moves no other keys)."""
-        if urls != self._ring_members:
-            self._ring = HashRing(urls, self.vnodes)
-            self._ring_members = urls
-            gone = [key for key, home in self._homes.items() if home not in urls]
-            for key in gone:
+        """The pool's replicas (ejected ones included, so an ejection moves no other keys).
+
+        Homes on a replica that left are forgotten; keys whose ring point falls on a
+        replica that joined move to it (one pass over the table, on membership changes only).
+        """
+        if urls == self._ring_members:
+            return
+        joined = urls - self._ring_members
+        self._ring = HashRing(urls, self.vnodes)
+        self._ring_members = urls
+        for key, home in list(self._homes.items()):
+            if home not in urls:
                 del self._homes[key]
+            elif joined and (owner := self._ring.first(key)) in joined:
+                self._homes[key] = owner
 
     def choose(
         self, candidates: Sequence[Replica], request: RouteRequest, view: LoadView
@@ -92,6 +107,8 @@ class PrefixAware:
         if home in by_url and loads[home] + 1 <= load_bound(total, len(loads), self.factor):
             self._homes.move_to_end(key)
             return Decision(by_url[home], "affinity")
+        if home in self._ring_members and home not in by_url:
+            return self._place(key, by_url, loads, view, "overflow")  # home back later
         reason = "placement" if home is None else "overflow"
         decision = self._place(key, by_url, loads, view, reason)
         self._homes[key] = decision.replica.url

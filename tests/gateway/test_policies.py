@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.contracts.load import ReplicaLoad
+from conveyor.gateway.hash_ring import HashRing
 from conveyor.gateway.least_load import LeastLoad, load_score
 from conveyor.gateway.pool import NoCandidate, Registry
 from conveyor.gateway.prefix_aware import PrefixAware, load_bound
@@ -162,9 +163,9 @@ def test_prefix_aware_spreads_conversations_evenly_and_keeps_each_on_one_replica
     assert max(counts) / min(counts) <= 1.5, counts
 
 
-def test_prefix_aware_keeps_conversations_home_when_a_replica_joins() -> None:
-    """A replica joining moves no conversation (its cache stays where it is); the new
-    conversations that follow go to the new replica until it carries its share."""
+def test_a_joining_replica_takes_only_the_conversations_its_ring_arc_owns() -> None:
+    """A replica joining takes the keys whose ring point falls on it (its fair share at
+    once); every other conversation stays where its cache is."""
     pool = replicas(4)
     old, new = pool[:3], pool[3]
     policy = PrefixAware()
@@ -173,18 +174,29 @@ def test_prefix_aware_keeps_conversations_home_when_a_replica_joins() -> None:
     for replica in old:  # the 24 conversations stay open, each on its replica
         replica.in_flight = sum(urls[-1] == replica.url for urls in before.values())
     policy.set_members(frozenset(r.url for r in pool))
+    ring = HashRing([r.url for r in pool], policy.vnodes)
+    moved = 0
     for user, urls in before.items():
         home = next(r for r in old if r.url == urls[-1])
         home.in_flight -= 1  # this turn finished; the user sends the next
-        decision = policy.choose(pool, chat(f"user {user}: a document", 2), VIEW)
+        request = chat(f"user {user}: a document", 2)
+        decision = policy.choose(pool, request, VIEW)
         decision.replica.in_flight += 1
-        assert (decision.replica, decision.reason) == (home, "affinity")
-    placed = []
-    for user in range(24, 30):
-        decision = policy.choose(pool, chat(f"user {user}: a document", 0), VIEW)
-        decision.replica.in_flight += 1
-        placed.append(decision.replica)
-    assert placed == [new] * 6
+        owner = new if ring.first(request.key) == new.url else home
+        assert (decision.replica, decision.reason) == (owner, "affinity")
+        moved += owner is new
+    assert 0 < moved < 12
+
+
+def test_prefix_aware_a_home_out_of_reach_for_now_stays_the_home() -> None:
+    pool = replicas(3)
+    policy = PrefixAware()
+    home = policy.choose(pool, chat("user", 0), VIEW).replica
+    others = [r for r in pool if r is not home]
+    elsewhere = policy.choose(others, chat("user", 1), VIEW)  # home ejected or queue full
+    assert elsewhere.reason == "overflow"
+    back = policy.choose(pool, chat("user", 2), VIEW)
+    assert (back.replica, back.reason) == (home, "affinity")
 
 
 def test_prefix_aware_forgets_the_least_recent_homes_past_its_table() -> None:
