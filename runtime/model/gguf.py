@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from conveyor.runtime.layers.parallel import Shard
+from conveyor.runtime.model.config import ModelConfig
 
 if TYPE_CHECKING:  # transformers is imported where a config or tokenizer is built (slow import)
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -254,10 +255,22 @@ class GGUFModel:
             raise GGUFError(f"{str(self.path)!r} lacks the metadata key {self.architecture}.{key}")
         return value
 
-    def config(self) -> PretrainedConfig:
-        """A transformers config of the model type, from the GGUF's hyper-parameters."""
-        from transformers import AutoConfig
+    def config(self) -> ModelConfig | PretrainedConfig:
+        """The model's config from the GGUF's hyper-parameters: Conveyor's own
+        (``config.py``), or transformers' for a scaled rope."""
+        values = self.config_values()
+        config: ModelConfig | PretrainedConfig | None = ModelConfig.from_values(values)
+        if config is None:
+            from transformers import AutoConfig
 
+            config = AutoConfig.for_model(**values)
+        if _ROPE_FREQS in self.tensors:
+            # Llama 3.x files carry their rope scaling as per-frequency factors, not as metadata.
+            config.rope_freq_factors = self._tensor(self.tensors[_ROPE_FREQS]).tolist()
+        return config
+
+    def config_values(self) -> dict[str, Any]:
+        """The config's keys and values (as a config.json has them) from the metadata."""
         hidden = int(self._required("embedding_length"))
         heads = int(self._required("attention.head_count"))
         kv_heads = int(self.arch_field("attention.head_count_kv", heads))
@@ -267,7 +280,8 @@ class GGUFModel:
             self.arch_field("vocab_size", 0)
             or (embed.shape[1] if embed else len(self.field("tokenizer.ggml.tokens") or []))
         )
-        kwargs: dict[str, Any] = dict(
+        values: dict[str, Any] = dict(
+            model_type=self.model_type,
             hidden_size=hidden,
             intermediate_size=int(self._required("feed_forward_length")),
             num_hidden_layers=int(self._required("block_count")),
@@ -282,17 +296,13 @@ class GGUFModel:
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
             pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
+            dtype="float32",  # dequantized weights: the file's types say nothing
         )
         if self.model_type in ("llama", "mistral"):
-            kwargs["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+            values["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
         if scaling := self._rope_scaling():
-            kwargs["rope_scaling"] = scaling
-        config = AutoConfig.for_model(self.model_type, **kwargs)
-        config.dtype = torch.float32  # dequantized weights: the config's dtype says nothing
-        if _ROPE_FREQS in self.tensors:
-            # Llama 3.x files carry their rope scaling as per-frequency factors, not as metadata.
-            config.rope_freq_factors = self._tensor(self.tensors[_ROPE_FREQS]).tolist()
-        return config
+            values["rope_scaling"] = scaling
+        return values
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self.arch_field("rope.scaling.type")
@@ -417,8 +427,9 @@ class GGUFModel:
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
         try:
-            config = self.config()
-            config.dtype = dtype
+            from transformers import AutoConfig
+
+            config = AutoConfig.for_model(**{**self.config_values(), "dtype": dtype})
             tied = bool(config.tie_word_embeddings)
             tensors = {
                 name: weight.contiguous()
@@ -426,8 +437,6 @@ class GGUFModel:
                 if not (tied and name == "lm_head.weight")
             }
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            if hasattr(config, "rope_freq_factors"):
-                del config.rope_freq_factors  # a GGUF-only attribute; the rope type says it
             config.save_pretrained(tmp)
             self.tokenizer().save_pretrained(tmp)
             os.replace(tmp, dest)

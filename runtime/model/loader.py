@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from torch import nn
 from conveyor.runtime.layers.attention import AttentionBackend
 from conveyor.runtime.layers.parallel import SINGLE, Shard, TensorParallel
 from conveyor.runtime.model.builtin import BUILTIN_MODELS, builtin_model_path
+from conveyor.runtime.model.config import ModelConfig
 from conveyor.runtime.model.gguf import GGUFModel, find_gguf, is_gguf
 from conveyor.runtime.model.llama import LlamaForCausalLM
 
@@ -109,9 +111,14 @@ def resolve_model_path(model: str) -> Path:
 
 
 def load_config(files: ModelFiles):
+    """The model's config: Conveyor's own (``config.py``: no transformers import) where it
+    models the config, transformers' where it does not."""
     with _timed("config"):
         if files.gguf is not None:
             return files.gguf.config()
+        values = json.loads((files.path / "config.json").read_text())
+        if (config := ModelConfig.from_values(values)) is not None:
+            return config
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(files.path)

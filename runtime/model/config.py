@@ -1,0 +1,114 @@
+"""A model's hyper-parameters as the engine reads them, without transformers' config classes.
+
+transformers 5's config classes of the Llama family import ``transformers.activations``, which
+pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, only to hold a
+dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
+read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
+``Qwen2Config`` and ``Qwen3Config`` (tests/engine/test_model_config.py compares every field
+with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
+frequencies transformers' own initialisers compute), rope parameters per layer type -- still
+gets transformers' config: ``from_values`` says None.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10_000.0
+"""transformers' ``RotaryEmbeddingConfigMixin.default_theta``, for a config that names none."""
+
+# model_type -> the class defaults (transformers 5) of the fields below that a config.json may
+# leave out; fields missing here default to the dataclass's own.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "mistral": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen2": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768,
+    ),
+    "qwen3": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+        max_position_embeddings=32768,
+    ),
+}  # fmt: skip
+
+_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral")
+"""Types whose config derives a missing head_dim as hidden_size // num_attention_heads (Qwen2
+has no such field: the decoder derives it the same way; Qwen3's default is 128)."""
+
+
+@dataclass
+class ModelConfig:
+    """The fields of a Llama-family config that Conveyor reads (``llama.DecoderShape``,
+    ``layers/rotary.py``, ``engine/state.py``), under transformers' names."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any]
+    """``{"rope_type": "default", "rope_theta": ...}``: only the plain rope is held here."""
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None
+    """The checkpoint's dtype name (``float32``, ``bfloat16``); None where it says none."""
+    rope_freq_factors: list[float] | None = None
+    """Per-frequency rope factors of a Llama 3.x GGUF (``layers/rotary.py``)."""
+
+    @classmethod
+    def from_values(cls, values: dict[str, Any]) -> ModelConfig | None:
+        """The config of ``values`` (a config.json's, or the same keys from a GGUF); None
+        where transformers' config must be used (see the module docstring)."""
+        model_type = values.get("model_type")
+        if model_type not in _DEFAULTS:
+            return None
+        rope = _plain_rope(values)
+        if rope is None:
+            return None
+        fields = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in values.items() if k in fields and k != "rope_parameters"}
+        if "dtype" not in given and isinstance(values.get("torch_dtype"), str):
+            given["dtype"] = values["torch_dtype"]
+        config = cls(**{**_DEFAULTS[model_type], **given, "rope_parameters": rope})
+        if config.head_dim is None and model_type in _HEAD_DIM_FROM_HIDDEN:
+            config.head_dim = config.hidden_size // config.num_attention_heads
+        if config.num_key_value_heads is None:
+            config.num_key_value_heads = config.num_attention_heads
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a dict (a tensor-parallel rank gets the config this way)."""
+        return dataclasses.asdict(self)
+
+
+def _plain_rope(values: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers' standardised ``rope_parameters`` for a plain rope; None for any other."""
+    # transformers reads a legacy ``rope_scaling`` in preference to ``rope_parameters``.
+    given = values.get("rope_scaling") or values.get("rope_parameters") or {}
+    if not isinstance(given, dict) or any(isinstance(v, dict) for v in given.values()):
+        return None  # per-layer-type parameters
+    rope = dict(given)
+    rope.setdefault("rope_theta", values.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope if rope["rope_type"] == "default" and rope["rope_theta"] is not None else None

@@ -1,0 +1,90 @@
+"""Conveyor's own config reads every value the engine uses as transformers' config would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conveyor.runtime.model.builtin import TINY_CONFIG
+from conveyor.runtime.model.config import ModelConfig
+from conveyor.runtime.model.llama import DecoderShape
+from conveyor.runtime.model.loader import config_dtype
+
+SMALL = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+    vocab_size=320,
+)  # fmt: skip
+
+CONFIGS = [
+    # (model type, config.json's other keys): missing keys take each class's defaults
+    *[(t, {}) for t in ("llama", "mistral", "qwen2", "qwen3")],
+    *[(t, SMALL) for t in ("llama", "mistral", "qwen2", "qwen3")],
+    ("llama", {**TINY_CONFIG}),
+    ("llama", {**SMALL, "num_key_value_heads": 2, "head_dim": None, "rope_theta": 5e5}),
+    ("llama", {**SMALL, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    ("llama", {**SMALL, "eos_token_id": [7, 9], "bos_token_id": None, "dtype": "bfloat16"}),
+    ("llama", {**SMALL, "rope_scaling": {"type": "default"}, "rms_norm_eps": 1e-5}),
+    ("mistral", {**SMALL, "head_dim": 64, "max_position_embeddings": 4096}),
+    ("qwen2", {**SMALL, "head_dim": 64, "rope_parameters": {"rope_theta": 1e6}}),
+    ("qwen3", {**SMALL, "num_key_value_heads": 1, "torch_dtype": "float16"}),
+]
+
+READ = (
+    "model_type", "hidden_size", "num_layers", "total_num_heads", "total_num_kv_heads",
+    "head_dim", "total_intermediate_size", "vocab_size", "rms_norm_eps", "max_position",
+    "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings", "rope_scaling",
+)  # fmt: skip
+"""What ``DecoderShape`` takes from a config."""
+
+
+def transformers_config(model_type: str, values: dict):
+    from transformers import AutoConfig
+
+    values = {k: v for k, v in values.items() if k != "model_type"}
+    return AutoConfig.for_model(model_type, **values)
+
+
+@pytest.mark.parametrize(("model_type", "values"), CONFIGS)
+def test_the_engine_reads_what_transformers_config_says(model_type, values):
+    ours = ModelConfig.from_values({**values, "model_type": model_type})
+    theirs = transformers_config(model_type, values)
+    assert ours is not None
+    want, got = DecoderShape(theirs), DecoderShape(ours)
+    for name in READ:
+        assert getattr(got, name) == getattr(want, name), name
+    assert torch.equal(got.inv_freq, want.inv_freq)
+    assert ours.eos_token_id == theirs.eos_token_id
+    assert config_dtype(ours) == config_dtype(theirs)
+    assert DecoderShape(ModelConfig(**ours.to_dict())).head_dim == want.head_dim
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"model_type": "gemma"},
+        {"model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+        {"model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+        {"model_type": "qwen2", "rope_parameters": {"full_attention": {"rope_theta": 1e4}}},
+    ],
+)
+def test_what_it_does_not_model_is_left_to_transformers(values):
+    assert ModelConfig.from_values(values) is None
+
+
+def test_reading_a_config_imports_no_transformers(tmp_path):
+    """The import this module exists to avoid (torch.distributed.tensor, sympy: seconds)."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from conveyor.runtime.model.loader import ModelFiles, load_config\n"
+        f"config = load_config(ModelFiles(Path({str(tmp_path)!r})))\n"
+        "assert type(config).__name__ == 'ModelConfig', type(config)\n"
+        "loaded = [m for m in ('transformers', 'sympy') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
