@@ -128,9 +128,38 @@ def load_tokenizer(files: ModelFiles):
     with _timed("tokenizer"):
         if files.gguf is not None:
             return files.gguf.tokenizer()
+        if _declares_tokenizers_backend(files.path):
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(files.path)
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(files.path)
+
+
+AUTO_TOKENIZER_KEEPS_BACKEND = ("llama", "mistral", "qwen3")
+"""Model types for which ``AutoTokenizer`` loads a tokenizer_config.json's
+``TokenizersBackend`` as that class (transformers 5; for Qwen2 it substitutes
+``Qwen2Tokenizer``). tests/engine/test_tokenizer_loading.py checks this against
+transformers' own tables, which cost most of a second to import."""
+
+
+def _declares_tokenizers_backend(path: Path) -> bool:
+    """Whether ``AutoTokenizer`` would load ``path``'s tokenizer as the plain
+    ``TokenizersBackend`` it names (as conveyor-tiny does) with no code of its own. Loading
+    it directly skips ``AutoTokenizer``'s reading of the model's config with transformers'
+    config classes (torch.distributed.tensor and sympy: 2-3 s of a start)."""
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text())
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return (
+        declared.get("tokenizer_class") == "TokenizersBackend"
+        and "auto_map" not in declared
+        and model_type in AUTO_TOKENIZER_KEEPS_BACKEND
+        and (path / "tokenizer.json").is_file()
+    )
 
 
 def config_dtype(config) -> torch.dtype:
