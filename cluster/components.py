@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +19,17 @@ from conveyor.cluster.cgroups import ClusterCgroup
 from conveyor.cluster.process import ManagedProcess, ProcessRecord, component_env
 
 
+@dataclass
 class Components:
     """The cluster's processes by component name (in the order they started)."""
 
-    def __init__(
-        self,
-        logs_dir: Path,
-        cgroup: ClusterCgroup,
-        *,
-        timeout_s: float,
-        on_start: Callable[[ProcessRecord], None],
-    ) -> None:
-        self.logs_dir = logs_dir
-        self.cgroup = cgroup
-        self.timeout_s = timeout_s
-        """How long ``wait`` waits for a component to serve."""
-        self.on_start = on_start
-        """Called with each process's record once it runs (the cluster writes its state)."""
-        self.processes: dict[str, ManagedProcess] = {}
+    logs_dir: Path
+    cgroup: ClusterCgroup
+    timeout_s: float
+    """How long ``wait`` waits for a component to serve."""
+    on_start: Callable[[ProcessRecord], None]
+    """Called with each process's record once it runs (the cluster writes its state)."""
+    processes: dict[str, ManagedProcess] = field(default_factory=dict)
 
     def log_path(self, name: str) -> Path:
         """The component's log file (appended to at each start)."""
