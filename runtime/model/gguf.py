@@ -4,8 +4,8 @@ A GGUF (llama.cpp's format) carries everything a Hugging Face directory does: hy
 and the tokenizer as metadata, tensors in one of ggml's quantized or float types. ``GGUFModel``
 opens a file once with the ``gguf`` package (memory-mapped), checks at open that Conveyor can run
 it (architecture, tensor types, a file that is not cut short), and hands the loader what it
-needs in Hugging Face terms: a transformers config, a fast tokenizer, and tensors under Hugging
-Face names, dequantized into the engine's dtype. transformers' own GGUF path is not used: it
+needs in Hugging Face terms: a config (``config.py``), a fast tokenizer (``gguf_tokenizer.py``),
+and tensors under Hugging Face names, dequantized into the engine's dtype. transformers' own GGUF path is not used: it
 needs accelerate and goes through a full model of its own.
 
 llama.cpp stores the q and k projections of the ``llama`` architecture permuted for its
@@ -39,28 +39,6 @@ TENSOR_TYPES = (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
 )  # fmt: skip
-
-# tokenizer.ggml.pre -> the split applied before byte-level BPE (llama.cpp's pre-tokenizers).
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
-    # each a list of splits, applied in order (every piece of one is split by the next)
-    "default": (_GPT2_SPLIT,),
-    "gpt-2": (_GPT2_SPLIT,),
-    "smollm": (r"\p{N}", _GPT2_SPLIT),  # digits one by one, then GPT-2's split
-    "llama-bpe": (_LLAMA3_SPLIT,),
-    "llama3": (_LLAMA3_SPLIT,),
-    "smaug-bpe": (_LLAMA3_SPLIT,),
-    "qwen2": (_QWEN2_SPLIT,),
-    "deepseek-r1-qwen": (_QWEN2_SPLIT,),
-}
 
 # GGUF tensor name (after ``blk.N.``) -> Hugging Face name (after ``model.layers.N.``).
 _LAYER_TENSORS = {
@@ -325,65 +303,9 @@ class GGUFModel:
 
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """A fast tokenizer built from the GGUF's vocabulary, merges, special ids and template."""
-        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-        from tokenizers.processors import TemplateProcessing
-        from transformers import PreTrainedTokenizerFast
+        from conveyor.runtime.model.gguf_tokenizer import build_tokenizer
 
-        kind = self.field("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise GGUFError(
-                f"{str(self.path)!r} has a {kind!r} tokenizer; Conveyor builds byte-level BPE "
-                "('gpt2') tokenizers from GGUF metadata: pass --tokenizer DIR with the model's "
-                "Hugging Face tokenizer files"
-            )
-        pre = self.field("tokenizer.ggml.pre") or "default"
-        if pre not in PRE_TOKENIZERS:
-            raise GGUFError(
-                f"{str(self.path)!r} splits text with the {pre!r} pre-tokenizer; Conveyor knows "
-                f"{', '.join(sorted(PRE_TOKENIZERS))}: pass --tokenizer DIR with the model's "
-                "Hugging Face tokenizer files"
-            )
-        tokens: list[str] = self.field("tokenizer.ggml.tokens")
-        merges = [tuple(m.split(" ", 1)) for m in self.field("tokenizer.ggml.merges") or []]
-        types = self.field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        vocab = {token: i for i, token in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        splits = [
-            pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-            for pattern in PRE_TOKENIZERS[pre]
-        ]
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
-        tok.decoder = decoders.ByteLevel()
-        # 3 = control (<|im_end|>): special, never split; 4 = user-defined: whole, not special.
-        kinds = list(zip(tokens, types, strict=True))
-        tok.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in kinds if k == 3]
-        )
-        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in kinds if k == 4])
-
-        def token(key: str) -> str | None:
-            index = self.field(f"tokenizer.ggml.{key}_token_id")
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-        bos = token("bos")
-        if self.field("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            tok.post_processor = TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-            )
-        fast = PreTrainedTokenizerFast(
-            tokenizer_object=tok,
-            bos_token=bos,
-            eos_token=token("eos"),
-            unk_token=token("unknown"),
-            pad_token=token("padding"),
-            model_max_length=int(self.arch_field("context_length", 4096)),
-            clean_up_tokenization_spaces=False,
-        )
-        if template := self.field("tokenizer.chat_template"):
-            fast.chat_template = template
-        return fast
+        return build_tokenizer(self)
 
     # -- weights -----------------------------------------------------------------------
 
