@@ -24,10 +24,10 @@ one it has not, to the worker with the least cached), with a hash ring instead o
 tree per replica, so new keys still prefer the same replica in every gateway.
 
 A replica that joins takes over the keys whose ring point now falls on it, as in plain
-consistent hashing: about 1/n of the conversations move (each misses its prefix once) and
-the new replica carries its share at once, where keeping every home would leave it idle
-while the others, whose caches are full if capacity was added, keep evicting. Every other
-key keeps its home and its cache.
+consistent hashing: about 1/n of the conversations move, once the new replica is admitted
+(each misses its prefix once, ``rebalance``), and the new replica carries its share at
+once, where keeping every home would leave it idle while the others, whose caches are full
+if capacity was added, keep evicting. Every other key keeps its home and its cache.
 
 Load is the outstanding-request estimate that least-load also uses (Mirrokni et al.,
 "Consistent Hashing with Bounded Loads"), so a replica's own queue and the gateway's recent
@@ -73,26 +73,30 @@ class PrefixAware:
         self.max_homes = max_homes
         self._ring = HashRing((), vnodes)
         self._ring_members: frozenset[str] = frozenset()
-        self._homes: OrderedDict[int, str] = OrderedDict()
-        """Routing key -> the replica its prefix was last sent to, least recently used first."""
+        self._homes: OrderedDict[int, tuple[str, int]] = OrderedDict()
+        """Routing key -> (the replica its prefix was last sent to, the membership generation
+        then), least recently used first."""
+        self._generation = 0
+        """Counts membership changes that added a replica."""
+        self._joined_at: dict[str, int] = {}
+        """Member -> the generation it joined in."""
         self._turn = 0
 
     def set_members(self, urls: frozenset[str]) -> None:
         """The pool's replicas (ejected ones included, so an ejection moves no other keys).
 
-        Homes on a replica that left are forgotten; keys whose ring point falls on a
-        replica that joined move to it (one pass over the table, on membership changes only).
+        A key whose home left is placed again on its next request; one whose ring point
+        falls on a replica that joined after the key was homed moves to it (``choose``).
         """
         if urls == self._ring_members:
             return
-        joined = urls - self._ring_members
+        self._generation += 1
+        for url in urls - self._ring_members:
+            self._joined_at[url] = self._generation
+        for url in self._ring_members - urls:
+            del self._joined_at[url]
         self._ring = HashRing(urls, self.vnodes)
         self._ring_members = urls
-        for key, home in list(self._homes.items()):
-            if home not in urls:
-                del self._homes[key]
-            elif joined and (owner := self._ring.first(key)) in joined:
-                self._homes[key] = owner
 
     def choose(
         self, candidates: Sequence[Replica], request: RouteRequest, view: LoadView
@@ -101,21 +105,32 @@ class PrefixAware:
         if not by_url.keys() <= self._ring_members:
             self.set_members(self._ring_members | by_url.keys())
         loads = {url: view.outstanding(replica) for url, replica in by_url.items()}
-        total = sum(loads.values())
         key = request.key
-        home = self._homes.get(key)
-        if home in by_url and loads[home] + 1 <= load_bound(total, len(loads), self.factor):
-            self._homes.move_to_end(key)
-            return Decision(by_url[home], "affinity")
+        home, since = self._homes.get(key, (None, 0))
+        reason = "affinity"
+        if home is not None:
+            owner = self._ring.first(key)
+            if owner in by_url and owner != home and self._joined_at.get(owner, 0) > since:
+                home, reason = owner, "rebalance"  # joined after the key was homed: its arc
+        bound = load_bound(sum(loads.values()), len(loads), self.factor)
+        if home in by_url and loads[home] + 1 <= bound:
+            # the generation moves on only with the home: a key that stayed on its old
+            # home while a joined replica was not yet admitted still moves to it later
+            self._remember(key, home, since if reason == "affinity" else self._generation)
+            return Decision(by_url[home], reason)
         if home in self._ring_members and home not in by_url:
             return self._place(key, by_url, loads, view, "overflow")  # home back later
-        reason = "placement" if home is None else "overflow"
-        decision = self._place(key, by_url, loads, view, reason)
-        self._homes[key] = decision.replica.url
+        decision = self._place(
+            key, by_url, loads, view, "placement" if home is None else "overflow"
+        )
+        self._remember(key, decision.replica.url, self._generation)
+        return decision
+
+    def _remember(self, key: int, home: str, since: int) -> None:
+        self._homes[key] = (home, since)
         self._homes.move_to_end(key)
         if len(self._homes) > self.max_homes:
             self._homes.popitem(last=False)
-        return decision
 
     def _place(
         self,

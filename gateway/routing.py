@@ -35,7 +35,8 @@ class Decision:
     replica: Replica
     reason: str
     """Why this replica: ``round_robin``, ``least_load``, or for prefix-aware ``affinity`` (the
-    prefix's home), ``placement`` (a new prefix) or ``overflow`` (its home was overloaded)."""
+    prefix's home), ``placement`` (a new prefix), ``overflow`` (its home was overloaded or out
+    of reach) or ``rebalance`` (a replica that joined took over its ring arc)."""
 
 
 class RoutingPolicy(Protocol):

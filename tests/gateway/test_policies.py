@@ -165,7 +165,8 @@ def test_prefix_aware_spreads_conversations_evenly_and_keeps_each_on_one_replica
 
 def test_a_joining_replica_takes_only_the_conversations_its_ring_arc_owns() -> None:
     """A replica joining takes the keys whose ring point falls on it (its fair share at
-    once); every other conversation stays where its cache is."""
+    once), once it is admitted, and only once; every other conversation stays where its
+    cache is."""
     pool = replicas(4)
     old, new = pool[:3], pool[3]
     policy = PrefixAware()
@@ -176,15 +177,21 @@ def test_a_joining_replica_takes_only_the_conversations_its_ring_arc_owns() -> N
     policy.set_members(frozenset(r.url for r in pool))
     ring = HashRing([r.url for r in pool], policy.vnodes)
     moved = 0
-    for user, urls in before.items():
-        home = next(r for r in old if r.url == urls[-1])
-        home.in_flight -= 1  # this turn finished; the user sends the next
-        request = chat(f"user {user}: a document", 2)
-        decision = policy.choose(pool, request, VIEW)
-        decision.replica.in_flight += 1
-        owner = new if ring.first(request.key) == new.url else home
-        assert (decision.replica, decision.reason) == (owner, "affinity")
-        moved += owner is new
+    for turn, candidates in ((2, old), (3, pool), (4, pool)):  # the new one not admitted yet
+        for user, urls in before.items():
+            home = next(r for r in old if r.url == urls[-1])
+            request = chat(f"user {user}: a document", turn)
+            owner = new if ring.first(request.key) == new.url and candidates is pool else home
+            was = new if owner is new and turn == 4 else home
+            was.in_flight -= 1  # this turn finished; the user sends the next
+            decision = policy.choose(candidates, request, VIEW)
+            decision.replica.in_flight += 1
+            moving = owner is new and turn == 3
+            assert (decision.replica, decision.reason) == (
+                owner,
+                "rebalance" if moving else "affinity",
+            )
+            moved += moving
     assert 0 < moved < 12
 
 
