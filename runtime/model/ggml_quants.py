@@ -31,24 +31,26 @@ def dequantize(data: np.ndarray, qtype, shape: tuple[int, ...]) -> torch.Tensor:
     # A copy: the data is a view of a read-only memory map, which torch will not wrap.
     raw = torch.from_numpy(np.array(data)).view(torch.uint8).flatten()
     if name == "F32":
-        return raw.view(torch.float32).view(shape).clone()
+        return raw.view(torch.float32).view(shape)  # the copy above is the tensor's own
     if name == "F16":
         return raw.view(torch.float16).float().view(shape)
     if name == "BF16":
         return raw.view(torch.bfloat16).float().view(shape)
+    # Below, each result is written into one new float32 tensor (in-place multiply and add,
+    # the same operations in the same order as ``q * d + m``: the same bits, fewer passes).
     if name == "Q8_0":
         blocks = raw.view(-1, 34)  # (n_blocks, 2 + 32)
-        scale = _half(blocks[:, 0:2])  # (n_blocks, 1)
         q = blocks[:, 2:].contiguous().view(torch.int8).float()  # (n_blocks, 32)
-        return (q * scale).view(shape)
+        return q.mul_(_half(blocks[:, 0:2])).view(shape)
     size = 18 if name == "Q4_0" else 20
     blocks = raw.view(-1, size)
-    scale = _half(blocks[:, 0:2])
     nibbles = blocks[:, size - 16 :]  # (n_blocks, 16)
-    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=1).float()  # (n_blocks, 32)
+    q = torch.empty(blocks.shape[0], 32, dtype=torch.float32)  # (n_blocks, 32)
+    q[:, :16] = nibbles & 0x0F
+    q[:, 16:] = nibbles >> 4
     if name == "Q4_0":
-        return ((q - 8.0) * scale).view(shape)
-    return (q * scale + _half(blocks[:, 2:4])).view(shape)
+        return q.sub_(8.0).mul_(_half(blocks[:, 0:2])).view(shape)
+    return q.mul_(_half(blocks[:, 0:2])).add_(_half(blocks[:, 2:4])).view(shape)
 
 
 def _half(two_bytes: torch.Tensor) -> torch.Tensor:
