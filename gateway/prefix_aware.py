@@ -6,7 +6,8 @@ turn repeats). The policy remembers where each key last went, its *home*, in a b
 table (least recently used first out), and:
 
 - a key with a home goes there while the home's load stays within ``bounded_load_factor``
-  times the mean (``affinity``): every turn of a conversation meets its cached prefix;
+  times the mean, or the home has a free slot in its running batch and an empty queue
+  (``affinity``): every turn of a conversation meets its cached prefix;
 - a new key, or one whose home is over that bound or gone, is *placed*: its hash picks a
   point on a ring of replicas and it goes to the first replica clockwise whose load is at
   most the mean (``placement`` for a new key, ``overflow`` for a moved one), and that
@@ -56,6 +57,19 @@ hold, so a key forgotten here has long left every replica's cache too."""
 def load_bound(total: float, members: int, factor: float) -> float:
     """Most requests one replica may hold once the new one is placed: ceil(c * (total + 1) / n)."""
     return math.ceil(factor * (total + 1) / members)
+
+
+def has_free_slot(replica: Replica, load: float, view: LoadView) -> bool:
+    """The replica said it queues nothing and has room in its running batch for one more:
+    it starts the request at once, so moving it would trade a prefix miss for nothing (at
+    low load the bound is a request or two, and a report 200 ms old trips it)."""
+    report = replica.load
+    return (
+        report is not None
+        and view.known(replica)
+        and report.waiting == 0
+        and load + 1 <= report.max_running_requests
+    )
 
 
 class PrefixAware:
@@ -113,7 +127,9 @@ class PrefixAware:
             if owner in by_url and owner != home and self._joined_at.get(owner, 0) > since:
                 home, reason = owner, "rebalance"  # joined after the key was homed: its arc
         bound = load_bound(sum(loads.values()), len(loads), self.factor)
-        if home in by_url and loads[home] + 1 <= bound:
+        if home in by_url and (
+            loads[home] + 1 <= bound or has_free_slot(by_url[home], loads[home], view)
+        ):
             # the generation moves on only with the home: a key that stayed on its old
             # home while a joined replica was not yet admitted still moves to it later
             self._remember(key, home, since if reason == "affinity" else self._generation)

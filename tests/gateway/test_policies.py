@@ -217,6 +217,22 @@ def test_prefix_aware_forgets_the_least_recent_homes_past_its_table() -> None:
     assert policy.choose(pool, chat("user 3", 1), VIEW).reason == "placement"
 
 
+def test_prefix_aware_keeps_a_home_with_a_free_batch_slot_over_the_bound() -> None:
+    """At low load the bound is a request or two: a home that runs the request at once
+    keeps it; one that queues does not."""
+    pool = replicas(4)
+    for r in pool:
+        r.load, r.load_time = report(), VIEW.now
+    policy = PrefixAware()
+    home = policy.choose(pool, chat("user", 0), VIEW).replica
+    home.load = report(running=3)  # 4 over 3 replicas idle: the bound is 2
+    assert policy.choose(pool, chat("user", 1), VIEW).replica is home
+    home.load = report(running=3, waiting=1)
+    decision = policy.choose(pool, chat("user", 2), VIEW)
+    assert decision.replica is not home
+    assert decision.reason == "overflow"
+
+
 def test_prefix_aware_counts_the_replicas_own_queue() -> None:
     """The replica the key maps to is already busy through other gateways: overflow."""
     pool = replicas(2)
