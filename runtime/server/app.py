@@ -106,12 +106,16 @@ STARTUP_STEPS = (
 """(key in the timings, what the start-up line calls it), in the order they happen."""
 
 
-def startup_line(total: float | None, timings: dict[str, float]) -> str:
-    """``ready in 9.1 s: process start (...) 2.0 s, engine imports (torch) 3.1 s, ...``"""
+def startup_line(total: float | None, timings: dict[str, float], cpu: float | None = None) -> str:
+    """``ready in 9.1 s (CPU 7.9 s): process start (...) 2.0 s, engine imports (torch) 3.1 s,
+    ...``. The process's CPU seconds (all threads) beside the wall seconds tell a start slowed
+    by a busy node or a CPU limit (wall far above CPU) from one that did more work."""
     steps = ", ".join(
         f"{label} {timings[key]:.1f} s" for key, label in STARTUP_STEPS if key in timings
     )
     head = f"ready in {total:.1f} s" if total is not None else "ready"
+    if cpu is not None:
+        head += f" (CPU {cpu:.1f} s)"
     return f"{head}: {steps}" if steps else head
 
 
@@ -121,7 +125,7 @@ async def log_ready(client: EngineClient, timings: dict[str, float]) -> None:
         await client.wait_loaded()
     except EngineDeadError:
         return
-    logger.info("%s", startup_line(process_age(), timings))
+    logger.info("%s", startup_line(process_age(), timings, time.process_time()))
 
 
 def build_app(

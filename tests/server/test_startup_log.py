@@ -8,13 +8,14 @@ import re
 from conveyor.bench.procs import ChildProcess
 from conveyor.runtime.server.app import STARTUP_STEPS, startup_line
 
-LINE = re.compile(r"ready in (\d+\.\d) s: (.*)")
+LINE = re.compile(r"ready in (\d+\.\d) s \(CPU (\d+\.\d) s\): (.*)")
 
 
 def test_a_real_server_logs_where_its_start_up_went(server: ChildProcess) -> None:
     lines = [m for line in server.logs().splitlines() if (m := LINE.search(line))]
     assert len(lines) == 1, server.logs()
-    total, steps = float(lines[0][1]), lines[0][2].split(", ")
+    total, cpu, steps = float(lines[0][1]), float(lines[0][2]), lines[0][3].split(", ")
+    assert cpu > 0
     seconds = {}
     for step in steps:
         label, value, unit = step.rsplit(" ", 2)
@@ -30,3 +31,6 @@ def test_the_line_names_only_the_steps_measured() -> None:
     line = startup_line(3.04, {"engine imports": 1.0, "weights": 0.5})
     assert line == "ready in 3.0 s: engine imports (torch) 1.0 s, weights 0.5 s"
     assert startup_line(None, {}) == "ready"
+    assert startup_line(3.04, {"weights": 0.5}, cpu=2.26) == (
+        "ready in 3.0 s (CPU 2.3 s): weights 0.5 s"
+    )
