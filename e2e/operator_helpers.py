@@ -308,3 +308,32 @@ def children(
             item.setdefault("kind", path.rsplit("/", 1)[1])
             found.append(item)
     return found
+
+
+def scale_events(kube: KubeUnderTest, namespace: str, name: str) -> list[tuple[str, str]]:
+    """(reason, message) of the autoscaler's Events on the LLMService."""
+    items = kube.api.get(
+        f"/api/v1/namespaces/{namespace}/events",
+        fieldSelector=f"involvedObject.name={name},involvedObject.kind=LLMService",
+    )["items"]
+    return [
+        (e["reason"], e.get("message", ""))
+        for e in items
+        if e["reason"] in ("ScaledUp", "ScaledDown")
+    ]
+
+
+def decisions(operator: OperatorProcess, name: str, direction: str) -> float:
+    """``conveyor_autoscaler_decisions_total`` of one LLMService and direction, all reasons."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(operator._get("/metrics")):
+        for sample in family.samples:
+            if (
+                sample.name == "conveyor_autoscaler_decisions_total"
+                and sample.labels.get("llmservice") == name
+                and sample.labels.get("direction") == direction
+            ):
+                total += sample.value
+    return total

@@ -12,24 +12,26 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+import traffic
 from operator_helpers import (
     LLMSERVICES,
     OperatorIdentity,
     OperatorProcess,
     apply_yaml,
+    decisions,
     install_crd,
     llmservice,
     llmservice_status,
     operators,
     pods_run,
+    scale_events,
     wait_for,
 )
+from traffic import Load
 
 from conveyor.cluster.testing import KubeUnderTest
 
@@ -126,80 +128,8 @@ def client_for(kube: KubeUnderTest, namespace: str, name: str, timeout_s: float 
     )
 
 
-def scale_events(kube: KubeUnderTest, namespace: str, name: str) -> list[tuple[str, str]]:
-    """(reason, message) of the autoscaler's Events on the LLMService."""
-    items = kube.api.get(
-        f"/api/v1/namespaces/{namespace}/events",
-        fieldSelector=f"involvedObject.name={name},involvedObject.kind=LLMService",
-    )["items"]
-    return [
-        (e["reason"], e.get("message", ""))
-        for e in items
-        if e["reason"] in ("ScaledUp", "ScaledDown")
-    ]
-
-
-def decisions(operator: OperatorProcess, name: str, direction: str) -> float:
-    """``conveyor_autoscaler_decisions_total`` of one LLMService and direction, all reasons."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for family in text_string_to_metric_families(operator._get("/metrics")):
-        for sample in family.samples:
-            if (
-                sample.name == "conveyor_autoscaler_decisions_total"
-                and sample.labels.get("llmservice") == name
-                and sample.labels.get("direction") == direction
-            ):
-                total += sample.value
-    return total
-
-
-@dataclass
-class Load:
-    """``CONCURRENCY`` clients sending completions back to back until stopped."""
-
-    client: Any
-    model: str
-    stop: threading.Event = field(default_factory=threading.Event)
-    answered: int = 0
-    failures: list[str] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def worker(self, i: int) -> None:
-        while not self.stop.is_set():
-            try:
-                if i % 2:
-                    out = self.client.completions.create(
-                        model=self.model, prompt=f"request {i}", max_tokens=24
-                    )
-                    ok = bool(out.choices)
-                else:
-                    stream = self.client.chat.completions.create(
-                        model=self.model, messages=[{"role": "user", "content": f"hi {i}"}],
-                        max_tokens=24, stream=True,
-                    )  # fmt: skip
-                    ok = any(c.choices for c in stream)
-            except Exception as exc:  # every failure is recorded and fails the test
-                with self.lock:
-                    self.failures.append(f"{type(exc).__name__}: {exc}")
-                continue
-            with self.lock:
-                self.answered += 1
-                if not ok:
-                    self.failures.append("an answer without choices")
-
-
 def run_load(load: Load, until: Callable[[], Any], what: str) -> Any:
-    """Drive ``load`` until ``until()`` is truthy (deadline ``DEADLINE_S``); its last value."""
-    with ThreadPoolExecutor(CONCURRENCY) as pool:
-        futures = [pool.submit(load.worker, i) for i in range(CONCURRENCY)]
-        try:
-            return wait_for(what, until, timeout_s=DEADLINE_S, interval_s=0.5)
-        finally:
-            load.stop.set()
-            for future in futures:
-                future.result()
+    return traffic.run_load(load, until, what, clients=CONCURRENCY, deadline_s=DEADLINE_S)
 
 
 def test_load_scales_up_then_down_without_a_failed_request(
