@@ -34,7 +34,7 @@ class BenchSettings:
     document_chars: int = 800
     """Private document each user sends in the first message; the shared part of a first
     request stays under a quarter of it, as the routers' cache_aware sends every request
-    whose text matches a worker's tree over 30% (their default) to that worker."""
+    whose text matches a worker's tree over 30 per cent (their default) to that worker."""
     turn_chars: int = 40
     """Each later question; the canned assistant answer is as long."""
     max_tokens: int = 8
