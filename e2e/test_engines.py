@@ -16,6 +16,7 @@ vLLM for CPU is not installed or pods do not really run here.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import threading
@@ -406,19 +407,37 @@ def test_every_llmservice_dashboard_panel_shows_the_vllm_llmservice(
             lambda: panel_check.scraped_after(api, vllm_service["namespace"], moment, at_least=2),
             timeout_s=60,
         )
-        result = panel_check.check_dashboard(
-            "llmservice-overview.json",
-            api,
-            vllm_service["start"],
-            time.time(),
-            scrape_interval_s=SCRAPE_S,
-            allowed=ALLOWED_EMPTY,
-        )
+        # The panels are read over the module's range, ending now, until every one draws (60 s
+        # at most): a rate shows only at a step of the range's grid whose window holds two
+        # scrapes of the trickle, and under load the scrapes come every 2 s or more (1 s asked),
+        # so the first grid after the traffic began can still miss it.
+        checks: list[panel_check.DashboardCheck] = []
+
+        def every_panel_draws() -> bool:
+            checks.append(
+                panel_check.check_dashboard(
+                    "llmservice-overview.json",
+                    api,
+                    vllm_service["start"],
+                    time.time(),
+                    scrape_interval_s=SCRAPE_S,
+                    allowed=ALLOWED_EMPTY,
+                )
+            )
+            return not checks[-1].failures
+
+        with contextlib.suppress(TimeoutError):  # the last check's failures are asserted below
+            wait_for(
+                "every panel to draw the vLLM service", every_panel_draws, timeout_s=60,
+                interval_s=1,
+            )  # fmt: skip
+        assert checks, "Prometheus never answered the dashboard's queries"
+        result = checks[-1]
     finally:
         stop.set()
         sender.join(timeout=60)
     assert not failures, f"requests through the gateway answered {failures}"
-    print(f"\n[e2e] {result.figures()}", file=sys.stderr)
+    print(f"\n[e2e] {result.figures()}, {len(checks)} reading(s)", file=sys.stderr)
     if result.failures:  # how often each target was really scraped: gaps explain empty rates
         gaps = api.query(
             f'max_over_time(scrape_duration_seconds{{namespace="{vllm_service["namespace"]}"}}[5m])'
