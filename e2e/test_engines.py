@@ -72,12 +72,13 @@ one take over ten minutes."""
 READY_S = 600
 OPERATOR_FLAGS = (
     "--autoscale-interval", "1", "--gateway-hold-timeout", str(READY_S),
-    "--lease-duration", "15", "--lease-renew-interval", "5", "--lease-retry-interval", "2",
+    "--lease-duration", "60", "--lease-renew-interval", "10", "--lease-retry-interval", "2",
 )  # fmt: skip
 """Decide every second; the gateway holds a request while a vLLM replica starts from zero
-(a minute or more here); the Lease timings are the operator's defaults, not the e2e helpers'
-short ones (made for fast takeover tests): with vLLM replicas busy on both cores, a renewal
-could take longer than the short deadline, and the operator stepped down mid-module."""
+(a minute or more here). A long Lease, not the e2e helpers' short one (made for fast takeover
+tests): with two vLLM replicas busy on both cores the apiserver once left a renewal unanswered
+for over 10 s (the default deadline), the operator stepped down as it should, and nothing
+here restarts it as a Deployment would."""
 AUTOSCALING = {
     "enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetQueueDepthPerReplica": 2,
     "scaleDownStabilizationSeconds": 10,
