@@ -36,11 +36,13 @@ class Load:
                     )  # fmt: skip
                     ok = bool(out.choices)
                 else:
-                    stream = self.client.chat.completions.create(
+                    # closed on the way out: a stream left half read keeps its socket open
+                    # until the garbage collector warns about it (warnings fail the tests)
+                    with self.client.chat.completions.create(
                         model=self.model, messages=[{"role": "user", "content": f"hi {i}"}],
                         max_tokens=self.max_tokens, stream=True,
-                    )  # fmt: skip
-                    ok = any(c.choices for c in stream)
+                    ) as stream:  # fmt: skip
+                        ok = any(c.choices for c in stream)
             except Exception as exc:  # every failure is recorded and fails the test
                 with self.lock:
                     self.failures.append(f"{type(exc).__name__}: {exc}")
