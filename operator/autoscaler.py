@@ -16,8 +16,9 @@ on the ready ones while they start is not read again as demand for more. Within 
 current count is no change (the HPA's tolerance), and the count is rounded up only past
 10% of a replica, on the way up and down alike. Both the demand window and the panic window
 must call for more, and something must be running, waiting or held, for a scale-up; the
-lower of the two sizes a scale-down (the panic window forgets a load that is gone, the
-demand window damps the panic window's noise), and an idle service calls for none.
+demand window sizes a scale-down, or the panic window once it reads below the demand window's
+by the panic threshold (it forgets a load that is gone within seconds; its noise around the
+same load does not remove a replica), and an idle service calls for none.
 
 A short panic window (KPA's) reacts to a burst: when the backlog grows and the demand of
 the last seconds exceeds what ready and starting replicas will carry, the count that demand
@@ -161,13 +162,16 @@ def sized(
         history.breaches.clear()  # one replica per half window, should this one not come
         history.breach_count = (current, obs.time)
     guard_down, _ = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
-    # Down follows the lower of the two windows (a drop shows in the panic window within
-    # seconds, while the demand window remembers the load for a minute), and idle (nothing
-    # running, waiting or held) calls for none; the stabilization window is what keeps these
-    # from flapping.
+    # Down follows the demand window, or the panic window once it shows the load has dropped
+    # (below the demand window's by the panic threshold: a drop shows there within seconds,
+    # while the demand window remembers the load for a minute; its noise around the same load
+    # does not count, else a replica still starting is removed and asked for again a tick
+    # later). Idle (nothing running, waiting or held) calls for none; the stabilization window
+    # is what keeps these from flapping.
+    dropped = need_panic * PANIC_THRESHOLD < need
     down = 0
     if obs.busy:
-        down = max(math.ceil(level / (1 + TOLERANCE)), guard_down, 1)
+        down = max(math.ceil((need_panic if dropped else need) / (1 + TOLERANCE)), guard_down, 1)
     if history.guard_floor is not None:
         floor, at = history.guard_floor
         if demand < at * (1 - TOLERANCE):
