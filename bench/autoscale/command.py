@@ -11,7 +11,9 @@ applies one LLMService on the built-in model (replicas limited to ``--replica-cp
    second backend), and until the client-side TTFT p95 is back under target;
 3. constant load for ``--minutes``: direction changes of spec.replicas (target: none);
 4. wake from zero: minReplicas 0, wait until scaled to zero, then one streamed request:
-   arrival to first token;
+   arrival to first token, and when the operator's decision, the pod's scheduling, its
+   container's start and its readiness were first seen (bench/autoscale/wake.py), with the
+   runtime's own start-up line (imports, model load, KV cache);
 5. replicas, queue depth per replica and TTFT p95 over time as a PNG (``--png``).
 
 Progress goes to stderr as it runs (each phase, and every ``--progress-every`` seconds of load:
@@ -51,6 +53,9 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--keep", "keep", "keep the namespace afterwards, for a look with kubectl"),
     ("--progress-every", "progress_every_s",
      "seconds between progress lines on stderr while load runs"),
+    ("--wake-only", "wake_only",
+     "skip the capacity, step and constant-load phases: measure only the wake from zero "
+     "(where its seconds go: decision, scheduling, container start, runtime start-up)"),
 )  # fmt: skip
 """Each option: its flag, the settings field it sets, its help text."""
 

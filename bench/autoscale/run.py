@@ -14,11 +14,11 @@ from conveyor.bench.autoscale.load import (
     Progress,
     Recorder,
     closed_loop,
-    one_request,
     open_loop,
     watch,
 )
 from conveyor.bench.autoscale.settings import BenchSettings
+from conveyor.bench.autoscale.wake import spans, wake_timeline
 
 
 def direction_changes(replicas: list[int]) -> int:
@@ -80,7 +80,33 @@ async def bench(env: Env, s: BenchSettings, progress: Progress) -> dict[str, Any
     base = f"http://{status['endpoint']['clusterIP']}:8080/v1"
     client = openai.AsyncOpenAI(base_url=base, api_key="none", max_retries=0, timeout=600)
     out: dict[str, Any] = {}
+    if not s.wake_only:
+        await step_phases(env, s, progress, client, out)
 
+    # 4. wake from zero
+    progress.say("waiting for scale to zero (minReplicas 0, 10 s idle)")
+    env.apply(s, min_replicas=0, idle_s=10)
+    env.wait(
+        "scale to zero",
+        lambda: (
+            (o := env.llmservice())["spec"]["replicas"] == 0
+            and (o.get("status") or {}).get("readyReplicas", 0) == 0
+        ),
+    )
+    progress.say("scaled to zero; one request to wake it")
+    timeline = await wake_timeline(env, client)
+    out["wake_from_zero_first_token_s"] = timeline.pop("first_token_s")
+    out["wake_from_zero_seconds_from_send"] = timeline
+    progress.say("wake from zero, where the time went:\n" + "\n".join(spans({
+        **timeline, "first_token_s": out["wake_from_zero_first_token_s"]})))  # fmt: skip
+    await client.close()
+    return out
+
+
+async def step_phases(
+    env: Env, s: BenchSettings, progress: Progress, client: Any, out: dict[str, Any]
+) -> None:
+    """Phases 1-3 into ``out``: one replica's capacity, the step, constant load."""
     # 1. one replica's capacity
     progress.say("ready; measuring one replica's capacity (5 s warm-up, 20 s of 4 clients)")
     cap = Recorder()
@@ -144,22 +170,3 @@ async def bench(env: Env, s: BenchSettings, progress: Progress) -> dict[str, Any
     plot(rec, step_at, s.png, s)
     out["png"] = str(s.png.resolve())
     progress.say(f"load done: {len(rec.done)} requests, {rec.failures} failed; chart {s.png}")
-
-    # 4. wake from zero
-    progress.say("waiting for scale to zero (minReplicas 0, 10 s idle)")
-    env.apply(s, min_replicas=0, idle_s=10)
-    env.wait(
-        "scale to zero",
-        lambda: (
-            (o := env.llmservice())["spec"]["replicas"] == 0
-            and (o.get("status") or {}).get("readyReplicas", 0) == 0
-        ),
-    )
-    progress.say("scaled to zero; one request to wake it")
-    wake = Recorder()
-    await one_request(client, wake, max_tokens=4)
-    out["wake_from_zero_first_token_s"] = (
-        round(wake.done[0][1], 1) if wake.done else f"failed ({wake.failures})"
-    )
-    await client.close()
-    return out

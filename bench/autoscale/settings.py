@@ -40,3 +40,5 @@ class BenchSettings:
     """Keep the namespace afterwards (for a look with kubectl)."""
     progress_every_s: float = 10.0
     """Seconds between progress lines while load runs."""
+    wake_only: bool = False
+    """Skip capacity, step and constant load: measure only the wake from zero."""
