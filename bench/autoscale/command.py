@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -108,6 +109,9 @@ def main(argv: list[str]) -> int:
             return 2
         env = Env(s.kubeconfig, kubectl)
     progress = Progress()
+    # A SIGTERM (a timeout, a job runner) unwinds like Ctrl-C: the operator child is stopped
+    # and the namespace deleted, rather than left running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     env.kubectl("create", "namespace", env.namespace)
     progress.say(f"namespace {env.namespace}: checking that pods really run")
     try:
