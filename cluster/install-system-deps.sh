@@ -3,6 +3,9 @@
 #   nft (nftables)   kube-proxy's nftables mode, and the cluster's forward rule
 #   iptables         kube-proxy clears leftovers of its iptables mode at start
 #   ip, bridge (iproute2)  the bridge, veth pairs, network namespaces, routes
+#   debootstrap, umoci, skopeo   `conveyor image build`: the Debian base, the OCI layers,
+#                    the OCI archive (cluster/image_build.py; chroot and tar are always there)
+#   runc             runs the built image (tests/cluster/test_image_build.py)
 # Idempotent and quick when everything is there; needs root (apt-get).
 set -euo pipefail
 
@@ -11,6 +14,10 @@ command -v nft >/dev/null 2>&1 || need+=(nftables)
 command -v iptables >/dev/null 2>&1 || need+=(iptables)
 { command -v ip >/dev/null 2>&1 && command -v bridge >/dev/null 2>&1; } || need+=(iproute2)
 command -v flock >/dev/null 2>&1 || need+=(util-linux)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v umoci >/dev/null 2>&1 || need+=(umoci)
+command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
+command -v runc >/dev/null 2>&1 || need+=(runc)
 
 if [[ ${#need[@]} -eq 0 ]]; then
     echo "[install-system-deps] nothing to install"

@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "down": ("conveyor.cluster.stack", "tear the whole stack down"),
     "bench": ("conveyor.bench.cli", "benchmarks: offline | serve | peer | autoscale | gpu"),
     "dashboard": ("conveyor.observability.cli", "dashboards: render"),
+    "image": (
+        "conveyor.cluster.image_cli",
+        "the project's image without a container engine: build",
+    ),
 }
 
 

@@ -1,0 +1,441 @@
+"""``conveyor image build``: the project's image without a container engine.
+
+The layers ``image_plan`` names are built one on another, each only when the cache lacks its
+key: the base with debootstrap into a plain directory; the deps and src layers by running
+their step of cluster/image-steps.sh in a chroot on an overlay of the layers below, whose
+upper directory is the new layer. Every mount lives in a private mount namespace
+(``unshare --mount``), so a build that dies leaves none behind. umoci appends each layer's
+tar to an OCI layout in the cache (tag = the layer's key) and writes the configuration the
+Dockerfile states; skopeo writes the OCI archive that ``ctr images import`` loads.
+
+The cache, ``$CONVEYOR_CACHE/images`` (``~/.cache/conveyor/images``), holds the layout, the
+base's root file system and the deps' upper directory (the lower layers of the next build),
+and pip's download cache, which outlives any layer (a pyproject edit re-resolves without
+downloading torch again). One build at a time: a lock file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shlex
+import shutil
+import stat
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.cluster.image_plan import (
+    DEPS_INPUTS,
+    STEPS_SCRIPT,
+    ImageSettings,
+    Layer,
+    dockerfile_config,
+    plan_layers,
+    project_version,
+    source_paths,
+)
+
+TOOLS = {
+    "debootstrap": "debootstrap",
+    "umoci": "umoci",
+    "skopeo": "skopeo",
+    "unshare": "util-linux",
+    "chroot": "coreutils",
+    "tar": "tar",
+}
+"""Each tool the build runs and the Debian package that has it (install-system-deps.sh)."""
+
+IN_IMAGE_STEPS = "/opt/conveyor/image-steps.sh"
+_CHROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class ImageBuildError(RuntimeError):
+    """The build cannot go on; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    """How one layer of a build came about."""
+
+    layer: Layer
+    cached: bool
+    seconds: float
+    tar_bytes: int
+    """Size of the layer unpacked (its uncompressed tar)."""
+    blob_bytes: int
+    """Size of the layer in the image (gzip)."""
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    name: str
+    archive: Path
+    layers: list[LayerReport]
+    seconds: float
+
+
+def images_cache() -> Path:
+    """``$CONVEYOR_CACHE/images``, ``~/.cache/conveyor/images`` by default."""
+    root = os.environ.get("CONVEYOR_CACHE") or os.path.join(Path.home(), ".cache", "conveyor")
+    return Path(root) / "images"
+
+
+def missing_tools() -> dict[str, str]:
+    """The build's tools this machine lacks, each with the Debian package that has it."""
+    return {tool: pkg for tool, pkg in TOOLS.items() if shutil.which(tool) is None}
+
+
+class ImageBuilder:
+    """Builds one image from ``settings`` into the cache and writes its OCI archive."""
+
+    def __init__(
+        self,
+        settings: ImageSettings,
+        *,
+        cache: Path,
+        no_cache: bool = False,
+        progress: Callable[[str], None] = print,
+    ) -> None:
+        self.settings = settings
+        self.cache = cache
+        self.no_cache = no_cache
+        self.say = progress
+        self.layout = cache / "oci"
+        self.dirs = cache / "dirs"
+        self.logs = cache / "logs"
+        self.pip_cache = cache / "pip"
+        self._sizes_file = cache / "layers.json"
+
+    def build(self, output: Path | None = None) -> BuildResult:
+        """Build what the cache lacks and write the archive (default: beside the cache)."""
+        missing = missing_tools()
+        if missing:
+            raise ImageBuildError(
+                f"missing tools: {', '.join(missing)} (Debian packages "
+                f"{' '.join(sorted(set(missing.values())))}); install them with "
+                "cluster/install-system-deps.sh (as root)"
+            )
+        if os.geteuid() != 0:
+            raise ImageBuildError(
+                "building the image needs root (debootstrap, mounts, chroot): run it as root"
+            )
+        if not (self.settings.repo / "Dockerfile").is_file():
+            raise ImageBuildError(
+                f"{self.settings.repo} is not a Conveyor checkout (no Dockerfile): pass --repo"
+            )
+        started = time.monotonic()
+        version = project_version(self.settings.repo)
+        name = f"conveyor:{version}"
+        archive = output or self.cache / f"conveyor-{version}.oci.tar"
+        for d in (self.dirs, self.logs, self.pip_cache):
+            d.mkdir(parents=True, exist_ok=True)
+        with self._locked():
+            if not (self.layout / "index.json").exists():
+                self._run(["umoci", "init", "--layout", str(self.layout)])
+            reports = [self._layer(layer) for layer in plan_layers(self.settings)]
+            top = reports[-1].layer
+            self._finish(top, version, archive)
+            self._prune_sources(keep=top)
+        return BuildResult(name, archive, reports, time.monotonic() - started)
+
+    # -- one layer ---------------------------------------------------------------------------
+
+    def _layer(self, layer: Layer) -> LayerReport:
+        sizes = self._sizes()
+        if not self.no_cache and self._cached(layer) and layer.tag in sizes:
+            self.say(f"{layer.kind}: cached ({layer.tag})")
+            return LayerReport(layer, True, 0.0, *sizes[layer.tag])
+        self.say(f"{layer.kind}: building ({layer.tag})")
+        started = time.monotonic()
+        if layer.kind == "base":
+            upper = self._build_base(layer)
+        else:
+            upper = self._build_on_overlay(layer)
+        self.say(f"{layer.kind}: built in {time.monotonic() - started:.1f} s; packing")
+        tar_bytes = self._append(layer, upper)
+        if layer.kind == "src":
+            shutil.rmtree(upper)  # nothing is built on it: only its blob is kept
+        blob_bytes = self._blob_size(layer.tag)
+        sizes[layer.tag] = (tar_bytes, blob_bytes)
+        self._sizes_file.write_text(json.dumps(sizes))
+        seconds = time.monotonic() - started
+        self.say(
+            f"{layer.kind}: done in {seconds:.1f} s, {tar_bytes / 1e6:.0f} MB unpacked, "
+            f"{blob_bytes / 1e6:.0f} MB compressed"
+        )
+        return LayerReport(layer, False, seconds, tar_bytes, blob_bytes)
+
+    def _cached(self, layer: Layer) -> bool:
+        """Its tag is in the layout and, for a layer others build on, its directory is kept."""
+        if layer.tag not in self._tags():
+            return False
+        return layer.kind == "src" or (self.dirs / layer.tag).is_dir()
+
+    def _build_base(self, layer: Layer) -> Path:
+        final = self.dirs / layer.tag
+        work = self.dirs / f"{layer.tag}.partial"
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        rootfs = work / "rootfs"
+        packages = self._run(["bash", str(self.settings.repo / STEPS_SCRIPT), "packages"]).strip()
+        s = self.settings
+        self.say(f"base: debootstrap {s.suite} from {s.mirror} with {packages}")
+        self._run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--arch={s.arch}",
+                f"--include={packages.replace(' ', ',')}",
+                s.suite,
+                str(rootfs),
+                s.mirror,
+            ],
+            log="debootstrap",
+        )
+        shutil.copy(self.settings.repo / STEPS_SCRIPT, rootfs / IN_IMAGE_STEPS.lstrip("/"))
+        (rootfs / "etc/resolv.conf").unlink(missing_ok=True)
+        (rootfs / "etc/resolv.conf").write_text("")  # the runtime mounts its own
+        self._chroot_step(lowers=[], upper=rootfs, step="user")
+        # What a container runtime provides, and what apt only needs at install time.
+        for junk in ("dev", "var/lib/apt/lists", "var/cache/apt", "var/log", "tmp"):
+            for entry in (rootfs / junk).glob("*"):
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        work.rename(final)
+        return final / "rootfs"
+
+    def _build_on_overlay(self, layer: Layer) -> Path:
+        assert layer.parent is not None
+        final = self.dirs / layer.tag
+        shutil.rmtree(final, ignore_errors=True)
+        work = self.dirs / f"{layer.tag}.partial"
+        shutil.rmtree(work, ignore_errors=True)
+        upper = work / "upper"
+        build = upper / "opt/conveyor/build"
+        if layer.kind == "deps":
+            build.mkdir(parents=True)
+            for rel in DEPS_INPUTS:
+                shutil.copy(self.settings.repo / rel, build / Path(rel).name)
+        else:
+            for path in source_paths(self.settings.repo):
+                dest = build / "src" / path.relative_to(self.settings.repo)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dest)
+        self._chroot_step(lowers=self._lowers(layer.parent), upper=upper, step=layer.kind)
+        _check_no_whiteouts(upper)
+        work.rename(final)
+        return final / "upper"
+
+    def _lowers(self, layer: Layer) -> list[Path]:
+        """The directories of ``layer`` and those below it, top first (overlay's order)."""
+        out: list[Path] = []
+        at: Layer | None = layer
+        while at is not None:
+            out.append(self.dirs / at.tag / ("rootfs" if at.kind == "base" else "upper"))
+            at = at.parent
+        return out
+
+    def _chroot_step(self, *, lowers: list[Path], upper: Path, step: str) -> None:
+        """Run one step of image-steps.sh as root in a chroot: on ``upper`` itself (no lowers),
+        or on an overlay whose writes land in ``upper``; mounts die with the namespace."""
+        work = upper.parent / "overlay-work"
+        merged = upper.parent / "merged"
+        lines = ["set -eu"]
+        if lowers:
+            work.mkdir(exist_ok=True)
+            merged.mkdir(exist_ok=True)
+            options = f"lowerdir={':'.join(map(str, lowers))},upperdir={upper},workdir={work}"
+            lines.append(
+                f"mount -t overlay overlay -o {shlex.quote(options)} {shlex.quote(str(merged))}"
+            )
+            root = merged
+        else:
+            root = upper
+        r = shlex.quote(str(root))
+        lines += [
+            f"mount --rbind /dev {r}/dev",
+            f"mount -t proc proc {r}/proc",
+            f"mount --bind /etc/resolv.conf {r}/etc/resolv.conf",
+            f"mount --bind {shlex.quote(str(self.pip_cache))} {r}/mnt",
+        ]
+        env = {
+            "PATH": _CHROOT_PATH,
+            "HOME": "/root",
+            "LANG": "C.UTF-8",
+            "PIP_CACHE_DIR": "/mnt",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "EXTRAS": ",".join(self.settings.extras),
+        }
+        env_args = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+        lines.append(f"chroot {r} /usr/bin/env -i {env_args} bash {IN_IMAGE_STEPS} {step}")
+        script = "\n".join(lines)
+        self._run(
+            ["unshare", "--mount", "--propagation", "private", "bash", "-c", script], log=step
+        )
+        for leftover in (work, merged):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    # -- the OCI layout ----------------------------------------------------------------------
+
+    def _append(self, layer: Layer, upper: Path) -> int:
+        """Tar ``upper`` and append it to the parent's image as ``layer``'s tag; its size."""
+        tar = self.dirs / f"{layer.tag}.tar"
+        self._run(
+            [
+                "tar",
+                "--create",
+                "--file",
+                str(tar),
+                "--numeric-owner",
+                "--directory",
+                str(upper),
+                ".",
+            ]
+        )
+        size = tar.stat().st_size
+        try:
+            if layer.parent is None:
+                self._run(["umoci", "new", "--image", f"{self.layout}:{layer.tag}"])
+                image = f"{self.layout}:{layer.tag}"
+            else:
+                image = f"{self.layout}:{layer.parent.tag}"
+            self._run(
+                [
+                    "umoci",
+                    "raw",
+                    "add-layer",
+                    "--image",
+                    image,
+                    "--tag",
+                    layer.tag,
+                    "--history.created_by",
+                    f"image-steps.sh {layer.kind}",
+                    str(tar),
+                ]
+            )
+        finally:
+            tar.unlink()
+        return size
+
+    def _finish(self, top: Layer, version: str, archive: Path) -> None:
+        """The Dockerfile's configuration on the top layer, then the archive."""
+        config = dockerfile_config(self.settings.repo / "Dockerfile")
+        tag = f"conveyor-{version}"
+        args = ["umoci", "config", "--image", f"{self.layout}:{top.tag}", "--tag", tag]
+        args += ["--clear=config.env", "--clear=config.entrypoint", "--clear=config.cmd"]
+        args += [f"--config.env={k}={v}" for k, v in config.env.items()]
+        args += [f"--config.exposedports={p}/tcp" for p in config.ports]
+        args += [f"--config.entrypoint={a}" for a in config.entrypoint]
+        args += [f"--config.cmd={a}" for a in config.cmd]
+        args += [f"--config.user={config.user}", f"--config.workingdir={config.workdir}"]
+        args += ["--history.created_by", "Dockerfile configuration"]
+        self._run(args)
+        started = time.monotonic()
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        partial = archive.with_name(archive.name + ".partial")
+        partial.unlink(missing_ok=True)
+        self._run(
+            [
+                "skopeo",
+                "copy",
+                "--quiet",
+                f"oci:{self.layout}:{tag}",
+                f"oci-archive:{partial}:conveyor:{version}",
+            ]
+        )
+        partial.rename(archive)
+        self.say(f"archive: {archive} in {time.monotonic() - started:.1f} s")
+
+    def _index(self) -> list[dict]:
+        return list(json.loads((self.layout / "index.json").read_text()).get("manifests") or [])
+
+    def _tags(self) -> set[str]:
+        ref = "org.opencontainers.image.ref.name"
+        return {m.get("annotations", {}).get(ref, "") for m in self._index()}
+
+    def _manifest(self, tag: str) -> dict:
+        ref = "org.opencontainers.image.ref.name"
+        entry = next(m for m in self._index() if m.get("annotations", {}).get(ref) == tag)
+        return dict(json.loads(self._blob(entry["digest"]).read_text()))
+
+    def _blob(self, digest: str) -> Path:
+        return self.layout / "blobs" / Path(*digest.split(":", 1))
+
+    def _blob_size(self, tag: str) -> int:
+        return int(self._manifest(tag)["layers"][-1]["size"])
+
+    def _sizes(self) -> dict[str, tuple[int, int]]:
+        try:
+            recorded = json.loads(self._sizes_file.read_text())
+            return {tag: (int(v[0]), int(v[1])) for tag, v in recorded.items()}
+        except (OSError, ValueError):
+            return {}
+
+    def _prune_sources(self, keep: Layer) -> None:
+        """Drop the src layers that earlier builds put on the same lower layers (nothing builds
+        on them; another extras' image keeps its own), then the blobs no tag holds."""
+
+        def lowers(tag: str) -> list[str]:
+            return [layer["digest"] for layer in self._manifest(tag)["layers"][:-1]]
+
+        below = lowers(keep.tag)
+        stale = [
+            t for t in self._tags() if t.startswith("src-") and t != keep.tag and lowers(t) == below
+        ]
+        for tag in stale:
+            self._run(["umoci", "rm", "--image", f"{self.layout}:{tag}"])
+        if stale:
+            self._run(["umoci", "gc", "--layout", str(self.layout)])
+
+    # -- processes ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        with open(self.cache / ".lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self.say(f"waiting for another image build (lock {self.cache / '.lock'})")
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def _run(self, cmd: list[str], *, log: str | None = None) -> str:
+        """Run a tool; its output goes to a log under the cache, its tail into the error."""
+        log_path = self.logs / f"{log or Path(cmd[0]).name}.log"
+        with open(log_path, "w") as out:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, text=True, check=False)
+            out.write(proc.stdout)
+        if proc.returncode != 0:
+            tail = "\n".join(log_path.read_text().splitlines()[-15:])
+            raise ImageBuildError(
+                f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); "
+                f"the end of {log_path}:\n{tail}"
+            )
+        return proc.stdout
+
+
+def _check_no_whiteouts(upper: Path) -> None:
+    """A step that deletes what a lower layer holds leaves overlay whiteouts, which an OCI
+    layer spells differently; the steps never do, and a build that starts to is stopped."""
+    for root, dirs, files in os.walk(upper):
+        for name in files:
+            st = os.lstat(os.path.join(root, name))
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                raise ImageBuildError(
+                    f"{os.path.join(root, name)}: a step deleted a file of a lower layer; "
+                    "image-steps.sh must only add files"
+                )
+        for name in dirs:
+            try:
+                opaque = os.getxattr(os.path.join(root, name), "trusted.overlay.opaque")
+            except OSError:
+                continue
+            if opaque == b"y":
+                raise ImageBuildError(f"{os.path.join(root, name)}: a step replaced a directory")

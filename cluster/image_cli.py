@@ -1,0 +1,97 @@
+"""``conveyor image build``: the project's image as an OCI archive, without a container engine.
+
+For a real cluster, build the Dockerfile with Docker or BuildKit and push it to your registry
+(README.md, "Building the image"); this command builds the same layers here, on a Debian base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from conveyor.cluster.image_build import ImageBuilder, ImageBuildError, images_cache
+from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = ImageSettings(repo=Path("."))
+    parser = argparse.ArgumentParser(prog="conveyor image", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser(
+        "build",
+        help="build the image (only the layers whose inputs changed) and write its OCI archive",
+    )
+    build.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="where to write the OCI archive (default: $CONVEYOR_CACHE/images/conveyor-VERSION.oci.tar)",
+    )
+    build.add_argument(
+        "--extras",
+        default=",".join(defaults.extras),
+        help="the project's extras to install, comma-separated (gateway,operator: no torch)",
+    )
+    build.add_argument(
+        "--base",
+        default=defaults.suite,
+        help="Debian release that debootstrap makes the base from",
+    )
+    build.add_argument(
+        "--mirror",
+        default=None,
+        help="Debian archive for debootstrap (default: the one this machine's apt uses)",
+    )
+    build.add_argument(
+        "--repo",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent,
+        help="the checkout to build from (default: the one this command runs from)",
+    )
+    build.add_argument(
+        "--cache",
+        type=Path,
+        default=None,
+        help="the image cache (default: $CONVEYOR_CACHE/images, ~/.cache/conveyor/images)",
+    )
+    build.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="rebuild every layer (pip's download cache is still used)",
+    )
+    return parser
+
+
+def _say(message: str) -> None:
+    print(f"[image {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``conveyor image``."""
+    args = _parser().parse_args(argv)
+    settings = ImageSettings(
+        repo=args.repo.resolve(),
+        extras=tuple(e.strip() for e in args.extras.split(",") if e.strip()),
+        suite=args.base,
+        mirror=args.mirror or host_debian_mirror() or ImageSettings.mirror,
+    )
+    builder = ImageBuilder(
+        settings, cache=args.cache or images_cache(), no_cache=args.no_cache, progress=_say
+    )
+    try:
+        result = builder.build(args.output)
+    except (ImageBuildError, ValueError) as exc:
+        print(f"conveyor image build: {exc}", file=sys.stderr)
+        return 1
+    for r in result.layers:
+        print(
+            f"layer {r.layer.kind:<5} {r.layer.key}  "
+            f"{'cached' if r.cached else f'{r.seconds:7.1f} s'}  "
+            f"{r.tar_bytes / 1e6:8.0f} MB unpacked  {r.blob_bytes / 1e6:8.0f} MB compressed"
+        )
+    size = result.archive.stat().st_size
+    print(f"image {result.name}: {result.archive} ({size / 1e6:.0f} MB) in {result.seconds:.1f} s")
+    print(f"load it: ctr -n k8s.io images import {result.archive}")
+    return 0

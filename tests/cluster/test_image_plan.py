@@ -1,0 +1,155 @@
+"""The image's layers and their content keys: what a change rebuilds, and nothing else.
+
+Pure functions on a copy of this checkout; no tool runs (tests/cluster/test_image_build.py
+builds a real image when asked to).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conveyor.cluster import image_cli
+from conveyor.cluster.image_plan import (
+    DEPS_INPUTS,
+    STEPS_SCRIPT,
+    ImageSettings,
+    dockerfile_config,
+    host_debian_mirror,
+    plan_layers,
+)
+from conveyor.cluster.image_requirements import requirements
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def repo(image_repo: Path) -> Path:
+    return image_repo
+
+
+def _keys(repo: Path, **kw: object) -> dict[str, str]:
+    return {layer.kind: layer.key for layer in plan_layers(ImageSettings(repo=repo, **kw))}  # type: ignore[arg-type]
+
+
+def _append(path: Path, text: str) -> None:
+    path.write_text(path.read_text() + text)
+
+
+def test_layers_are_base_deps_src_each_on_the_one_below(repo: Path) -> None:
+    base, deps, src = plan_layers(ImageSettings(repo=repo))
+    assert [base.kind, deps.kind, src.kind] == ["base", "deps", "src"]
+    assert (base.parent, deps.parent, src.parent) == (None, base, deps)
+    assert src.tag == f"src-{src.key}"
+    assert _keys(repo) == _keys(repo)  # a key is a function of the content alone
+
+
+def test_a_source_edit_changes_only_the_last_layers_key(repo: Path) -> None:
+    before = _keys(repo)
+    _append(repo / "gateway" / "routing.py", "\n# one line\n")
+    after = _keys(repo)
+    assert after["base"] == before["base"] and after["deps"] == before["deps"]
+    assert after["src"] != before["src"]
+
+
+def test_a_pyproject_edit_changes_the_deps_layer_and_what_is_built_on_it(repo: Path) -> None:
+    before = _keys(repo)
+    _append(repo / "pyproject.toml", "\n# a comment\n")
+    after = _keys(repo)
+    assert after["base"] == before["base"]
+    assert after["deps"] != before["deps"] and after["src"] != before["src"]
+    pins = _keys(repo)
+    _append(repo / "runtime" / "model" / "packaged.py", "\n# pins\n")
+    assert _keys(repo)["deps"] != pins["deps"]  # the built-in model's wheel is in that layer
+
+
+def test_the_extras_and_the_base_recipe_key_their_layers(repo: Path) -> None:
+    full = _keys(repo)
+    control = _keys(repo, extras=("gateway", "operator"))
+    assert control["base"] == full["base"] and control["deps"] != full["deps"]
+    assert _keys(repo, suite="trixie")["base"] != full["base"]
+    _append(repo / STEPS_SCRIPT, "\n# a new step\n")
+    changed = _keys(repo)
+    assert all(changed[k] != full[k] for k in full)
+
+
+def test_build_litter_does_not_change_the_source_key(repo: Path) -> None:
+    before = _keys(repo)
+    (repo / "runtime" / "__pycache__").mkdir(exist_ok=True)
+    (repo / "runtime" / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"\0")
+    (repo / "runtime" / "kernels" / "cpu" / "stray.so").write_bytes(b"\0")
+    (repo / "cluster" / "conveyor.egg-info").mkdir()
+    (repo / "cluster" / "conveyor.egg-info" / "PKG-INFO").write_text("x")
+    assert _keys(repo) == before
+
+
+def test_the_dockerfile_copies_every_folder_the_wheel_is_built_from() -> None:
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"
+    ]
+    copied = set(
+        re.findall(
+            r"^COPY (\w+)/ /opt/conveyor/build/src/", (REPO / "Dockerfile").read_text(), re.M
+        )
+    )
+    assert copied == set(package_dirs.values())
+    deps_copy = re.search(
+        r"^COPY (.+) /opt/conveyor/build/$", (REPO / "Dockerfile").read_text(), re.M
+    )
+    assert deps_copy and tuple(deps_copy.group(1).split()) == DEPS_INPUTS
+
+
+def test_the_image_configuration_is_the_dockerfiles() -> None:
+    config = dockerfile_config(REPO / "Dockerfile")
+    assert config.entrypoint == ("conveyor",) and config.cmd == ("--help",)
+    assert config.user == "1000:1000"
+    assert config.ports == ("8000", "8080", "8081")
+    assert config.env["PATH"].startswith("/opt/conveyor/venv/bin:/usr/local/sbin:")
+    assert config.env["CONVEYOR_CACHE"] == "/var/cache/conveyor"
+    assert config.env["HF_HOME"] == "/var/cache/conveyor/hf"
+
+
+def test_a_dockerfile_form_the_builder_cannot_read_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "Dockerfile").write_text("FROM x\nENTRYPOINT conveyor serve\n")
+    with pytest.raises(ValueError, match="ENTRYPOINT as a JSON array"):
+        dockerfile_config(tmp_path / "Dockerfile")
+
+
+def test_requirements_expand_the_projects_own_extras() -> None:
+    pyproject = REPO / "pyproject.toml"
+    control = requirements(pyproject, ["gateway", "operator"])
+    assert control[0] == "pyyaml>=6" and "kopf>=1.45" in control
+    assert not any(r.startswith("torch") for r in control)
+    assert len(control) == len(set(control))
+    dev = requirements(pyproject, ["dev"])  # conveyor[runtime,...] expanded, never itself
+    assert "torch>=2.6" in dev and "pytest>=8" in dev
+    assert not any(r.startswith("conveyor") for r in dev)
+    with pytest.raises(ValueError, match="unknown extra"):
+        requirements(pyproject, ["gpu"])
+
+
+def test_the_mirror_is_read_from_this_machines_apt_sources(tmp_path: Path) -> None:
+    deb822 = tmp_path / "debian.sources"
+    deb822.write_text(
+        "Types: deb\nURIs: http://mirror.example/debian-security\nSuites: bookworm-security\n\n"
+        "Types: deb\nURIs: http://mirror.example/debian\nSuites: bookworm\n"
+    )
+    assert host_debian_mirror((deb822,)) == "http://mirror.example/debian"
+    one_line = tmp_path / "sources.list"
+    one_line.write_text("# comment\ndeb [arch=amd64] http://m.example/debian bookworm main\n")
+    assert host_debian_mirror((tmp_path / "absent", one_line)) == "http://m.example/debian"
+    assert host_debian_mirror((tmp_path / "absent",)) is None
+
+
+def test_a_missing_tool_names_the_script_that_installs_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no tool is found
+    code = image_cli.main(["build", "--repo", str(REPO), "--cache", str(tmp_path / "cache")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "debootstrap" in err and "umoci" in err and "cluster/install-system-deps.sh" in err
+    assert not (tmp_path / "cache").exists()  # nothing was started
