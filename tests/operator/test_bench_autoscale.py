@@ -45,3 +45,45 @@ def test_a_progress_line_says_replicas_and_the_autoscalers_estimates():
         describe_status({"spec": {"replicas": 1}})
         == "replicas 1 desired / 0 ready, queue/replica 0.0"
     )
+
+
+class FakeApi:
+    def __init__(self, replicas: int, pods: list[dict]) -> None:
+        self.replicas, self.pods = replicas, pods
+
+    def get(self, path: str, **query: str) -> dict:
+        if path.endswith("/pods"):
+            assert query == {"labelSelector": "app.kubernetes.io/component=runtime"}
+            return {"items": self.pods}
+        return {"spec": {"replicas": self.replicas}}
+
+
+class FakeEnv:
+    namespace = "bench-x"
+    path = "/apis/conveyor.dev/v1alpha1/namespaces/bench-x/llmservices/bench"
+
+    def __init__(self, replicas: int, pods: list[dict]) -> None:
+        self.api = FakeApi(replicas, pods)
+
+    def llmservice(self) -> dict:
+        return self.api.get(self.path)
+
+
+def test_the_wake_milestones_are_read_from_the_api_and_spanned_in_order():
+    from conveyor.bench.autoscale.wake import seen_now, spans
+
+    starting = {"metadata": {"name": "a"}, "spec": {"nodeName": "gpu-0"}, "status": {
+        "containerStatuses": [{"state": {"running": {}}}],
+        "conditions": [{"type": "Ready", "status": "False"}]}}  # fmt: skip
+    going = {"metadata": {"name": "b", "deletionTimestamp": "x"}, "spec": {}, "status": {
+        "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    assert seen_now(FakeEnv(0, [])) == set()
+    assert seen_now(FakeEnv(1, [going])) == {"decided"}  # a pod being deleted is not the wake
+    assert seen_now(FakeEnv(1, [starting, going])) == {
+        "decided", "pod_created", "scheduled", "started"}  # fmt: skip
+    lines = spans({"decided": 1.3, "pod_created": 1.9, "scheduled": 1.9, "started": 2.1,
+                   "ready": 21.1, "first_token_s": 21.6, "runtime_start": "ready in 19.0 s"})  # fmt: skip
+    assert [ln.split()[0] for ln in lines[:-1]] == ["1.3", "0.6", "0.0", "0.2", "19.0", "0.5"]
+    assert "started -> ready" in lines[4] and lines[-1] == "  runtime: ready in 19.0 s"
+    # a milestone not seen (a poll missed it) is left out; the next span starts from the last
+    assert spans({"decided": 1.0, "ready": 5.0})[1].split()[:3] == ["4.0", "s", "decided"]
