@@ -15,9 +15,12 @@ private document in the first message, and a growing conversation) through the g
 policies and each router's cache-aware policy (and vllm-router's consistent hashing, on
 the ``user`` field). The working set of all conversations exceeds one replica's KV cache
 but fits in all of them, which is when routing decides the cache hit rate. Each run gets
-fresh text, so none inherits another's cache. TTFT p50/p95, throughput, the prefix-cache
-hit rate from the replicas' /metrics and the spread of requests over replicas (also from
-their /metrics, so it counts the same for every proxy).
+fresh text, so none inherits another's cache; the runs are interleaved in ``--rounds``
+(``rounds.py``), so load from other work falls on every proxy alike. TTFT p50/p95,
+throughput, the prefix-cache hit rate from the replicas' /metrics and the spread of requests
+over replicas (also from their /metrics, so it counts the same for every proxy), and where
+TTFT went: the replicas' own TTFT and queue time, the proxy's hops, turns that missed their
+conversation's cache, the proxy's CPU per request.
 
 Part ``grow`` (``grow.py``): the same workload with one replica fewer, and that replica
 added once half the requests have finished (the gateway: a line in its backends file; the
@@ -37,7 +40,7 @@ from pathlib import Path
 
 from conveyor.bench.gateway import report, routers
 from conveyor.bench.gateway.overhead import bench_overhead, gateway_name
-from conveyor.bench.gateway.routing import bench_routing
+from conveyor.bench.gateway.routing import bench_routing, parse_policies
 from conveyor.bench.gateway.settings import BenchSettings
 
 
@@ -80,6 +83,9 @@ def main(argv: list[str]) -> int:
         if "grow" in parts and s.replicas < 2:
             raise ValueError("--part grow needs --replicas 2 or more (the last joins mid-run)")
         peers = routers.parse_peers(s.peers)
+        parse_policies(s.policies)
+        if s.rounds < 1:
+            raise ValueError("--rounds takes a number of rounds, 1 or more")
         concurrency = _numbers(s.overhead_concurrency, "--overhead-concurrency")
         steps = _numbers(s.max_streams, "--max-streams")
         workers = _numbers(s.gateway_workers, "--gateway-workers")

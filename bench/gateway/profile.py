@@ -4,6 +4,12 @@ sends probes (non-streamed and streamed, 16 tokens) one after another, as the be
 
     python -m conveyor.bench.gateway.profile --streams 200 --seconds 15 --out prof-200.txt
 
+With ``--routing``, the gateway (prefix-aware) fronts runtime replicas instead and py-spy
+samples it through the routing part's shared-prefix chat workload (``workload.py``, the
+bench's defaults): where the gateway's CPU goes when it routes and streams real chats.
+
+    python -m conveyor.bench.gateway.profile --routing --out prof-routing.txt
+
 Writes py-spy's collapsed stacks (``--format raw``) to ``--out`` and prints the functions
 with the most samples: on their own (self) and with what they call (total). py-spy comes
 with the project's dev extras; it needs to be allowed to ptrace the gateway (root, or
@@ -23,6 +29,9 @@ from pathlib import Path
 
 from conveyor.bench.gateway import processes
 from conveyor.bench.gateway.overhead import HEADERS, _body
+from conveyor.bench.gateway.settings import BenchSettings
+from conveyor.bench.gateway.workload import run_workload
+from conveyor.bench.procs import start_all
 
 
 def summarize(collapsed: str, top: int = 15) -> str:
@@ -90,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="py-spy collapsed stacks (default gateway-profile.txt)")  # fmt: skip
     parser.add_argument("--gateway-arg", action="append", default=[],
                         help="extra argument for the gateway (repeatable)")  # fmt: skip
+    parser.add_argument("--routing", action="store_true",
+                        help="front runtime replicas with the routing workload instead of the "
+                        "stub with held streams (--streams and --seconds do not apply)")  # fmt: skip
     args = parser.parse_args(argv)
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(spy).exists():
@@ -99,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if args.routing:
+        return profile_routing(spy, args.out, args.gateway_arg)
     with (
         processes.stub() as stub,
         processes.gateway([stub.url], "--connect-timeout", "10", *args.gateway_arg) as gateway,
@@ -118,6 +132,29 @@ def main(argv: list[str] | None = None) -> int:
         record[0].wait(60)
     print(f"gateway, {args.streams} streams, {args.seconds:g} s: {args.out}")
     print(summarize(Path(args.out).read_text()))
+    return 0
+
+
+def profile_routing(spy: str, out: str, gateway_args: list[str]) -> int:
+    """py-spy on the gateway through one pass of the routing workload over runtime replicas."""
+    s = BenchSettings()
+    replicas = [processes.replica(s.num_threads, s.max_total_tokens) for _ in range(s.replicas)]
+    try:
+        start_all(replicas)
+        urls = [r.url for r in replicas]
+        with processes.gateway(urls, "--routing", "prefix-aware", *gateway_args) as gateway:
+            processes.wait_admitted(gateway, len(urls))
+            command = [spy, "record", "--pid", str(gateway.pid), "--rate", "250", "--format",
+                       "raw", "--output", out, "--nonblocking"]  # fmt: skip
+            with subprocess.Popen(command, stdout=subprocess.DEVNULL) as record:
+                turns, wall = asyncio.run(run_workload(gateway.url, s, salt="profile"))
+                record.send_signal(2)  # py-spy writes what it sampled on SIGINT
+                record.wait(60)
+    finally:
+        for replica in replicas:
+            replica.stop()
+    print(f"gateway, routing workload ({len(turns)} requests in {wall:.1f} s): {out}")
+    print(summarize(Path(out).read_text()))
     return 0
 
 

@@ -4,28 +4,20 @@ where a replica joins mid-run is ``grow``."""
 
 from __future__ import annotations
 
-import asyncio
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.bench.gateway import grow, processes, routers
+from conveyor.bench.gateway import grow, processes, rounds, routers
 from conveyor.bench.gateway.routers import RustRouter
 from conveyor.bench.gateway.settings import MODEL, BenchSettings
-from conveyor.bench.gateway.table import table
-from conveyor.bench.gateway.workload import (
-    all_counters,
-    hit_rate,
-    requests_each,
-    run_workload,
-    working_set,
-)
+from conveyor.bench.gateway.workload import working_set
 from conveyor.bench.procs import ChildProcess, start_all
-from conveyor.bench.stats import percentile
 from conveyor.bench.wait import wait_until
 
-CONVEYOR_POLICIES = ("round-robin", "least-load", "prefix-aware")
+CONVEYOR_POLICIES = ("prefix-aware", "least-load", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -46,8 +38,10 @@ class RoutingRun:
         return f"{self.proxy} {self.policy}"
 
 
-def routing_runs(peers: list[tuple[RustRouter, Path]], workdir: Path) -> list[RoutingRun]:
-    """The gateway's three policies, then each router's cache-aware policy (and vllm-router's
+def routing_runs(
+    peers: list[tuple[RustRouter, Path]], workdir: Path, policies: list[str]
+) -> list[RoutingRun]:
+    """The gateway's ``policies``, then each router's cache-aware policy (and vllm-router's
     consistent hashing).
 
     The gateway learns its replicas from a backends file (``--backends-file``, re-read when
@@ -82,7 +76,7 @@ def routing_runs(peers: list[tuple[RustRouter, Path]], workdir: Path) -> list[Ro
             r.name, policy, lambda urls: processes.rust_router(r, venv, urls, policy).start(), add
         )
 
-    runs = [conveyor(p) for p in CONVEYOR_POLICIES]
+    runs = [conveyor(p) for p in policies]
     for r, venv in peers:
         for policy in ("cache_aware", "consistent_hash"):
             if policy in r.policies:
@@ -97,8 +91,13 @@ def write_backends(path: Path, urls: list[str]) -> None:
     os.replace(partial, path)
 
 
-def _ms(value: float | None) -> str:
-    return "nan" if value is None else f"{value * 1000:.0f}"
+def parse_policies(spec: str) -> list[str]:
+    """``--policies``: the gateway's policies, comma-separated; ValueError naming the known."""
+    names = list(dict.fromkeys(p.strip() for p in spec.split(",") if p.strip()))
+    if not names or not set(names) <= set(CONVEYOR_POLICIES):
+        raise ValueError(f"--policies takes a comma-separated list of "
+                         f"{', '.join(CONVEYOR_POLICIES)} (got {spec!r})")  # fmt: skip
+    return names
 
 
 def bench_routing(
@@ -113,7 +112,7 @@ def bench_routing(
     print("  (each proxy with its defaults but the policy; the routers' cache_aware sends a request"
           "\n   to the worker whose tree matches over --cache-threshold 0.3 of its text, and balances"
           "\n   only once loads differ by over 64 requests)", flush=True)  # fmt: skip
-    runs = routing_runs(peers, workdir)
+    runs = routing_runs(peers, workdir, parse_policies(s.policies))
     try:
         start_all(replicas)
         urls = [r.url for r in replicas]
@@ -128,39 +127,18 @@ def bench_routing(
 def steady(
     s: BenchSettings, runs: list[RoutingRun], urls: list[str]
 ) -> dict[str, dict[str, float]]:
-    """Every run over all the replicas: TTFT p50/p95 (s), req/s, prefix hit rate, max/min."""
-    figures: dict[str, dict[str, float]] = {}
-    rows = []
-    for run in runs:
-        proxy = run.start(urls)
-        try:
-            before = all_counters(urls)
-            results, wall = asyncio.run(run_workload(proxy.url, s, salt=run.label))
-            after = all_counters(urls)
-        finally:
-            proxy.stop()
-        counts = requests_each(before, after)
-        ttfts = [r[0] for r in results]
-        f = figures[run.label] = {
-            "ttft_p50": percentile(ttfts, 50) or 0.0,
-            "ttft_p95": percentile(ttfts, 95) or 0.0,
-            "req_s": len(results) / wall,
-            "tok_s": len(results) * s.max_tokens / wall,
-            "hit": hit_rate(before, after),
-            "max_req": max(counts),
-            "min_req": min(counts),
-            "spread": max(counts) / max(1.0, min(counts)),
-        }
-        rows.append([
-            run.label, _ms(f["ttft_p50"]), _ms(f["ttft_p95"]), f"{f['req_s']:.2f}",
-            f"{f['tok_s']:.1f}", f"{f['hit']:.1%}", f"{max(counts):.0f}/{min(counts):.0f}",
-            f"{f['spread']:.2f}",
-        ])  # fmt: skip
-        print(f"  {run.label}: done in {wall:.1f}s", flush=True)
-    print()
-    print(table(
-        ["proxy policy", "TTFT p50 ms", "TTFT p95 ms", "req/s", "out tok/s", "prefix hit",
-         "max/min req", "ratio"],
-        rows,
-    ))  # fmt: skip
+    """Every run over all the replicas, in rounds (``rounds.py``): TTFT p50/p95 (s), req/s,
+    prefix hit rate, max/min and where TTFT went, each the median over rounds."""
+    print(f"  {s.rounds} rounds, each running every proxy once on fresh text, the order "
+          "rotated each round", flush=True)  # fmt: skip
+    figures, per_round = rounds.interleaved(s, runs, urls)
+    rounds.print_tables(figures, s.rounds)
+    mine = "conveyor prefix-aware"
+    peers = [run.label for run in runs if run.proxy != "conveyor"]
+    if mine in figures and peers:
+        for key, what, lower in (("ttft_p50", "TTFT p50", True), ("req_s", "req/s", False)):
+            ratios = rounds.ratio_per_round(per_round, mine, peers, key, lower)
+            print(f"  {mine} / best peer in the same round, {what}: "
+                  + ", ".join(f"{x:.2f}x" for x in ratios)
+                  + f" (median {statistics.median(ratios):.2f}x)")  # fmt: skip
     return figures

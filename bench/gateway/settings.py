@@ -39,6 +39,14 @@ class BenchSettings:
     """Each later question; the canned assistant answer is as long."""
     max_tokens: int = 8
     """Output tokens per routing request: short, so prefill (what the cache saves) dominates."""
+    rounds: int = 3
+    """Rounds of the routing part: each runs every proxy once on fresh text, in an order
+    rotated each round, so load from other work on the machine falls on every proxy alike;
+    the table shows the median over rounds and its range."""
+    policies: str = "prefix-aware,least-load,round-robin"
+    """The gateway's routing policies measured in the routing and grow parts, comma-separated
+    (the report's row is prefix-aware's; least-load and round-robin show what routing by
+    prefix is worth)."""
     num_threads: int = 1
     """Torch threads per runtime replica."""
     overhead_concurrency: str = "16,200"
