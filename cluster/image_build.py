@@ -51,6 +51,9 @@ TOOLS = {
 """Each tool the build runs and the Debian package that has it (install-system-deps.sh)."""
 
 IN_IMAGE_STEPS = "/opt/conveyor/image-steps.sh"
+_HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
+_PIP_PASSED = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT")
+"""This machine's package-index settings, which the steps' pip uses too."""
 _CHROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -179,24 +182,18 @@ class ImageBuilder:
     def _build_base(self, layer: Layer) -> Path:
         final = self.dirs / layer.tag
         work = self.dirs / f"{layer.tag}.partial"
-        shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(final, ignore_errors=True)
+        if self.no_cache:
+            shutil.rmtree(work, ignore_errors=True)
         rootfs = work / "rootfs"
-        packages = self._run(["bash", str(self.settings.repo / STEPS_SCRIPT), "packages"]).strip()
-        s = self.settings
-        self.say(f"base: debootstrap {s.suite} from {s.mirror} with {packages}")
-        self._run(
-            [
-                "debootstrap",
-                "--variant=minbase",
-                f"--arch={s.arch}",
-                f"--include={packages.replace(' ', ',')}",
-                s.suite,
-                str(rootfs),
-                s.mirror,
-            ],
-            log="debootstrap",
-        )
+        # A build that failed after debootstrap (minutes) resumes from its root file system:
+        # the steps after it are idempotent.
+        debootstrapped = work / "debootstrapped"
+        if not debootstrapped.exists():
+            shutil.rmtree(work, ignore_errors=True)
+            self._debootstrap(rootfs)
+            debootstrapped.touch()
+        (rootfs / IN_IMAGE_STEPS.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(self.settings.repo / STEPS_SCRIPT, rootfs / IN_IMAGE_STEPS.lstrip("/"))
         (rootfs / "etc/resolv.conf").unlink(missing_ok=True)
         (rootfs / "etc/resolv.conf").write_text("")  # the runtime mounts its own
@@ -208,8 +205,23 @@ class ImageBuilder:
                     shutil.rmtree(entry)
                 else:
                     entry.unlink()
+        debootstrapped.unlink()
         work.rename(final)
         return final / "rootfs"
+
+    def _debootstrap(self, rootfs: Path) -> None:
+        s = self.settings
+        packages = self._run(["bash", str(s.repo / STEPS_SCRIPT), "packages"]).strip()
+        self.say(f"base: debootstrap {s.suite} from {s.mirror} with {packages}")
+        started = time.monotonic()
+        self._run(
+            [
+                "debootstrap", "--variant=minbase", f"--arch={s.arch}",
+                f"--include={packages.replace(' ', ',')}", s.suite, str(rootfs), s.mirror,
+            ],
+            log="debootstrap",
+        )  # fmt: skip
+        self.say(f"base: debootstrap done in {time.monotonic() - started:.1f} s")
 
     def _build_on_overlay(self, layer: Layer) -> Path:
         assert layer.parent is not None
@@ -263,16 +275,26 @@ class ImageBuilder:
             f"mount --rbind /dev {r}/dev",
             f"mount -t proc proc {r}/proc",
             f"mount --bind /etc/resolv.conf {r}/etc/resolv.conf",
-            f"mount --bind {shlex.quote(str(self.pip_cache))} {r}/mnt",
+            # /mnt holds what the step uses and the layer must not: pip's download cache and
+            # the certificates this machine trusts (a package-index proxy's CA among them).
+            f"mount -t tmpfs tmpfs {r}/mnt",
+            f"mkdir {r}/mnt/pip && mount --bind {shlex.quote(str(self.pip_cache))} {r}/mnt/pip",
         ]
         env = {
             "PATH": _CHROOT_PATH,
             "HOME": "/root",
             "LANG": "C.UTF-8",
-            "PIP_CACHE_DIR": "/mnt",
+            "PIP_CACHE_DIR": "/mnt/pip",
             "PIP_DISABLE_PIP_VERSION_CHECK": "1",
             "EXTRAS": ",".join(self.settings.extras),
         }
+        env |= {k: v for k, v in os.environ.items() if k in _PIP_PASSED}
+        ca = Path(os.environ.get("PIP_CERT") or _HOST_CA)
+        if ca.is_file():
+            lines.append(
+                f"touch {r}/mnt/ca.crt && mount --bind {shlex.quote(str(ca))} {r}/mnt/ca.crt"
+            )
+            env["PIP_CERT"] = "/mnt/ca.crt"
         env_args = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
         lines.append(f"chroot {r} /usr/bin/env -i {env_args} bash {IN_IMAGE_STEPS} {step}")
         script = "\n".join(lines)
@@ -407,18 +429,20 @@ class ImageBuilder:
             yield
 
     def _run(self, cmd: list[str], *, log: str | None = None) -> str:
-        """Run a tool; its output goes to a log under the cache, its tail into the error."""
+        """Run a tool; its output (stdout too, unless it is the answer) goes to a log under the
+        cache as it comes, and the log's tail into the error."""
         log_path = self.logs / f"{log or Path(cmd[0]).name}.log"
         with open(log_path, "w") as out:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=out, text=True, check=False)
-            out.write(proc.stdout)
+            proc = subprocess.run(
+                cmd, stdout=out if log else subprocess.PIPE, stderr=out, text=True, check=False
+            )
         if proc.returncode != 0:
             tail = "\n".join(log_path.read_text().splitlines()[-15:])
             raise ImageBuildError(
                 f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); "
                 f"the end of {log_path}:\n{tail}"
             )
-        return proc.stdout
+        return proc.stdout or ""
 
 
 def _check_no_whiteouts(upper: Path) -> None:
