@@ -10,8 +10,9 @@ Dockerfile states; skopeo writes the OCI archive that ``ctr images import`` load
 
 The cache, ``$CONVEYOR_CACHE/images`` (``~/.cache/conveyor/images``), holds the layout, the
 base's root file system and the deps' upper directory (the lower layers of the next build),
-and pip's download cache, which outlives any layer (a pyproject edit re-resolves without
-downloading torch again). One build at a time: a lock file.
+and pip's cache, which outlives every layer (where the package index lets pip cache its
+answers: this machine's proxy sends no caching headers, so here a deps rebuild downloads
+again). One build at a time: a lock file.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import os
 import shlex
 import shutil
 import stat
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.cluster.image_oci import ImageBuildError, OciLayout, ToolRunner
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
     STEPS_SCRIPT,
@@ -55,10 +56,6 @@ _HOST_CA = "/etc/ssl/certs/ca-certificates.crt"
 _PIP_PASSED = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT")
 """This machine's package-index settings, which the steps' pip uses too."""
 _CHROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-class ImageBuildError(RuntimeError):
-    """The build cannot go on; the message says what to do."""
 
 
 @dataclass(frozen=True)
@@ -108,11 +105,12 @@ class ImageBuilder:
         self.cache = cache
         self.no_cache = no_cache
         self.say = progress
-        self.layout = cache / "oci"
         self.dirs = cache / "dirs"
         self.logs = cache / "logs"
         self.pip_cache = cache / "pip"
         self._sizes_file = cache / "layers.json"
+        self._run = ToolRunner(self.logs)
+        self.oci = OciLayout(cache / "oci", self._run)
 
     def build(self, output: Path | None = None) -> BuildResult:
         """Build what the cache lacks and write the archive (default: beside the cache)."""
@@ -138,12 +136,11 @@ class ImageBuilder:
         for d in (self.dirs, self.logs, self.pip_cache):
             d.mkdir(parents=True, exist_ok=True)
         with self._locked():
-            if not (self.layout / "index.json").exists():
-                self._run(["umoci", "init", "--layout", str(self.layout)])
+            self.oci.ensure()
             reports = [self._layer(layer) for layer in plan_layers(self.settings)]
             top = reports[-1].layer
             self._finish(top, version, archive)
-            self._prune_sources(keep=top)
+            self.oci.prune_siblings(keep=top.tag, prefix="src-")
         return BuildResult(name, archive, reports, time.monotonic() - started)
 
     # -- one layer ---------------------------------------------------------------------------
@@ -162,8 +159,8 @@ class ImageBuilder:
         self.say(f"{layer.kind}: built in {time.monotonic() - started:.1f} s; packing")
         tar_bytes = self._append(layer, upper)
         if layer.kind == "src":
-            shutil.rmtree(upper)  # nothing is built on it: only its blob is kept
-        blob_bytes = self._blob_size(layer.tag)
+            shutil.rmtree(upper.parent)  # nothing is built on it: only its blob is kept
+        blob_bytes = self.oci.top_layer_size(layer.tag)
         sizes[layer.tag] = (tar_bytes, blob_bytes)
         self._sizes_file.write_text(json.dumps(sizes))
         seconds = time.monotonic() - started
@@ -175,7 +172,7 @@ class ImageBuilder:
 
     def _cached(self, layer: Layer) -> bool:
         """Its tag is in the layout and, for a layer others build on, its directory is kept."""
-        if layer.tag not in self._tags():
+        if layer.tag not in self.oci.tags():
             return False
         return layer.kind == "src" or (self.dirs / layer.tag).is_dir()
 
@@ -323,75 +320,20 @@ class ImageBuilder:
         )
         size = tar.stat().st_size
         try:
-            if layer.parent is None:
-                self._run(["umoci", "new", "--image", f"{self.layout}:{layer.tag}"])
-                image = f"{self.layout}:{layer.tag}"
-            else:
-                image = f"{self.layout}:{layer.parent.tag}"
-            self._run(
-                [
-                    "umoci",
-                    "raw",
-                    "add-layer",
-                    "--image",
-                    image,
-                    "--tag",
-                    layer.tag,
-                    "--history.created_by",
-                    f"image-steps.sh {layer.kind}",
-                    str(tar),
-                ]
-            )
+            parent = layer.parent.tag if layer.parent else None
+            created_by = f"image-steps.sh {layer.kind}"
+            self.oci.append(tar, parent=parent, tag=layer.tag, created_by=created_by)
         finally:
             tar.unlink()
         return size
 
     def _finish(self, top: Layer, version: str, archive: Path) -> None:
         """The Dockerfile's configuration on the top layer, then the archive."""
-        config = dockerfile_config(self.settings.repo / "Dockerfile")
         tag = f"conveyor-{version}"
-        args = ["umoci", "config", "--image", f"{self.layout}:{top.tag}", "--tag", tag]
-        args += ["--clear=config.env", "--clear=config.entrypoint", "--clear=config.cmd"]
-        args += [f"--config.env={k}={v}" for k, v in config.env.items()]
-        args += [f"--config.exposedports={p}/tcp" for p in config.ports]
-        args += [f"--config.entrypoint={a}" for a in config.entrypoint]
-        args += [f"--config.cmd={a}" for a in config.cmd]
-        args += [f"--config.user={config.user}", f"--config.workingdir={config.workdir}"]
-        args += ["--history.created_by", "Dockerfile configuration"]
-        self._run(args)
+        self.oci.configure(top.tag, tag, dockerfile_config(self.settings.repo / "Dockerfile"))
         started = time.monotonic()
-        archive.parent.mkdir(parents=True, exist_ok=True)
-        partial = archive.with_name(archive.name + ".partial")
-        partial.unlink(missing_ok=True)
-        self._run(
-            [
-                "skopeo",
-                "copy",
-                "--quiet",
-                f"oci:{self.layout}:{tag}",
-                f"oci-archive:{partial}:conveyor:{version}",
-            ]
-        )
-        partial.rename(archive)
+        self.oci.write_archive(tag, archive, version)
         self.say(f"archive: {archive} in {time.monotonic() - started:.1f} s")
-
-    def _index(self) -> list[dict]:
-        return list(json.loads((self.layout / "index.json").read_text()).get("manifests") or [])
-
-    def _tags(self) -> set[str]:
-        ref = "org.opencontainers.image.ref.name"
-        return {m.get("annotations", {}).get(ref, "") for m in self._index()}
-
-    def _manifest(self, tag: str) -> dict:
-        ref = "org.opencontainers.image.ref.name"
-        entry = next(m for m in self._index() if m.get("annotations", {}).get(ref) == tag)
-        return dict(json.loads(self._blob(entry["digest"]).read_text()))
-
-    def _blob(self, digest: str) -> Path:
-        return self.layout / "blobs" / Path(*digest.split(":", 1))
-
-    def _blob_size(self, tag: str) -> int:
-        return int(self._manifest(tag)["layers"][-1]["size"])
 
     def _sizes(self) -> dict[str, tuple[int, int]]:
         try:
@@ -399,22 +341,6 @@ class ImageBuilder:
             return {tag: (int(v[0]), int(v[1])) for tag, v in recorded.items()}
         except (OSError, ValueError):
             return {}
-
-    def _prune_sources(self, keep: Layer) -> None:
-        """Drop the src layers that earlier builds put on the same lower layers (nothing builds
-        on them; another extras' image keeps its own), then the blobs no tag holds."""
-
-        def lowers(tag: str) -> list[str]:
-            return [layer["digest"] for layer in self._manifest(tag)["layers"][:-1]]
-
-        below = lowers(keep.tag)
-        stale = [
-            t for t in self._tags() if t.startswith("src-") and t != keep.tag and lowers(t) == below
-        ]
-        for tag in stale:
-            self._run(["umoci", "rm", "--image", f"{self.layout}:{tag}"])
-        if stale:
-            self._run(["umoci", "gc", "--layout", str(self.layout)])
 
     # -- processes ---------------------------------------------------------------------------
 
@@ -427,22 +353,6 @@ class ImageBuilder:
                 self.say(f"waiting for another image build (lock {self.cache / '.lock'})")
                 fcntl.flock(lock, fcntl.LOCK_EX)
             yield
-
-    def _run(self, cmd: list[str], *, log: str | None = None) -> str:
-        """Run a tool; its output (stdout too, unless it is the answer) goes to a log under the
-        cache as it comes, and the log's tail into the error."""
-        log_path = self.logs / f"{log or Path(cmd[0]).name}.log"
-        with open(log_path, "w") as out:
-            proc = subprocess.run(
-                cmd, stdout=out if log else subprocess.PIPE, stderr=out, text=True, check=False
-            )
-        if proc.returncode != 0:
-            tail = "\n".join(log_path.read_text().splitlines()[-15:])
-            raise ImageBuildError(
-                f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); "
-                f"the end of {log_path}:\n{tail}"
-            )
-        return proc.stdout or ""
 
 
 def _check_no_whiteouts(upper: Path) -> None:

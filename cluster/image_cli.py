@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from conveyor.cluster.image_build import ImageBuilder, ImageBuildError, images_cache
+from conveyor.cluster.image_build import ImageBuilder, images_cache
+from conveyor.cluster.image_oci import ImageBuildError
 from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
 
 
