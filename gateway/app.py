@@ -59,7 +59,7 @@ class Gateway:
 
 
 def make_control_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    """Client for /load polls and /v1/models: a few requests per replica per second.
+    """Client for discovery's checks of replicas (/v1/models): a few requests per replica.
 
     ``trust_env=False`` so no proxy variable reroutes traffic meant for pods.
     """
@@ -71,7 +71,8 @@ def make_control_client(settings: GatewaySettings) -> httpx.AsyncClient:
 
 
 def make_upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
-    """The one pooled client of the data path (proxied requests).
+    """A pooled client to the replicas: one for the data path (proxied requests), one for
+    the /load polls (``load_poller``).
 
     aiohttp rather than httpx here: httpcore's pool scans every connection on each request
     and release, which took two thirds of the gateway's CPU at 200 concurrent streams
@@ -109,6 +110,7 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
     async with (
         make_control_client(settings) as client,
         make_upstream_session(settings) as session,
+        make_upstream_session(settings) as poll_session,
         contextlib.AsyncExitStack() as stack,
     ):
         proxy = Proxy(
@@ -117,7 +119,7 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
         gateway = Gateway(settings, client, session, metrics, registry, auth, proxy)
         poller = LoadPoller(
             registry=registry,
-            client=client,
+            session=poll_session,
             metrics=metrics,
             interval_s=settings.load_poll_interval_s,
             timeout_s=settings.load_poll_timeout_s,

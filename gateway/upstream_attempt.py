@@ -140,7 +140,7 @@ class Upstream:
                         )
                     break
                 except UPSTREAM_ERRORS as exc:
-                    if retry_stale and _stale_connection(exc):
+                    if retry_stale and stale_connection(exc):
                         continue  # the replica had closed that pooled connection: once more
                     return self._eject(
                         pool, replica, f"could not reach {replica.url}: {_describe(exc)}"
@@ -235,7 +235,7 @@ class Upstream:
         )
 
 
-def _stale_connection(exc: BaseException) -> bool:
+def stale_connection(exc: BaseException) -> bool:
     """Whether ``exc`` is a pooled keep-alive connection the replica closed as it was reused
     (it disconnected, or the request could not be written): the replica is fine, and the
     request is tried once more on it before it counts as a failure. A refused or timed-out

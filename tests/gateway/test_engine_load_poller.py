@@ -5,9 +5,13 @@ Conveyor one: vLLM's /load is a document of its own (``{"server_load": n}``; SGL
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import httpx
+import aiohttp
+from aiohttp import web
+from loopback import serve
 
 from conveyor.contracts.engine_load import SGLANG, VLLM, load_from_metrics
 from conveyor.gateway.load_poller import LoadPoller
@@ -33,42 +37,49 @@ CONVEYOR_LOAD = {
 def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
     asked: list[str] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        asked.append(f"{request.url.host}{request.url.path}")
-        if request.url.host == "vllm":
-            if request.url.path == "/metrics":
-                return httpx.Response(200, text=VLLM_TEXT)
-            return httpx.Response(200, json={"server_load": 0})  # vLLM's own /load
-        if request.url.host == "sglang":
-            if request.url.path == "/metrics":
-                return httpx.Response(200, text=SGLANG_TEXT)
-            return httpx.Response(404, json={"detail": "Not Found"})
-        if request.url.path == "/load":
-            return httpx.Response(200, json=CONVEYOR_LOAD)
-        raise AssertionError(f"unexpected request {request.url}")
+    def engine(name: str) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handler(request: web.Request) -> web.Response:
+            asked.append(f"{name}{request.path}")
+            if name == "vllm":
+                if request.path == "/metrics":
+                    return web.Response(text=VLLM_TEXT)
+                return web.json_response({"server_load": 0})  # vLLM's own /load
+            if name == "sglang":
+                if request.path == "/metrics":
+                    return web.Response(text=SGLANG_TEXT)
+                return web.json_response({"detail": "Not Found"}, status=404)
+            if request.path == "/load":
+                return web.json_response(CONVEYOR_LOAD)
+            raise AssertionError(f"unexpected request {request.path}")
+
+        return handler
 
     metrics = GatewayMetrics()
 
-    async def run() -> None:
-        registry = Registry(lambda _name: RoundRobin())
-        registry.sync("test", {"m": {"http://vllm", "http://sglang", "http://conveyor"}})
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+    async def run() -> str:
+        async with contextlib.AsyncExitStack() as stack:
+            urls = {n: await stack.enter_async_context(serve(engine(n)))
+                    for n in ("vllm", "sglang", "conveyor")}  # fmt: skip
+            registry = Registry(lambda _name: RoundRobin())
+            registry.sync("test", {"m": set(urls.values())})
+            session = await stack.enter_async_context(aiohttp.ClientSession())
             poller = LoadPoller(
-                registry=registry, client=client, metrics=metrics,
+                registry=registry, session=session, metrics=metrics,
                 interval_s=0.0, timeout_s=1.0, backend_api_key=None,
             )  # fmt: skip
             for _ in range(3):
                 for replica in registry.replicas.values():
                     await poller._poll(replica)
             now = asyncio.get_running_loop().time()
-            vllm = registry.replicas["http://vllm"]
+            vllm = registry.replicas[urls["vllm"]]
             assert vllm.admitted(now) and vllm.load == load_from_metrics(VLLM_TEXT)
-            sglang = registry.replicas["http://sglang"].load
+            sglang = registry.replicas[urls["sglang"]].load
             assert sglang is not None and (sglang.running, sglang.waiting) == (3, 1)
-            assert registry.replicas["http://conveyor"].load is not None
-            assert registry.replicas["http://conveyor"].load.max_running_requests == 4
+            conveyor = registry.replicas[urls["conveyor"]].load
+            assert conveyor is not None and conveyor.max_running_requests == 4
+            return urls["vllm"]
 
-    asyncio.run(run())
+    vllm_url = asyncio.run(run())
     # one look at /load finds out, then /metrics only; the Conveyor replica only ever /load
     assert [a for a in asked if a.startswith("vllm")] == ["vllm/load"] + ["vllm/metrics"] * 3
     assert [a for a in asked if a.startswith("sglang")] == ["sglang/load"] + ["sglang/metrics"] * 3
@@ -82,7 +93,7 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
     ):
         got = metrics.registry.get_sample_value(
             "conveyor_gateway_backend_load",
-            {"model": "m", "backend": "http://vllm", "signal": signal},
+            {"model": "m", "backend": vllm_url, "signal": signal},
         )
         assert got == value, signal
     assert VLLM.running in VLLM_TEXT
@@ -93,25 +104,25 @@ def test_an_address_that_changes_engine_is_read_the_new_engines_way() -> None:
     there, finds no engine's gauges and goes back to /load in the same poll."""
     engine = {"now": "vllm"}
 
-    def handler(request: httpx.Request) -> httpx.Response:
+    async def handler(request: web.Request) -> web.Response:
         if engine["now"] == "vllm":
-            if request.url.path == "/metrics":
-                return httpx.Response(200, text=VLLM_TEXT)
-            return httpx.Response(404)
-        if request.url.path == "/load":
-            return httpx.Response(200, json=CONVEYOR_LOAD)
-        assert request.url.path == "/metrics"
-        return httpx.Response(200, text="# TYPE conveyor_num_requests_running gauge\n")
+            if request.path == "/metrics":
+                return web.Response(text=VLLM_TEXT)
+            return web.Response(status=404)
+        if request.path == "/load":
+            return web.json_response(CONVEYOR_LOAD)
+        assert request.path == "/metrics"
+        return web.Response(text="# TYPE conveyor_num_requests_running gauge\n")
 
     async def run() -> None:
-        registry = Registry(lambda _name: RoundRobin())
-        registry.sync("test", {"m": {"http://pod"}})
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        async with serve(handler) as url, aiohttp.ClientSession() as session:
+            registry = Registry(lambda _name: RoundRobin())
+            registry.sync("test", {"m": {url}})
             poller = LoadPoller(
-                registry=registry, client=client, metrics=GatewayMetrics(),
+                registry=registry, session=session, metrics=GatewayMetrics(),
                 interval_s=0.0, timeout_s=1.0, backend_api_key=None,
             )  # fmt: skip
-            replica = registry.replicas["http://pod"]
+            replica = registry.replicas[url]
             await poller._poll(replica)
             assert replica.load == load_from_metrics(VLLM_TEXT)
             engine["now"] = "conveyor"

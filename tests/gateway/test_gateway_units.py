@@ -152,39 +152,44 @@ def test_a_joining_replica_that_does_not_answer_load_is_logged_once(caplog) -> N
     import asyncio
     import logging
 
-    import httpx
+    import aiohttp
+    from aiohttp import web
+    from loopback import serve
 
+    from conveyor.bench.procs import free_port
     from conveyor.gateway.load_poller import LoadPoller
     from conveyor.gateway.metrics import GatewayMetrics
     from conveyor.gateway.pool import Registry
     from conveyor.gateway.round_robin import RoundRobin
 
-    answers = iter([None, None, None])  # three refused connections, then ready
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        if next(answers, "ready") is None:
-            raise httpx.ConnectError("connection refused", request=request)
-        return httpx.Response(
-            200, json={"ready": True, "running": 0, "waiting": 0, "kv_cache_usage": 0.0,
-                       "max_running_requests": 4}
+    async def ready(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"ready": True, "running": 0, "waiting": 0, "kv_cache_usage": 0.0,
+             "max_running_requests": 4}
         )  # fmt: skip
 
+    port = free_port()
+
     async def run() -> bool:
+        url = f"http://127.0.0.1:{port}"
         registry = Registry(lambda _name: RoundRobin())
-        registry.sync("test", {"m": {"http://replica"}})
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        registry.sync("test", {"m": {url}})
+        async with aiohttp.ClientSession() as session:
             poller = LoadPoller(
-                registry=registry, client=client, metrics=GatewayMetrics(),
+                registry=registry, session=session, metrics=GatewayMetrics(),
                 interval_s=0.0, timeout_s=1.0, backend_api_key=None,
             )  # fmt: skip
-            replica = registry.replicas["http://replica"]
-            for _ in range(5):
+            replica = registry.replicas[url]
+            for _ in range(3):  # nothing listens there yet: refused
                 await poller._poll(replica)
+            async with serve(ready, port):
+                for _ in range(2):
+                    await poller._poll(replica)
             return replica.admitted(asyncio.get_running_loop().time())
 
     with caplog.at_level(logging.INFO, logger="conveyor.gateway"):
         assert asyncio.run(run())
     said = [r.getMessage() for r in caplog.records]
     unanswered = [m for m in said if "does not answer /load yet" in m]
-    assert len(unanswered) == 1 and "connection refused" in unanswered[0]
-    assert any("replica http://replica is ready" in m for m in said)
+    assert len(unanswered) == 1 and "Cannot connect to host" in unanswered[0]
+    assert any(f"replica http://127.0.0.1:{port} is ready" in m for m in said)
