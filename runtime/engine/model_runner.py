@@ -7,8 +7,9 @@ every sequence whose last known token was computed in this step.
 
 Under tensor parallelism (``--tensor-parallel-size N``) the engine's runner is rank 0: it
 spawns ranks 1..N-1 (``tensor_parallel.py``), each a runner over its own shard of the model
-and of the KV cache, and hands them every step's layout before it runs its own part; the
-layers' all-reduces keep the ranks in step. Only rank 0 computes logits and samples.
+and of the KV cache, and hands them what changed in every step (``step_messages.py``) before
+it runs its own part; the layers' all-reduces keep the ranks in step. Each rank computes its
+vocabulary rows' logits; rank 0 gathers them and samples.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.step_inputs import StepLayout, layout_step, step_tensors, to_device
+from conveyor.runtime.engine.step_messages import StepSender
 from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
@@ -86,6 +88,8 @@ class ModelRunner:
         self.backend = select_backend(settings.attention_backend, self.device)
         self.ranks: tensor_parallel.Ranks | None = ranks
         """Ranks 1..N-1, on rank 0 of a tensor-parallel replica."""
+        self.steps = StepSender()
+        """What the other ranks know of the running sequences (rank 0 of a replica)."""
         if tp is None and settings.tensor_parallel_size > 1:
             tp = self._start_ranks(files, on_progress or log.info)
         self.tp = tp or SINGLE
@@ -272,19 +276,18 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> dict[str, Sample]:
         """Run the model over ``batch``; returns a sample per sequence that reached its end."""
         layout, sample_rows = layout_step(batch, self.block_size)
+        rows = [r for _, r in sample_rows]
         if self.ranks is not None:
-            self.ranks.send(tensor_parallel.RunStep(layout))
+            self.ranks.send(self.steps.message(batch, layout, rows))
             try:
-                hidden = self._forward(layout)
-            except RuntimeError as exc:  # an all-reduce whose peer died: say which
+                logits = self._logits(layout, rows)
+            except RuntimeError as exc:  # a collective whose peer died: say which
                 raise self.ranks.explain(exc) or exc from exc
         else:
-            hidden = self._forward(layout)
-        if not sample_rows:
+            logits = self._logits(layout, rows)
+        if logits is None:
             return {}
         seqs = [batch.seqs[i] for i, _ in sample_rows]
-        rows = torch.tensor([r for _, r in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # (N, V)
         out = self.sampler(logits, self._sampling_tensors(seqs))
         token_ids = out.token_ids.tolist()
         logprobs = self._logprobs(seqs, out)
@@ -294,9 +297,18 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def run_step(self, layout: StepLayout) -> None:
-        """A step on rank 1..N-1: this rank's part of the forward pass (rank 0 samples)."""
-        self._forward(layout)
+    def run_step(self, layout: StepLayout, sample_rows: list[int]) -> None:
+        """A step on rank 1..N-1: this rank's part of the forward pass and of the logits."""
+        self._logits(layout, sample_rows)
+
+    def _logits(self, layout: StepLayout, rows: list[int]) -> torch.Tensor | None:
+        """The forward pass, then the logits (N, V) of the hidden states' ``rows`` on rank 0
+        (None on the other ranks, which hand rank 0 their vocabulary rows' part; None when
+        no row samples)."""
+        hidden = self._forward(layout)
+        if not rows:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
 
     def _forward(self, layout: StepLayout) -> torch.Tensor:
         """The forward pass over the step's tokens -> hidden states (T, hidden)."""
@@ -392,6 +404,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.steps.release(request_id)
 
     @staticmethod
     def _logprobs(seqs: list[Sequence], out: SamplerOutput) -> list[TokenLogprob | None]:

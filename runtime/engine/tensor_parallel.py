@@ -4,8 +4,8 @@ Rank 0 is the engine's own process: it runs the scheduler (and the server) and i
 runner holds rank 0's shard. ``Ranks.start`` starts ranks 1..N-1 as plain subprocesses
 (``python -c``, so a caller's script is never re-run, as multiprocessing's spawn would);
 each builds a model runner over its own shard and KV cache, then obeys rank 0's commands,
-which arrive over a socket: size the KV cache, allocate it, run a step (the step's layout:
-token ids, positions, block tables; small lists, never tensors), stop. The model's
+which arrive over a socket: size the KV cache, allocate it, run a step (what changed since
+the last one: ``step_messages.py``; small lists, never tensors), stop. The model's
 all-reduces run over a process group of their own (gloo on CPU, NCCL on GPU) that no other
 code shares, so an engine can be built and closed many times in one process.
 
@@ -35,11 +35,12 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from conveyor.runtime.engine.step_messages import StepMessage, StepReceiver
+
 if TYPE_CHECKING:
     import torch
 
     from conveyor.runtime.engine.settings import EngineSettings
-    from conveyor.runtime.engine.step_inputs import StepLayout
     from conveyor.runtime.layers.parallel import TensorParallel
 
 log = logging.getLogger("conveyor.runtime")
@@ -73,16 +74,11 @@ class AllocateKvCache:
 
 
 @dataclass(frozen=True)
-class RunStep:
-    layout: StepLayout
-
-
-@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = SizeKvCache | AllocateKvCache | RunStep | Stop
+Command = SizeKvCache | AllocateKvCache | StepMessage | Stop
 
 
 @dataclass(frozen=True)
@@ -366,13 +362,14 @@ def main(argv: list[str]) -> None:
             conn.send(RankError(f"{type(exc).__name__}: {exc}"))
         sys.exit(1)
     conn.send(runner.weight_bytes)
+    steps = StepReceiver(spec.settings.block_size)
     while True:
         try:
             command = conn.recv()
         except EOFError:  # rank 0 is gone
             sys.exit(1)
-        if isinstance(command, RunStep):
-            runner.run_step(command.layout)
+        if isinstance(command, StepMessage):
+            runner.run_step(steps.layout(command), command.sample_rows)
         elif isinstance(command, SizeKvCache):
             conn.send(runner.num_blocks_for_memory(command.max_tokens_useful))
         elif isinstance(command, AllocateKvCache):

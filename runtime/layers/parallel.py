@@ -7,7 +7,8 @@ columns of the MLP, no communication), the output and down projections are row-p
 sums the partial results). Two all-reduces a layer. KV heads are split like the query heads
 when their count divides by the ranks; with fewer KV heads than ranks (grouped-query
 attention) each rank keeps the one KV head its query heads read, so a KV head is held by
-``size / num_kv_heads`` ranks. The embedding, the norms and the LM head are replicated.
+``size / num_kv_heads`` ranks. The embedding and the LM head are split by vocabulary rows
+(``vocab_parallel.py``); the norms are replicated.
 
 A bias of a row-parallel projection is added once: rank 0 holds it and every other rank
 holds zeros, so the all-reduce's sum carries it exactly once.
@@ -38,6 +39,14 @@ class TensorParallel:
         if self.group is not None:
             self.group.allreduce([x]).wait()
         return x
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``x`` (all of one shape), in rank order, on rank 0; None on the others."""
+        if self.group is None:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
+        self.group.gather(parts, x, 0).wait()
+        return parts if self.rank == 0 else None
 
 
 SINGLE = TensorParallel()

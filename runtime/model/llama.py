@@ -20,6 +20,7 @@ from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
+from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -56,6 +57,8 @@ class DecoderShape:
         self.num_kv_heads = self.split.num_kv_heads
         self.intermediate_size = self.split.intermediate_size
         self.vocab_size = config.vocab_size
+        self.vocab = VocabSplit.of(self.vocab_size, tp)
+        """This rank's rows of the embedding and the LM head."""
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
         self.qkv_bias = self.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
@@ -142,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend: AttentionBackend, tp: TensorParallel = SINGLE):
         super().__init__()
         s = self.shape = DecoderShape(config, tp)
-        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend) for _ in range(s.num_layers))
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
@@ -154,7 +157,10 @@ class LlamaForCausalLM(nn.Module):
         if s.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+            self.lm_head = nn.Linear(s.hidden_size, s.vocab.rows, bias=False)
+            self.lm_head.weight.data[
+                s.vocab.loaded :
+            ].zero_()  # the padding (``vocab_parallel.py``)
 
     def forward(
         self,
@@ -174,11 +180,14 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32 logits."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """(N, hidden) -> (N, vocab) float32 logits; under tensor parallelism every rank
+        calls it with the same rows, and only rank 0 gets the logits (the others None)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return packed_linear(hidden, self.embed_tokens.weight, self.tied_head_packed, None).float()
+            local = self.lm_head(hidden)  # (N, this rank's vocabulary rows)
+        else:
+            local = packed_linear(hidden, self.embed_tokens.weight, self.tied_head_packed, None)
+        return gather_logits(local, self.shape.vocab, self.shape.tp)
 
     # -- weights ---------------------------------------------------------------------
 
@@ -188,6 +197,8 @@ class LlamaForCausalLM(nn.Module):
         tp, sp, d = self.shape.tp, self.shape.split, self.shape.head_dim
         if tp.size == 1:
             return None
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return self.shape.vocab.shard
         if ".q_proj." in hf_name:
             return Shard(0, sp.head_start * d, sp.num_heads * d)
         if ".k_proj." in hf_name or ".v_proj." in hf_name:
@@ -202,7 +213,7 @@ class LlamaForCausalLM(nn.Module):
                 if hf_name.endswith(".bias"):  # added once, by rank 0 (``layers/parallel.py``)
                     return None if tp.rank == 0 else Shard(0, 0, 0, zero=True)
                 return Shard(1, start, size)
-        return None  # embedding, norms, LM head: replicated
+        return None  # the norms: replicated
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors (each already cut to ``weight_shard``) into the (partly
@@ -225,7 +236,9 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}"
                 )
             param = params[target]
-            if shard is None:
+            if name in ("embed_tokens.weight", "lm_head.weight"):  # the rows past are padding
+                _copy(param.data[: self.shape.vocab.loaded], tensor, hf_name)
+            elif shard is None:
                 _copy(param.data, tensor, hf_name)
             else:
                 _copy(param.data.narrow(0, *self._shard_range(shard[0])), tensor, hf_name)

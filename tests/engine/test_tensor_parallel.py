@@ -3,9 +3,10 @@
 Each engine here is rank 0 of a replica whose other ranks are real processes, meeting over
 gloo on loopback. The shapes cover a split of the KV heads (Qwen2 and Llama at 2 ranks)
 and fewer KV heads than ranks (Llama's 2 KV heads at 4 ranks, Qwen2's 2 at 4, one KV head
-at 2), biases on the row-parallel projections, and the batching, chunked prefill, preemption
-and prefix caching of the TP=1 correctness tests (``test_correctness.py``), whose helpers
-and transformers reference these reuse.
+at 2), biases on the row-parallel projections, vocabularies split by rows, tied and untied,
+with sizes the ranks do not divide (321 over 2, 322 over 4: the last rank's rows padded),
+and the batching, chunked prefill, preemption and prefix caching of the TP=1 correctness
+tests (``test_correctness.py``), whose helpers and transformers reference these reuse.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import QWEN2
 from gguf_files import write_gguf
 from test_correctness import assert_matches_reference, make_engine, run_staggered, workload
 
@@ -29,7 +31,8 @@ from conveyor.runtime.model.gguf import GGUFModel
 from conveyor.runtime.model.llama import LlamaForCausalLM
 
 # Llama with biases on every projection (o_proj and down_proj are row-parallel: rank 0
-# alone adds theirs) and a single KV head, which each of 2 ranks holds whole.
+# alone adds theirs), a single KV head, which each of 2 ranks holds whole, and a tied
+# embedding of 321 rows: 161 on rank 0, 160 and one of padding on rank 1.
 LLAMA_BIASED = dict(
     architectures=["LlamaForCausalLM"],
     model_type="llama",
@@ -42,7 +45,7 @@ LLAMA_BIASED = dict(
     max_position_embeddings=2048,
     rms_norm_eps=1e-6,
     rope_theta=10000.0,
-    vocab_size=320,
+    vocab_size=321,
     torch_dtype="float32",
     attention_bias=True,
     mlp_bias=True,
@@ -53,7 +56,12 @@ LLAMA_BIASED = dict(
 @pytest.fixture(scope="module")
 def tp_models(model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tp-models")
-    return {**model_dirs, "llama-biased": str(generate_model(root / "lb", LLAMA_BIASED, seed=3))}
+    return {
+        **model_dirs,
+        "llama-biased": str(generate_model(root / "lb", LLAMA_BIASED, seed=3)),
+        # An untied LM head of 322 rows over 4 ranks: 81 each, the last with 2 of padding.
+        "qwen2-322": str(generate_model(root / "q322", dict(QWEN2, vocab_size=322), seed=4)),
+    }
 
 
 def tp_engine(models, model: str, tp: int, **settings) -> LLMEngine:
@@ -118,6 +126,37 @@ def test_kv_heads_are_split_or_shared_by_whole_heads():
     assert [HeadSplit.of(8, 4, 704, TensorParallel(r, 2)).kv_head_start for r in range(2)] == [0, 2]
 
 
+@pytest.mark.parametrize(("vocab", "tp"), [(321, 2), (322, 4), (320, 4), (5, 4)])
+def test_the_vocabulary_is_padded_and_every_row_held_once(vocab, tp):
+    from conveyor.runtime.layers.vocab_parallel import VocabSplit
+
+    splits = [VocabSplit.of(vocab, TensorParallel(r, tp)) for r in range(tp)]
+    assert len({s.rows for s in splits}) == 1, "every rank holds as many rows (gather needs it)"
+    rows = [t for s in splits for t in range(s.start, s.start + s.loaded)]
+    assert rows == list(range(vocab))
+    assert splits[0].rows * tp - vocab < tp, "padded to the next multiple of the ranks, no more"
+
+
+def test_each_rank_holds_its_share_of_the_weights_embedding_and_head_included(tp_models):
+    """At 2 ranks each holds half of every weight but the norms (conveyor-tiny: untied,
+    its 2 KV heads split)."""
+    import torch
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tp_models["conveyor-tiny"])
+
+    def weights(tp: TensorParallel) -> dict[str, int]:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, backend=None, tp=tp)  # type: ignore[arg-type]
+        return {n: p.numel() for n, p in model.named_parameters()}
+
+    whole = weights(TensorParallel(0, 1))
+    for rank in range(2):
+        shard = weights(TensorParallel(rank, 2))
+        for name, n in shard.items():
+            assert n == (whole[name] if "norm" in name else whole[name] // 2), name
+
+
 @pytest.mark.parametrize(
     ("tp", "words"),
     [(3, ["3", "4 attention heads", "sizes this model can run: 1, 2, 4"])],
@@ -154,7 +193,7 @@ def test_each_rank_holds_only_its_shard_of_a_gguf(tp_models, tmp_path):
 
 # Llama and Qwen2 with their 2 KV heads split over 2 ranks and shared at 4; one KV head
 # shared by 2 ranks, with biases on the row-parallel projections.
-CASES = [("conveyor-tiny", 2), ("qwen2", 4), ("llama-biased", 2)]
+CASES = [("conveyor-tiny", 2), ("qwen2-322", 4), ("llama-biased", 2)]
 
 
 @pytest.mark.parametrize(("model", "tp"), CASES, ids=[f"{m}-tp{t}" for m, t in CASES])
