@@ -236,7 +236,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         tokens = min(self.settings.token_budget("cuda"), self.model.shape.max_position)
-        self.allocate_kv_cache(-(-tokens // self.block_size) + 1, capture_graphs=False)
+        # This rank's alone: under tensor parallelism every rank profiles itself at once.
+        self._allocate_kv_cache(-(-tokens // self.block_size) + 1, capture_graphs=False)
         fake = Sequence("warmup", [0] * tokens, tokens, params=None, arrival_time=0.0)  # type: ignore[arg-type]
         fake.block_table = list(range(-(-tokens // self.block_size)))
         batch = ScheduledBatch(seqs=[fake], num_new_tokens=[tokens], num_decodes=0)
@@ -255,6 +256,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
         if self.ranks is not None:
             self.ranks.send(tensor_parallel.AllocateKvCache(num_blocks, capture_graphs))
+        self._allocate_kv_cache(num_blocks, capture_graphs)
+
+    def _allocate_kv_cache(self, num_blocks: int, capture_graphs: bool) -> None:
         s = self.model.shape
         # (layers, K/V, blocks, block_size, kv_heads, head_dim); zeros, so padded reads are finite.
         self.kv_cache = torch.zeros(

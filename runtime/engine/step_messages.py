@@ -8,8 +8,9 @@ seen, and rank 0 sends only the block ids a table gained since the last step (a 
 changed in any other way, a preempted sequence's freed and then reallocated, is sent again
 whole), the sequences that finished, the step's token ids and each sequence's context and
 query lengths; a rank rebuilds positions and slots from those. Every sequence has a small
-integer key instead of its request id. Torch-free: rank 0's ``StepSender`` and the other
-ranks' ``StepReceiver`` are plain Python, tested against ``layout_step`` on real schedules.
+integer key instead of its request id. Rank 0's ``StepSender`` and the other ranks'
+``StepReceiver`` are plain Python (the sender imports no torch), tested against
+``layout_step`` on real schedules.
 """
 
 from __future__ import annotations
