@@ -106,7 +106,9 @@ def main(argv: list[str]) -> int:
     routing: report.Routing = {}
     grown: report.Routing = {}
     if "overhead" in parts:
-        overhead, held = bench_overhead(installed, concurrency, s.overhead_requests, steps, workers)
+        overhead, held = bench_overhead(
+            installed, concurrency, s.overhead_requests, steps, workers, s.rounds
+        )
     if parts & {"routing", "grow"}:
         with tempfile.TemporaryDirectory(prefix="conveyor-bench-gateway-") as workdir:
             routing, grown = bench_routing(s, installed, parts, Path(workdir))

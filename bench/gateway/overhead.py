@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import statistics
 import tempfile
 import time
 from collections import Counter
@@ -169,46 +170,70 @@ def _ms(value: float | None, sign: str = "") -> str:
 
 
 def added_latency(
-    targets: list[Target], concurrency: list[int], requests: int, rounds: int = 2
+    targets: list[Target], concurrency: list[int], requests: int, rounds: int = 3
 ) -> dict[int, dict[str, dict[str, float | None]]]:
-    """Per concurrency and path: p50/p99 of each probe kind, and what the path adds to
-    ``direct``'s. Paths take turns, in reverse order every other round, so drift on the
-    shared machine falls on all of them alike."""
+    """Per concurrency and path: p50/p99 of each probe kind over all rounds, and what the
+    path adds to ``direct``'s: within each round (paths take turns, the order rotated each
+    round, so drift on the shared machine falls on all of them alike), then the median over
+    rounds, with its range as ``..._lo``/``..._hi``."""
     results: dict[int, dict[str, dict[str, float | None]]] = {}
     for c in concurrency:
-        merged = {t.name: Probes() for t in targets}
+        per_round: dict[str, list[Probes]] = {t.name: [] for t in targets}
         for r in range(rounds):
-            for t in targets if r % 2 == 0 else list(reversed(targets)):
-                merged[t.name].extend(asyncio.run(probe_under_load(t.url, c, requests)))
-        direct = merged.get("direct")
+            shift = r % len(targets)
+            for t in targets[shift:] + targets[:shift]:
+                per_round[t.name].append(asyncio.run(probe_under_load(t.url, c, requests)))
         figures: dict[str, dict[str, float | None]] = {}
         rows = []
         for t in targets:
-            p = merged[t.name]
+            p = Probes()
+            for probes in per_round[t.name]:
+                p.extend(probes)
             row: dict[str, float | None] = {"broken": float(p.broken)}
             for kind in ("whole", "ttft", "e2e"):
-                values = getattr(p, kind)
                 for q in (50, 99):
-                    row[f"{kind}_p{q}"] = v = percentile(values, q)
-                    base = None if direct is None else percentile(getattr(direct, kind), q)
-                    row[f"{kind}_added_p{q}"] = None if v is None or base is None else v - base
+                    row[f"{kind}_p{q}"] = percentile(getattr(p, kind), q)
+                    added = _added_per_round(per_round, t.name, kind, q)
+                    key = f"{kind}_added_p{q}"
+                    row[key] = statistics.median(added) if added else None
+                    row[key + "_lo"] = min(added, default=None)
+                    row[key + "_hi"] = max(added, default=None)
             figures[t.name] = row
             rows.append([
                 t.name,
                 *(_ms(row[f"{k}_p{q}"]) for k in ("whole", "ttft", "e2e") for q in (50, 99)),
                 *(_ms(row[f"{k}_added_p{q}"], "+") for k in ("whole", "ttft") for q in (50, 99)),
+                _range(row, "ttft_added_p99"),
                 str(p.broken),
             ])  # fmt: skip
         results[c] = figures
         print(f"\n{c} streams held open (a chunk every {HOLD_PACE_MS} ms each), "
-              f"{requests * rounds} probes of each kind per path, one at a time "
-              f"(non-streamed: {PROBE_TOKENS} words; streamed: {PROBE_TOKENS} chunks at once); ms:")  # fmt: skip
+              f"{requests} probes of each kind per path and round, {rounds} rounds, one at a "
+              f"time (non-streamed: {PROBE_TOKENS} words; streamed: {PROBE_TOKENS} chunks at "
+              "once); ms, the added ones the median over rounds of each round's own:")  # fmt: skip
         print(table(
             ["path", "whole p50", "whole p99", "TTFT p50", "TTFT p99", "e2e p50", "e2e p99",
-             "+whole p50", "+whole p99", "+TTFT p50", "+TTFT p99", "broken"],
+             "+whole p50", "+whole p99", "+TTFT p50", "+TTFT p99", "+TTFT p99 range", "broken"],
             rows,
         ), flush=True)  # fmt: skip
     return results
+
+
+def _added_per_round(
+    per_round: dict[str, list[Probes]], name: str, kind: str, q: int
+) -> list[float]:
+    """Each round's percentile ``q`` of ``kind`` on path ``name`` minus ``direct``'s."""
+    out = []
+    for mine, direct in zip(per_round[name], per_round.get("direct", []), strict=False):
+        v, base = percentile(getattr(mine, kind), q), percentile(getattr(direct, kind), q)
+        if v is not None and base is not None:
+            out.append(v - base)
+    return out
+
+
+def _range(row: dict[str, float | None], key: str) -> str:
+    lo, hi = row.get(key + "_lo"), row.get(key + "_hi")
+    return "-" if lo is None or hi is None else f"{_ms(lo, '+')}..{_ms(hi, '+')}"
 
 
 def most_streams(targets: list[Target], steps: list[int], ramp_s: float = 4.0) -> dict[str, int]:
@@ -282,12 +307,13 @@ def bench_overhead(
     requests: int,
     steps: list[int],
     workers: list[int],
+    rounds: int = 3,
 ) -> tuple[dict[int, dict[str, dict[str, float | None]]], dict[str, int]]:
     names = ", ".join([*(gateway_name(n) for n in workers), *(r.name for r, _ in peers)])
     print(f"\n== overhead (stub replica, no model): direct vs {names} ==", flush=True)
     with stub_paths(peers, workers) as targets:
         for t in targets:  # warm every path up: connections, caches
             asyncio.run(probe_under_load(t.url, 0, 50))
-        latency = added_latency(targets, concurrency, requests)
+        latency = added_latency(targets, concurrency, requests, rounds)
         held = most_streams(targets, steps)
     return latency, held

@@ -40,9 +40,10 @@ class BenchSettings:
     max_tokens: int = 8
     """Output tokens per routing request: short, so prefill (what the cache saves) dominates."""
     rounds: int = 3
-    """Rounds of the routing part: each runs every proxy once on fresh text, in an order
-    rotated each round, so load from other work on the machine falls on every proxy alike;
-    the table shows the median over rounds and its range."""
+    """Rounds of the routing part (each runs every proxy once on fresh text) and of the
+    overhead part's added latency (each probes every path), in an order rotated each round,
+    so load from other work on the machine falls on every proxy alike; the tables show the
+    median over rounds and its range."""
     policies: str = "prefix-aware,least-load,round-robin"
     """The gateway's routing policies measured in the routing and grow parts, comma-separated
     (the report's row is prefix-aware's; least-load and round-robin show what routing by

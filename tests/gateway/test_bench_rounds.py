@@ -99,3 +99,14 @@ def test_a_turn_that_found_little_of_its_conversation_cached_missed() -> None:
 def test_cpu_seconds_and_load_average_read_this_machine() -> None:
     assert rounds.cpu_seconds(os.getpid()) > 0
     assert rounds.load_average() >= 0
+
+
+def test_added_latency_is_taken_against_direct_within_each_round() -> None:
+    from conveyor.bench.gateway.overhead import Probes, _added_per_round
+
+    per_round = {
+        "direct": [Probes(ttft=[0.001, 0.002, 0.003]), Probes(ttft=[0.010, 0.010, 0.010])],
+        "conveyor": [Probes(ttft=[0.002, 0.003, 0.004]), Probes(ttft=[0.012, 0.012, 0.012])],
+    }
+    added = _added_per_round(per_round, "conveyor", "ttft", 50)
+    assert added == pytest.approx([0.001, 0.002])
