@@ -158,9 +158,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(s.hidden_size, s.vocab.rows, bias=False)
-            self.lm_head.weight.data[
-                s.vocab.loaded :
-            ].zero_()  # the padding (``vocab_parallel.py``)
+            # This rank's vocabulary rows; those past the checkpoint's are padding, zeros.
+            self.lm_head.weight.data[s.vocab.loaded :].zero_()
 
     def forward(
         self,
