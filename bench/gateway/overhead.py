@@ -18,6 +18,7 @@ from pathlib import Path
 import aiohttp
 
 from conveyor.bench.gateway import processes
+from conveyor.bench.gateway.rounds import rotated
 from conveyor.bench.gateway.routers import RustRouter
 from conveyor.bench.gateway.table import table
 from conveyor.bench.procs import ChildProcess, start_all
@@ -180,8 +181,7 @@ def added_latency(
     for c in concurrency:
         per_round: dict[str, list[Probes]] = {t.name: [] for t in targets}
         for r in range(rounds):
-            shift = r % len(targets)
-            for t in targets[shift:] + targets[:shift]:
+            for t in rotated(targets, r):
                 per_round[t.name].append(asyncio.run(probe_under_load(t.url, c, requests)))
         figures: dict[str, dict[str, float | None]] = {}
         rows = []

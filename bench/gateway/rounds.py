@@ -20,7 +20,7 @@ import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from conveyor.bench.gateway.routing import RoutingRun
 
 Figures = dict[str, float]
+T = TypeVar("T")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -108,6 +109,12 @@ def one_run(run: RoutingRun, s: BenchSettings, urls: list[str], salt: str) -> Fi
     }
 
 
+def rotated(items: list[T], r: int) -> list[T]:
+    """``items`` in round ``r``'s order: each round starts one further along."""
+    shift = r % len(items)
+    return items[shift:] + items[:shift]
+
+
 def median_figures(rounds: list[Figures]) -> Figures:
     """Each figure's median over rounds, and ``<key>_lo``/``<key>_hi`` its range."""
     out: Figures = {}
@@ -125,8 +132,7 @@ def interleaved(
     each round's figures by label)."""
     per_round: dict[str, list[Figures]] = {run.label: [] for run in runs}
     for r in range(s.rounds):
-        shift = r % len(runs)
-        for run in runs[shift:] + runs[:shift]:
+        for run in rotated(runs, r):
             f = one_run(run, s, urls, salt=f"{run.label} round {r}")
             per_round[run.label].append(f)
             print(f"  round {r + 1}/{s.rounds}: {run.label}: {f['wall']:.1f}s, TTFT p50 "
