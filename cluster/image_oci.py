@@ -110,15 +110,35 @@ class OciLayout:
         stale = [
             t for t in self.tags() if t.startswith(prefix) and t != keep and lowers(t) == below
         ]
-        for tag in stale:
-            self.run(["umoci", "rm", "--image", f"{self.path}:{tag}"])
-        if stale:
-            self.run(["umoci", "gc", "--layout", str(self.path)])
+        if not stale:
+            return
+        index = json.loads((self.path / "index.json").read_text())
+        index["manifests"] = [
+            m for m in index["manifests"] if m.get("annotations", {}).get(_REF) not in stale
+        ]
+        partial = self.path / "index.json.partial"
+        partial.write_text(json.dumps(index))
+        partial.replace(self.path / "index.json")
+        self._collect_garbage()
+
+    def _collect_garbage(self) -> None:
+        """Delete the blobs no tag reaches (umoci gc reads every blob: minutes for torch)."""
+        keep: set[str] = set()
+        for entry in self._index():
+            manifest = json.loads(self._blob(entry["digest"]).read_text())
+            keep.add(entry["digest"])
+            keep.add(manifest["config"]["digest"])
+            keep.update(layer["digest"] for layer in manifest["layers"])
+        for blob in (self.path / "blobs" / "sha256").iterdir():
+            if f"sha256:{blob.name}" not in keep:
+                blob.unlink()
 
     def _index(self) -> list[dict]:
         return list(json.loads((self.path / "index.json").read_text()).get("manifests") or [])
 
     def _manifest(self, tag: str) -> dict:
         entry = next(m for m in self._index() if m.get("annotations", {}).get(_REF) == tag)
-        digest = Path(*entry["digest"].split(":", 1))
-        return dict(json.loads((self.path / "blobs" / digest).read_text()))
+        return dict(json.loads(self._blob(entry["digest"]).read_text()))
+
+    def _blob(self, digest: str) -> Path:
+        return self.path / "blobs" / Path(*digest.split(":", 1))
