@@ -131,6 +131,11 @@ def interleaved(
     """Every run once per round, the order rotated each round: (median figures by label,
     each round's figures by label)."""
     per_round: dict[str, list[Figures]] = {run.label: [] for run in runs}
+    # fresh replicas run their first batches slower (allocations, first shapes): whichever
+    # proxy ran first in round 1 paid for it, so one pass goes through the first, uncounted
+    warm = one_run(runs[0], s, urls, salt="warm-up")
+    print(f"  warm-up through {runs[0].label} (not counted): {warm['wall']:.1f}s, TTFT p50 "
+          f"{warm['ttft_p50'] * 1000:.0f} ms", flush=True)  # fmt: skip
     for r in range(s.rounds):
         for run in rotated(runs, r):
             f = one_run(run, s, urls, salt=f"{run.label} round {r}")
