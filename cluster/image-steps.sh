@@ -19,7 +19,7 @@ set -euo pipefail
 
 VENV=/opt/conveyor/venv
 BUILD=/opt/conveyor/build
-EXTRAS="${EXTRAS:-runtime,server,gateway,operator}"
+EXTRAS="${EXTRAS-runtime,server,gateway,operator}"  # set and empty: no extras
 # python3-dev, gcc, g++: the engine's C++ CPU kernels and Triton's launcher stubs compile at
 # run time; PyTorch's wheels bring their own CUDA libraries.
 PACKAGES="python3 python3-venv python3-dev gcc g++ ca-certificates"
