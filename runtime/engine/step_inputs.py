@@ -31,6 +31,15 @@ class StepLayout:
     prefill_q: list[int]
 
 
+def place_tokens(
+    table: list[int], start: int, end: int, block_size: int, positions: list[int], slots: list[int]
+) -> None:
+    """Append positions ``start..end-1`` of a sequence and their KV slots (the block its table
+    holds for the position, and the offset in that block)."""
+    positions.extend(range(start, end))
+    slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+
+
 def layout_step(batch: ScheduledBatch, block_size: int) -> tuple[StepLayout, list[tuple[int, int]]]:
     """The step's tokens laid out flat (decodes first, then prefill chunks), and for each
     sequence that samples, its index in the batch and its row among the T tokens."""
@@ -46,9 +55,7 @@ def layout_step(batch: ScheduledBatch, block_size: int) -> tuple[StepLayout, lis
         end = start + n
         ids += seq.token_ids[start:end]
         table = seq.block_table
-        for p in range(start, end):
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+        place_tokens(table, start, end, bs, pos, slots)
         if end == len(seq.token_ids):
             sample_rows.append((i, len(ids) - 1))
         if i < batch.num_decodes:

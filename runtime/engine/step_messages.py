@@ -103,7 +103,7 @@ class StepReceiver:
 
     def layout(self, m: StepMessage) -> StepLayout:
         """The step's layout, as rank 0's ``layout_step`` laid it out."""
-        from conveyor.runtime.engine.step_inputs import StepLayout
+        from conveyor.runtime.engine.step_inputs import StepLayout, place_tokens
 
         for key in m.released:
             del self.tables[key]
@@ -111,13 +111,11 @@ class StepReceiver:
             table = self.tables.setdefault(key, [])
             del table[kept:]
             table.extend(new)
-        bs = self.block_size
         positions: list[int] = []
         slots: list[int] = []
         tables = [self.tables[key] for key in m.seqs]
         for table, end, n in zip(tables, m.context_lens, m.query_lens, strict=True):
-            positions += range(end - n, end)
-            slots += (table[p // bs] * bs + p % bs for p in range(end - n, end))
+            place_tokens(table, end - n, end, self.block_size, positions, slots)
         d = m.num_decodes
         return StepLayout(
             m.token_ids, positions, slots, d, tables[:d], m.context_lens[:d],
