@@ -141,6 +141,7 @@ class ImageBuilder:
             top = reports[-1].layer
             self._finish(top, version, archive)
             self.oci.prune_siblings(keep=top.tag, prefix="src-")
+            self._prune_other_bases(reports[0].layer)
         return BuildResult(name, archive, reports, time.monotonic() - started)
 
     # -- one layer ---------------------------------------------------------------------------
@@ -334,6 +335,15 @@ class ImageBuilder:
         started = time.monotonic()
         self.oci.write_archive(tag, archive, version)
         self.say(f"archive: {archive} in {time.monotonic() - started:.1f} s")
+
+    def _prune_other_bases(self, base: Layer) -> None:
+        """Drop what was built on an earlier base, tags and kept directories (gigabytes)."""
+        stale = self.oci.on_other_bases(base.tag)
+        for tag in stale:
+            shutil.rmtree(self.dirs / tag, ignore_errors=True)
+        if stale:
+            self.say(f"removed {len(stale)} layers built on an earlier base: {', '.join(stale)}")
+        self.oci.drop(stale)
 
     def _sizes(self) -> dict[str, tuple[int, int]]:
         try:

@@ -110,11 +110,26 @@ class OciLayout:
         stale = [
             t for t in self.tags() if t.startswith(prefix) and t != keep and lowers(t) == below
         ]
-        if not stale:
+        self.drop(stale)
+
+    def on_other_bases(self, base: str) -> list[str]:
+        """The tags not built on ``base``'s layer: garbage once the base changed (an edit of
+        image-steps.sh, another suite), since every deps and src layer is keyed by its base."""
+
+        def bottom(tag: str) -> str | None:
+            layers = self._manifest(tag)["layers"]  # none: a build died after `umoci new`
+            return str(layers[0]["digest"]) if layers else None
+
+        mine = bottom(base)
+        return [t for t in self.tags() if bottom(t) != mine]
+
+    def drop(self, tags: list[str]) -> None:
+        """Remove ``tags`` from the layout, then the blobs no tag reaches any more."""
+        if not tags:
             return
         index = json.loads((self.path / "index.json").read_text())
         index["manifests"] = [
-            m for m in index["manifests"] if m.get("annotations", {}).get(_REF) not in stale
+            m for m in index["manifests"] if m.get("annotations", {}).get(_REF) not in tags
         ]
         partial = self.path / "index.json.partial"
         partial.write_text(json.dumps(index))

@@ -33,11 +33,14 @@ pytestmark = [
 
 
 def _run(*cmd: str | Path) -> str:
-    return subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True).stdout
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{proc.stdout}{proc.stderr}"
+    return proc.stdout
 
 
 def run_in_image(archive: Path, work: Path, args: list[str]) -> str:
     """Unpack the archive into a bundle and run ``args`` in it with runc; its stdout."""
+    work.mkdir()
     _run("skopeo", "copy", "--quiet", f"oci-archive:{archive}", f"oci:{work / 'layout'}:image")
     _run("umoci", "unpack", "--image", f"{work / 'layout'}:image", work / "bundle")
     config_path = work / "bundle" / "config.json"

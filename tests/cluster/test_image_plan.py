@@ -6,6 +6,8 @@ builds a real image when asked to).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.cluster import image_cli
+from conveyor.cluster.image_oci import OciLayout, ToolRunner
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
     STEPS_SCRIPT,
@@ -153,3 +156,53 @@ def test_a_missing_tool_names_the_script_that_installs_it(
     assert code == 1
     assert "debootstrap" in err and "umoci" in err and "cluster/install-system-deps.sh" in err
     assert not (tmp_path / "cache").exists()  # nothing was started
+
+
+def _layout(path: Path, images: dict[str, list[str]]) -> OciLayout:
+    """An OCI layout whose tags name images made of the given layer digests (blobs of text)."""
+    blobs = path / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def blob(data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        (blobs / digest).write_bytes(data)
+        return f"sha256:{digest}"
+
+    manifests = []
+    for tag, layers in images.items():
+        manifest = {
+            "config": {"digest": blob(f"config of {tag}".encode())},
+            "layers": [{"digest": blob(layer.encode()), "size": len(layer)} for layer in layers],
+        }
+        manifests.append(
+            {
+                "digest": blob(json.dumps(manifest).encode()),
+                "annotations": {"org.opencontainers.image.ref.name": tag},
+            }
+        )
+    (path / "index.json").write_text(json.dumps({"manifests": manifests}))
+    return OciLayout(path, ToolRunner(path / "logs"))
+
+
+def test_the_cache_drops_what_no_build_can_use_and_the_blobs_only_it_held(tmp_path: Path) -> None:
+    layout = _layout(
+        tmp_path / "oci",
+        {
+            "base-old": ["os v1"],
+            "deps-old": ["os v1", "venv"],
+            "base-new": ["os v2"],
+            "deps-full": ["os v2", "venv"],
+            "src-1": ["os v2", "venv", "source 1"],
+            "src-2": ["os v2", "venv", "source 2"],
+            "deps-control": ["os v2", "venv without torch"],
+            "src-control": ["os v2", "venv without torch", "source 1"],
+        },
+    )
+    layout.prune_siblings(keep="src-2", prefix="src-")  # src-1 sat on the same layers
+    assert "src-1" not in layout.tags() and {"src-2", "src-control"} <= layout.tags()
+    assert layout.on_other_bases("base-new") == ["base-old", "deps-old"]
+    layout.drop(layout.on_other_bases("base-new"))
+    assert layout.tags() == {"base-new", "deps-full", "src-2", "deps-control", "src-control"}
+    stored = {p.read_bytes() for p in (tmp_path / "oci" / "blobs" / "sha256").iterdir()}
+    assert b"os v1" not in stored and b"source 1" in stored and b"source 2" in stored
+    assert layout.top_layer_size("src-2") == len("source 2")
