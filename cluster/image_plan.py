@@ -48,7 +48,8 @@ class ImageSettings:
     suite: str = "bookworm"
     """Debian release of the base: bookworm is what this project's machines (and mirror) run."""
     mirror: str = "http://deb.debian.org/debian"
-    """Debian archive debootstrap reads; default: the one this machine's apt uses."""
+    """Debian archive debootstrap reads (``conveyor image build`` passes the one this machine's
+    apt uses, falling back to this)."""
     arch: str = "amd64"
     """Debian architecture of the base."""
 
