@@ -142,6 +142,7 @@ class ImageBuilder:
             self._finish(top, version, archive)
             self.oci.prune_siblings(keep=top.tag, prefix="src-")
             self._prune_other_bases(reports[0].layer)
+            self.oci.collect_garbage()  # what a rebuilt tag (--no-cache) no longer holds
         return BuildResult(name, archive, reports, time.monotonic() - started)
 
     # -- one layer ---------------------------------------------------------------------------

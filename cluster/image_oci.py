@@ -134,9 +134,9 @@ class OciLayout:
         partial = self.path / "index.json.partial"
         partial.write_text(json.dumps(index))
         partial.replace(self.path / "index.json")
-        self._collect_garbage()
+        self.collect_garbage()
 
-    def _collect_garbage(self) -> None:
+    def collect_garbage(self) -> None:
         """Delete the blobs no tag reaches (umoci gc reads every blob: minutes for torch)."""
         keep: set[str] = set()
         for entry in self._index():
