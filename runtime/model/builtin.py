@@ -98,27 +98,34 @@ def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
 
 
 def _write_tokenizer(out: Path, config: dict) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """tokenizer.json, tokenizer_config.json and chat_template.jinja, as transformers 5's
+    ``PreTrainedTokenizerFast.save_pretrained`` writes them (tests/engine/test_builtin_model.py
+    checks that they are the same files), with the tokenizers library alone: importing
+    transformers to write them was most of a pod's 'model resolve' (2.5 CPU s of a start that
+    a replica's CPU limit stretches)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     # Token id = byte value; ByteLevel maps each byte to a printable stand-in character.
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1")
     reserved = [
         f"<|reserved_{i}|>" for i in range(config["vocab_size"] - 256 - len(SPECIAL_TOKENS))
     ]
     tok.add_special_tokens(SPECIAL_TOKENS + reserved)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=config["max_position_embeddings"],
-        clean_up_tokenization_spaces=False,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    settings = {
+        "backend": "tokenizers",
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "model_max_length": config["max_position_embeddings"],
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "TokenizersBackend",
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def _bytes_to_unicode() -> dict[int, str]:

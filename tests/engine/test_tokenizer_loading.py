@@ -85,3 +85,32 @@ def test_loading_the_tiny_model_imports_no_transformers_config_class():
     )
     builtin_model_path()  # generated here, not in the child
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("vocab_size", [320, 322])
+def test_the_generated_tokenizer_files_are_those_transformers_writes(tmp_path, vocab_size):
+    """conveyor-tiny's tokenizer is written with the tokenizers library alone (importing
+    transformers for it was most of a pod's start-up); the files must be exactly those
+    ``save_pretrained`` writes for the same tokenizer, which loaders (ours, transformers',
+    vLLM's) read."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from conveyor.runtime.model.builtin import CHAT_TEMPLATE, TINY_CONFIG, _write_tokenizer
+
+    config = dict(TINY_CONFIG, vocab_size=vocab_size)
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    ours.mkdir()
+    _write_tokenizer(ours, config)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_file(str(ours / "tokenizer.json")),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=config["max_position_embeddings"],
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(theirs)
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for path in ours.iterdir():
+        assert path.read_bytes() == (theirs / path.name).read_bytes(), path.name
