@@ -168,7 +168,10 @@ def sized(
     # does not count, else a replica still starting is removed and asked for again a tick
     # later). Idle (nothing running, waiting or held) calls for none; the stabilization window
     # is what keeps these from flapping.
-    dropped = need_panic * PANIC_THRESHOLD < need
+    # Not while a replica is still starting: then the ready ones may be starved of CPU by its
+    # start (a vLLM replica stalled for seconds on the e2e run), and a panic window that saw
+    # nothing finish reads like a load gone; scaling down would remove the replica it needs.
+    dropped = need_panic * PANIC_THRESHOLD < need and obs.num_ready >= current
     down = 0
     if obs.busy:
         down = max(math.ceil((need_panic if dropped else need) / (1 + TOLERANCE)), guard_down, 1)

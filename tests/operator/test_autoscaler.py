@@ -718,7 +718,7 @@ def test_a_closed_loop_whose_queue_wavers_gets_the_replica_its_queue_target_asks
     assert loop.direction_changes == 0 and max(loop.replicas) <= E2E.max_replicas
 
 
-def starting_trace(panic: list[float], seconds: int = 40) -> list[Decision]:
+def starting_trace(panic: list[float], seconds: int = 40, ready: int = 1) -> list[Decision]:
     """Two replicas asked for, one ready and one still starting (vLLM takes minutes), the
     demand window's arrivals 1.16 replicas' worth, the panic window's ``panic`` (cycled, in
     replicas' worth), and the ready replica's queue gauge read as 0 (as vLLM's was on the
@@ -730,7 +730,7 @@ def starting_trace(panic: list[float], seconds: int = 40) -> list[Decision]:
     for t in range(seconds):
         p = panic[t % len(panic)]
         demand = Demand(Rates(4.3 * 1.16), Rates(4.3 * p), backlog_growth=0.0)
-        obs = Observation(float(t), 2, replicas(1, waiting=0, running=2), demand=demand)
+        obs = Observation(float(t), 2, replicas(ready, waiting=0, running=2), demand=demand)
         seen.append(decide(obs, policy, history))
     return seen
 
@@ -746,6 +746,14 @@ def test_a_starting_replica_is_kept_while_the_demand_window_needs_it():
 
 
 def test_a_load_gone_from_the_panic_window_still_scales_down_before_the_demand_window():
-    seen = starting_trace(panic=[0.4, 0.5])
+    seen = starting_trace(panic=[0.4, 0.5], ready=2)
     downs = [i for i, d in enumerate(seen) if d.direction == "down"]
     assert downs and downs[0] <= 12, downs
+
+
+def test_a_stalled_ready_replica_does_not_remove_the_one_starting():
+    """The e2e run after the fix above: the one ready vLLM replica, starved of CPU by the
+    second one's start, finished nothing for seconds; the panic window read 0.3 replicas,
+    as a load that is gone would, and the starting replica was removed three times over."""
+    seen = starting_trace(panic=[0.3, 0.0, 0.4])
+    assert all(d.direction == "none" for d in seen), [(d.direction, d.reason) for d in seen]
