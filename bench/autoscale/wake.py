@@ -17,6 +17,10 @@ from typing import Any
 
 from conveyor.bench.autoscale.cluster_env import Env
 from conveyor.bench.autoscale.load import Recorder, one_request
+from conveyor.operator.names import COMPONENT_LABEL
+
+RUNTIME_PODS = f"{COMPONENT_LABEL}=runtime"
+"""The label selector of the runtime pods (the operator's own label)."""
 
 MILESTONES: tuple[tuple[str, str], ...] = (
     ("decided", "the operator asked for a replica (spec.replicas 0 -> 1)"),
@@ -35,7 +39,7 @@ def seen_now(env: Env) -> set[str]:
         seen.add("decided")
     pods = env.api.get(
         f"/api/v1/namespaces/{env.namespace}/pods",
-        labelSelector="app.kubernetes.io/component=runtime",
+        labelSelector=RUNTIME_PODS,
     )["items"]
     for pod in pods:
         if pod["metadata"].get("deletionTimestamp"):
@@ -58,7 +62,7 @@ def runtime_ready_line(env: Env) -> str | None:
     """The runtime's own start-up line from the ready pod's log, if it has one."""
     try:
         log = env.kubectl(
-            "-n", env.namespace, "logs", "-l", "app.kubernetes.io/component=runtime",
+            "-n", env.namespace, "logs", "-l", RUNTIME_PODS,
             "-c", "runtime", "--tail", "-1",
         )  # fmt: skip
     except RuntimeError:
