@@ -6,6 +6,10 @@
 #   cluster/build-tools.sh --print-dir  print the directory (built or not) and exit
 #   cluster/build-tools.sh --check      exit 0 when everything is built, 1 otherwise
 #   cluster/build-tools.sh kubectl ...  build (or wait for) only the binaries named
+#   cluster/build-tools.sh --set node [...]  the same for the real nodes' binaries (kubelet,
+#                                       fake-gpu-plugin; module cluster/go/node), built on demand
+#                                       into a directory of their own key, so that the node
+#                                       module's pins never change the control plane's key
 #
 # Idempotent: when the directory for the current pins is complete it exits at
 # once. A second build started while one runs waits for the first (a lock
@@ -39,6 +43,13 @@ main() {
         exit 2
     fi
 
+    # Which set: the cluster's tools (default) or the real nodes' (--set node).
+    set=cluster
+    if [[ "${1:-}" == "--set" ]]; then
+        set="${2:?usage: $0 --set cluster|node ...}"
+        shift 2
+    fi
+
     # The binaries: name, module folder, package.
     binaries=(
         "etcd etcd go.etcd.io/etcd/server/v3"
@@ -53,19 +64,38 @@ main() {
         "promtool prometheus github.com/prometheus/prometheus/cmd/promtool"
     )
 
+    modules=(etcd kubernetes kwok helm prometheus)
+    lock="$cache_root/.build.lock"
+    prefix=""
+    case "$set" in
+        cluster) ;;
+        node)
+            binaries=(
+                "kubelet node k8s.io/kubernetes/cmd/kubelet"
+                "fake-gpu-plugin node conveyor.dev/cluster/tools/node/cmd/fake-gpu-plugin"
+            )
+            modules=(node)
+            lock="$cache_root/.build-node.lock"
+            prefix="node-"
+            ;;
+        *) echo "unknown set $set (cluster or node)" >&2; exit 2 ;;
+    esac
+
     key="$( {
         echo "recipe $RECIPE"
         go env GOVERSION GOOS GOARCH
-        for d in etcd kubernetes kwok helm prometheus; do
+        for d in "${modules[@]}"; do
             cat "$mods/$d/go.mod" "$mods/$d/go.sum"
+            # The project's own Go sources in the module (the node set has a device plugin).
+            if [[ -d "$mods/$d/cmd" ]]; then find "$mods/$d/cmd" -name '*.go' | sort | xargs cat; fi
         done
     } | sha256sum | cut -c1-16)"
-    out="$cache_root/$key"
+    out="$cache_root/$prefix$key"
 
     case "${1:-}" in
         --print-dir) echo "$out"; exit 0 ;;
         --check) [[ -f "$out/.complete" ]] && exit 0 || exit 1 ;;
-        -*) echo "usage: $0 [--print-dir|--check|BINARY...]" >&2; exit 2 ;;
+        -*) echo "usage: $0 [--set cluster|node] [--print-dir|--check|BINARY...]" >&2; exit 2 ;;
     esac
 
     # Named binaries: build only those (the cluster needs seven of the ten; helm and
@@ -82,11 +112,11 @@ main() {
     fi
 
     mkdir -p "$out"
-    exec 9>"$cache_root/.build.lock"
+    exec 9>"$lock"
     if ! flock -n 9; then
         # Each binary is moved into place when it is done: stop waiting as soon as the
         # ones asked for are there, even if the other build goes on with the rest.
-        say "another build is running (lock $cache_root/.build.lock); waiting for ${wanted[*]}"
+        say "another build is running (lock $lock); waiting for ${wanted[*]}"
         local waited=0
         until flock -n 9; do
             if have_wanted; then
@@ -111,8 +141,8 @@ main() {
     ldflags_for() {
         local dir="$1" v major minor
         case "$dir" in
-            kubernetes)
-                v="$(modver kubernetes k8s.io/kubernetes)"
+            kubernetes|node)
+                v="$(modver "$dir" k8s.io/kubernetes)"
                 major="${v#v}"; major="${major%%.*}"
                 minor="${v#v*.}"; minor="${minor%%.*}"
                 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
