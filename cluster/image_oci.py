@@ -121,7 +121,7 @@ class OciLayout:
             return str(layers[0]["digest"]) if layers else None
 
         mine = bottom(base)
-        return [t for t in self.tags() if bottom(t) != mine]
+        return sorted(t for t in self.tags() if bottom(t) != mine)
 
     def drop(self, tags: list[str]) -> None:
         """Remove ``tags`` from the layout, then the blobs no tag reaches any more."""
