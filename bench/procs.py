@@ -30,6 +30,7 @@ from types import TracebackType
 import httpx
 
 from conveyor.bench.wait import wait_until
+from conveyor.cluster.cgroups import ClusterCgroup
 
 LISTENING = re.compile(r"listening on http://(?P<host>[^:\s]+):(?P<port>\d+)")
 """The line a child that binds port 0 prints with the port it got."""
@@ -83,6 +84,7 @@ class ChildProcess:
         log_path: Path | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
+        cpu_limit: float | None = None,
     ) -> None:
         self.name = name
         self.command = command
@@ -101,6 +103,10 @@ class ChildProcess:
         moved to another when it finds it taken. None: a free one, or 0 where it reports."""
         self.port = 0 if port is None else port
         """The port it listens on: known from the start when fixed, else once it started."""
+        self.cpu_limit = cpu_limit
+        """CPUs the child (and its children) may use, as a pod's ``limits.cpu``: a cgroup of its
+        own with a CFS quota (root only). None: no limit."""
+        self._cgroup: ClusterCgroup | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_s: float | None = None
         """Seconds from the start to the first ready answer."""
@@ -159,6 +165,22 @@ class ChildProcess:
                 env={k: v for k, v in env.items() if v is not None},
                 start_new_session=True,  # stop() ends the child's own children too
             )
+        if self.cpu_limit is not None:
+            self._limit_cpu(self.proc.pid, self.cpu_limit)
+
+    def _limit_cpu(self, pid: int, cores: float) -> None:
+        """Move the just-started child into a cgroup capped at ``cores`` CPUs (what it forks
+        later stays there); a machine that refuses says so and the child runs unlimited."""
+        cgroup = ClusterCgroup(f"bench-{self.name}-{pid}")
+        try:
+            cgroup.create()
+            cgroup.limit_cpu(cores)
+            for procs in cgroup.procs_files():
+                procs.write_text(str(pid))
+        except OSError as exc:
+            print(f"{self.name}: cannot limit it to {cores:g} CPUs ({exc}); it runs unlimited",
+                  file=sys.stderr)  # fmt: skip
+        self._cgroup = cgroup
 
     def wait_ready(self) -> None:
         """Until the child answers; started again on a fresh port if it lost its port. A
@@ -218,7 +240,13 @@ class ChildProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._drop_cgroup()
         return self.proc.returncode
+
+    def _drop_cgroup(self) -> None:
+        if self._cgroup is not None:
+            self._cgroup.remove()
+            self._cgroup = None
 
     def kill(self) -> None:
         """SIGKILL to the process group: the child vanishes mid-request, as a crashed pod would."""
@@ -226,6 +254,7 @@ class ChildProcess:
             assert self.proc is not None
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        self._drop_cgroup()
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """End the child; its log stays when it had died by itself (and says where)."""
@@ -255,8 +284,10 @@ def conveyor_serve(
     name: str = "conveyor",
     ready_timeout: float = 180.0,
     log_path: Path | None = None,
+    cpu_limit: float | None = None,
 ) -> ChildProcess:
-    """``conveyor serve ARGS`` on loopback, on the port it binds and reports; ready at /ready."""
+    """``conveyor serve ARGS`` on loopback, on the port it binds and reports; ready at /ready;
+    ``cpu_limit``: CPUs it may use (``ChildProcess.cpu_limit``)."""
     return ChildProcess(
         name,
         lambda port: python_module(
@@ -266,4 +297,5 @@ def conveyor_serve(
         reports_port=True,
         ready_timeout=ready_timeout,
         log_path=log_path,
+        cpu_limit=cpu_limit,
     )

@@ -30,12 +30,27 @@ class ClusterCgroup:
     """The directories ``conveyor-<name>`` in each hierarchy."""
 
     def __init__(self, name: str, *, root: Path = CGROUP_ROOT) -> None:
+        self.root = root
         self.dirs = [h / f"conveyor-{name}" for h in _hierarchies(root)]
 
     def create(self) -> None:
         """Make the directories (no limits: the control plane may use the whole machine)."""
         for d in self.dirs:
             d.mkdir(exist_ok=True)
+
+    def limit_cpu(self, cores: float) -> None:
+        """Cap everything inside at ``cores`` CPUs: a CFS quota over a 100 ms period (v1
+        ``cpu.cfs_quota_us``, v2 ``cpu.max``), as a kubelet applies ``limits.cpu``."""
+        period = 100_000
+        quota = max(1000, int(cores * period))
+        for d in self.dirs:
+            if (d / "cpu.cfs_quota_us").exists():
+                (d / "cpu.cfs_period_us").write_text(str(period))
+                (d / "cpu.cfs_quota_us").write_text(str(quota))
+            elif d.parent == self.root:  # v2: the controller must be on for the root's children
+                with contextlib.suppress(OSError):
+                    (self.root / "cgroup.subtree_control").write_text("+cpu")
+                (d / "cpu.max").write_text(f"{quota} {period}")
 
     def procs_files(self) -> tuple[Path, ...]:
         """The files a process writes its pid to in order to join."""

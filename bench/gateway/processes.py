@@ -7,16 +7,17 @@ from pathlib import Path
 import httpx
 
 from conveyor.bench.gateway import routers
-from conveyor.bench.gateway.settings import MODEL
+from conveyor.bench.gateway.settings import MODEL, BenchSettings, replica_cpu_limit
 from conveyor.bench.procs import ChildProcess, conveyor_serve, free_port, python_module
 from conveyor.bench.wait import wait_until
 
 
-def replica(num_threads: int, max_total_tokens: int) -> ChildProcess:
-    """``conveyor serve`` on the built-in model with a small KV cache."""
-    args = ["--model", MODEL, "--num-threads", str(num_threads),
-            "--max-total-tokens", str(max_total_tokens)]  # fmt: skip
-    return conveyor_serve(args, name="runtime", ready_timeout=300)
+def replica(s: BenchSettings) -> ChildProcess:
+    """``conveyor serve`` on the built-in model with a small KV cache, limited to its share
+    of the CPUs (``--replica-cpus``)."""
+    args = ["--model", MODEL, "--num-threads", str(s.num_threads),
+            "--max-total-tokens", str(s.max_total_tokens)]  # fmt: skip
+    return conveyor_serve(args, name="runtime", ready_timeout=300, cpu_limit=replica_cpu_limit(s))
 
 
 def stub(*args: str) -> ChildProcess:

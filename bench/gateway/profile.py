@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 def profile_routing(spy: str, out: str, gateway_args: list[str]) -> int:
     """py-spy on the gateway through one pass of the routing workload over runtime replicas."""
     s = BenchSettings()
-    replicas = [processes.replica(s.num_threads, s.max_total_tokens) for _ in range(s.replicas)]
+    replicas = [processes.replica(s) for _ in range(s.replicas)]
     try:
         start_all(replicas)
         urls = [r.url for r in replicas]

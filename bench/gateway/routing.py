@@ -12,7 +12,7 @@ from pathlib import Path
 
 from conveyor.bench.gateway import grow, processes, rounds, routers
 from conveyor.bench.gateway.routers import RustRouter
-from conveyor.bench.gateway.settings import MODEL, BenchSettings
+from conveyor.bench.gateway.settings import MODEL, BenchSettings, replica_cpu_limit
 from conveyor.bench.gateway.workload import working_set
 from conveyor.bench.procs import ChildProcess, start_all
 from conveyor.bench.wait import wait_until
@@ -108,7 +108,10 @@ def bench_routing(
     print(f"\n== routing (runtime replicas, {MODEL}): {s.replicas} replicas x "
           f"{s.max_total_tokens} KV tokens, {s.users} users x {s.turns} turns; working set "
           f"~{working_set(s)} tokens, seed {s.seed} ==", flush=True)  # fmt: skip
-    replicas = [processes.replica(s.num_threads, s.max_total_tokens) for _ in range(s.replicas)]
+    cpus = replica_cpu_limit(s)
+    print("  each replica limited to " + ("no CPU limit" if cpus is None else f"{cpus:g} CPUs")
+          + f" of the machine's {os.cpu_count()}", flush=True)  # fmt: skip
+    replicas = [processes.replica(s) for _ in range(s.replicas)]
     print("  (each proxy with its defaults but the policy; the routers' cache_aware sends a request"
           "\n   to the worker whose tree matches over --cache-threshold 0.3 of its text, and balances"
           "\n   only once loads differ by over 64 requests)", flush=True)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 MODEL = "conveyor-tiny"
@@ -50,6 +51,11 @@ class BenchSettings:
     prefix is worth)."""
     num_threads: int = 1
     """Torch threads per runtime replica."""
+    replica_cpus: float = 0.0
+    """CPUs each runtime replica may use (a cgroup CPU quota, as a pod's limits.cpu), so that
+    replicas are separate units of capacity as GPUs are, and a busy replica cannot borrow an
+    idle one's cores (which would reward piling conversations on one); 0: 80 per cent of the
+    machine's CPUs shared out, at most one each; negative: no limit."""
     overhead_concurrency: str = "16,200"
     """Streams held open (a chunk every 250 ms each) while the added latency is measured,
     comma-separated: one measurement per number."""
@@ -62,3 +68,12 @@ class BenchSettings:
     """Numbers of streams held open at once through each path, tried in order until one fails."""
     plot: str = "gateway-bench.png"
     """PNG of the side-by-side figures (empty: none)."""
+
+
+def replica_cpu_limit(s: BenchSettings, cpus: int | None = None) -> float | None:
+    """``--replica-cpus`` resolved: the CPU limit of each runtime replica, None for none."""
+    if s.replica_cpus < 0:
+        return None
+    if s.replica_cpus > 0:
+        return s.replica_cpus
+    return round(min(1.0, 0.8 * (cpus or os.cpu_count() or 1) / max(1, s.replicas)), 2)
