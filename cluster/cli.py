@@ -12,7 +12,7 @@ from pathlib import Path
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.figures import figures, format_figures
 from conveyor.cluster.leftovers import find_leftovers
-from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.state import ClusterState, read_state
 from conveyor.cluster.teardown import ClusterAlreadyRunning
 from conveyor.cluster.tools import build_tools
@@ -45,6 +45,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--cpu-nodes", type=int, default=defaults.cpu_nodes, help="untainted nodes without GPUs"
+    )
+    up.add_argument(
+        "--node-runtime",
+        choices=NODE_RUNTIMES,
+        default=defaults.node_runtime,
+        help="who runs the pods: 'agent' (default; kwok keeps simulated nodes, the node agent "
+        "runs pods as local processes) or 'kubelet' (opt-in; each node a real kubelet with its "
+        "own containerd and runc, pods run from images; builds the kubelet on first use)",
+    )
+    up.add_argument(
+        "--node-image",
+        action="append",
+        default=[],
+        metavar="ARCHIVE",
+        help="an OCI archive to import into each real node's containerd (--node-runtime "
+        "kubelet; repeatable); pods use it with imagePullPolicy: Never",
     )
     up.add_argument(
         "--tools-dir",
@@ -84,6 +100,8 @@ def main(argv: list[str]) -> int:
             gpus_per_node=args.gpus_per_node,
             cpu_nodes=args.cpu_nodes,
             tools_dir=args.tools_dir,
+            node_runtime=args.node_runtime,
+            node_images=tuple(str(Path(p).resolve()) for p in args.node_image),
         )
         cluster = Cluster(settings)
         try:

@@ -55,6 +55,7 @@ from conveyor.cluster.nodes import (
 )
 from conveyor.cluster.podnet import PodNetworks
 from conveyor.cluster.process import ManagedProcess, ProcessRecord, tail
+from conveyor.cluster.real_nodes import start_real_nodes, stop_real_nodes
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.state import (
     STATE_FILE,
@@ -254,16 +255,34 @@ class Cluster:
         self.timings["start_to_readyz_s"] = time.monotonic() - t0
         self._run("kube-controller-manager", controller_manager_args(inputs))
         self._run("kube-scheduler", scheduler_args(inputs))
-        self._start_nodes(inputs, config_dir)
+        if s.node_runtime == "kubelet":
+            self._start_real_nodes()
+        else:
+            self._start_nodes(inputs, config_dir)
         self.timings["start_to_nodes_ready_s"] = time.monotonic() - t0
         self._start_kube_proxy(inputs, config_dir)
-        self._start_node_agent()
+        if s.node_runtime == "agent":
+            self._start_node_agent()
         self.api.wait_for(
             "the default ServiceAccount",
             lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
             timeout_s=s.start_timeout_s,
         )
         self.timings["start_to_ready_s"] = time.monotonic() - t0
+
+    def _start_real_nodes(self) -> None:
+        """Real kubelets, each with its own containerd (``real_nodes.py``), in place of kwok."""
+        assert self.pki is not None and self.state is not None
+        for node, seconds in start_real_nodes(
+            self.settings,
+            plan=self.plan,
+            ca=self.pki.ca,
+            server=self.state.server,
+            components=self.components,
+            api=self.api,
+            free_port=free_port,
+        ).items():
+            self.timings[f"{node}_start_to_ready_s"] = seconds
 
     def _start_node_agent(self) -> None:
         """The node agent (``agent.py``): runs the pods bound to the simulated nodes."""
@@ -378,11 +397,22 @@ class Cluster:
         for record in self.state.processes:
             if record.name not in self.processes:
                 self.components.adopt(record)
+        failed: RuntimeError | None = None
+        # The settings it was started with (``down`` from another process knows only its name).
+        started = ClusterSettings.from_json(self.state.settings) if self.state.settings else None
+        if started is not None and started.node_runtime == "kubelet":
+            # In order, while the apiserver runs: pods, kubelet, containers, containerd.
+            try:
+                stop_real_nodes(started, components=self.components, api=self.api)
+            except RuntimeError as exc:
+                failed = exc  # the rest of the teardown still runs
         teardown(self.state, self.settings.stop_grace_s, list(reversed(self.processes.values())))
         (self.work_dir / STATE_FILE).unlink(missing_ok=True)
         self.processes.clear()
         self.state = None
         self._api = None
+        if failed is not None:
+            raise failed
 
     def __enter__(self) -> Cluster:
         self.start()

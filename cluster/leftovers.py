@@ -1,7 +1,9 @@
 """What a cluster may leave on the host, listed by reading it (for tests and ``status``).
 
 ``find_leftovers`` names every process, network namespace, link, route, nftables table and
-cgroup of the cluster's making that exists now; after ``stop`` each list must be empty.
+cgroup of the cluster's making that exists now, and what real nodes (node runtime
+``kubelet``) leave if anything goes wrong: processes and mounts under the nodes' directories,
+the nodes' cgroup trees; after ``stop`` each list must be empty.
 ``rulesets`` snapshots the whole nftables and iptables state, to compare with one taken
 before the cluster started.
 """
@@ -34,6 +36,40 @@ def _processes_of(tools_dir: Path | None) -> list[str]:
     return found
 
 
+def _real_node_leftovers(cluster_name: str) -> dict[str, list[str]]:
+    """Processes (containerd, its shims, kubelets, device plugins) and mounts whose paths are
+    under a real node's directory of this cluster, and the nodes' cgroup trees."""
+    marker = f"/{cluster_name}/nodes/"
+    processes = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            processes.append(f"{cmdline.split()[0]} (pid {proc.name})")
+    mounts = [
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if marker in line.split()[4]
+    ]
+    root = Path("/sys/fs/cgroup")
+    cgroups = sorted(
+        str(p)
+        for p in [
+            *root.glob(f"conveyor-{cluster_name}-*"),
+            *root.glob(f"*/conveyor-{cluster_name}-*"),
+        ]
+    )
+    return {
+        "real node processes": processes,
+        "real node mounts": mounts,
+        "real node cgroups": cgroups,
+    }
+
+
 def find_leftovers(
     plan: NetworkPlan, *, cluster_name: str, tools_dir: Path | None
 ) -> dict[str, list[str]]:
@@ -61,6 +97,7 @@ def find_leftovers(
         "routes": guarded,
         "nftables tables": [f"{f} {n}" for f, n in nft_tables() if (f, n) in ours],
         "cgroups": [str(d) for d in ClusterCgroup(cluster_name).dirs if d.exists()],
+        **_real_node_leftovers(cluster_name),
     }
 
 

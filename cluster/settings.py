@@ -18,6 +18,9 @@ def default_state_root() -> Path:
     return Path(base) / "conveyor" / "clusters"
 
 
+NODE_RUNTIMES = ("agent", "kubelet")
+
+
 @dataclass(frozen=True)
 class ClusterSettings:
     """How the one-machine cluster is laid out. Values derived at start live in ``ClusterState``."""
@@ -49,6 +52,16 @@ class ClusterSettings:
     cpu_nodes: int = 1
     """Untainted nodes without GPUs, for the gateway, the operator and Prometheus."""
 
+    node_runtime: str = "agent"
+    """Who runs the pods: ``agent`` (the default: kwok keeps simulated nodes Ready and the node
+    agent runs each pod as a local process of the checkout's environment) or ``kubelet``
+    (opt-in: each node is a real kubelet with its own containerd and runc, pods run from
+    images; ``real_nodes.py``)."""
+
+    node_images: tuple[str, ...] = ()
+    """OCI archives imported into each real node's containerd at start (``kubelet`` runtime
+    only; pods name them with ``imagePullPolicy: Never``). The pause image is always there."""
+
     max_pods_per_node: int = 110
     """Pods each node accepts; 110 is the kubelet's default."""
 
@@ -77,6 +90,10 @@ class ClusterSettings:
     log_level: int = 1
     """``-v`` of the Kubernetes components; 1 keeps the logs useful and small."""
 
+    def __post_init__(self) -> None:
+        if self.node_runtime not in NODE_RUNTIMES:
+            raise ValueError(f"node_runtime {self.node_runtime!r} is not one of {NODE_RUNTIMES}")
+
     def work_dir(self) -> Path:
         """This cluster's work directory."""
         return self.state_root / self.name
@@ -90,6 +107,8 @@ class ClusterSettings:
         """Settings written by ``to_json`` (unknown keys ignored)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
+        if "node_images" in values:
+            values["node_images"] = tuple(values["node_images"])
         for key in ("state_root", "tools_dir"):
             if values.get(key) is not None:
                 values[key] = Path(values[key])

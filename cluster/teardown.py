@@ -15,6 +15,7 @@ from conveyor.cluster.cgroups import ClusterCgroup
 from conveyor.cluster.network import HostNetwork
 from conveyor.cluster.podnet import PodNetworks
 from conveyor.cluster.process import ManagedProcess
+from conveyor.cluster.real_nodes import sweep_real_nodes
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.state import STATE_FILE, ClusterState
 
@@ -33,7 +34,10 @@ def teardown(state: ClusterState, grace_s: float, processes: list[ManagedProcess
             errors.append(str(exc))
     plan = state.plan()
     if state.settings:  # the node agent's pods: mounts, cgroups, files
-        sweep_node_agent(ClusterSettings.from_json(state.settings).work_dir(), state.name)
+        settings = ClusterSettings.from_json(state.settings)
+        sweep_node_agent(settings.work_dir(), state.name)
+        if settings.node_runtime == "kubelet":  # real nodes: their cgroup trees and mounts
+            sweep_real_nodes(settings)
     PodNetworks(plan).sweep()
     ClusterCgroup(state.name).remove()
     HostNetwork(plan, state.network).stop()

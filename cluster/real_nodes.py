@@ -1,0 +1,114 @@
+"""The cluster's nodes as real kubelets (``ClusterSettings.node_runtime == "kubelet"``, opt-in).
+
+Used by ``Cluster`` in place of kwok and the node agent: ``start_real_nodes`` starts one
+``KubeletNode`` per GPU and CPU node, each with its own slice of the pod range and of the
+machine; ``stop_real_nodes`` stops them in order while the apiserver still runs;
+``sweep_real_nodes`` is what ``teardown`` does after a crash.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from pathlib import Path
+
+from conveyor.cluster.api import ApiClient
+from conveyor.cluster.certs import KeyPair
+from conveyor.cluster.components import Components
+from conveyor.cluster.kubelet_config import KubeletInputs, NodeLayout, cni_config, node_subnet
+from conveyor.cluster.kubelet_node import (
+    KubeletNode,
+    RealNodeInputs,
+    build_node_tools,
+    sweep_real_node,
+)
+from conveyor.cluster.network import NetworkPlan
+from conveyor.cluster.node_images import pause_image
+from conveyor.cluster.nodes import MachineShare, node_names
+from conveyor.cluster.settings import ClusterSettings
+
+
+def node_layouts(settings: ClusterSettings) -> list[NodeLayout]:
+    """Every real node's layout, GPU nodes first (their index picks their pod range)."""
+    gpu, cpu = node_names(settings.gpu_nodes, settings.cpu_nodes)
+    root = settings.work_dir() / "nodes"
+    return [NodeLayout(settings.name, name, root / name) for name in gpu + cpu]
+
+
+def image_cache() -> Path:
+    """Where the pause image is built (shared by every cluster of this user)."""
+    return Path.home() / ".cache" / "conveyor" / "node-images"
+
+
+def start_real_nodes(
+    settings: ClusterSettings,
+    *,
+    plan: NetworkPlan,
+    ca: KeyPair,
+    server: str,
+    components: Components,
+    api: ApiClient,
+    free_port: Callable[[str], int],
+) -> dict[str, float]:
+    """Start every node and wait until each is Ready; the seconds each took, by node."""
+    tools = build_node_tools()
+    images = (pause_image(image_cache()), *(Path(p) for p in settings.node_images))
+    layouts = node_layouts(settings)
+    machine = MachineShare.of_this_machine(1)
+    share = MachineShare.of_this_machine(len(layouts))
+    gpu_names = set(node_names(settings.gpu_nodes, 0)[0])
+    timings = {}
+    for index, layout in enumerate(layouts):
+        gpus = settings.gpus_per_node if layout.name in gpu_names else 0
+        kubelet = KubeletInputs(
+            layout=layout,
+            address=str(plan.host_address),
+            port=free_port(str(plan.host_address)),
+            healthz_port=free_port("127.0.0.1"),
+            client_ca=ca.cert,
+            share=share,
+            machine=machine,
+            max_pods=settings.max_pods_per_node,
+            gpus=gpus,
+        )
+        cni = cni_config(
+            bridge=plan.bridge,
+            pod_cidr=plan.pod_cidr,
+            subnet=node_subnet(plan.pod_cidr, index),
+            gateway=ipaddress.IPv4Address(plan.host_address),
+            ipam_dir=layout.ipam_dir,
+        )
+        node = KubeletNode(layout, components, api)
+        node.start(
+            RealNodeInputs(
+                kubelet=kubelet,
+                server=server,
+                ca=ca,
+                tools=tools,
+                cni=cni,
+                images=images,
+                gpu_product=settings.gpu_product,
+                gpu_memory_mib=settings.gpu_memory_mib,
+                log_level=settings.log_level,
+            )
+        )
+        timings[layout.name] = node.timings["start_to_ready_s"]
+    return timings
+
+
+def stop_real_nodes(settings: ClusterSettings, *, components: Components, api: ApiClient) -> None:
+    """Stop every node (pods, kubelet, containers, containerd, mounts, cgroups, Node object)."""
+    errors = []
+    for layout in reversed(node_layouts(settings)):
+        try:
+            KubeletNode(layout, components, api).stop(settings.stop_grace_s)
+        except (RuntimeError, OSError) as exc:
+            errors.append(f"{layout.name}: {exc}")
+    if errors:
+        raise RuntimeError("; ".join(errors))
+
+
+def sweep_real_nodes(settings: ClusterSettings) -> None:
+    """After the processes are gone: the nodes' cgroups and mounts."""
+    for layout in node_layouts(settings):
+        sweep_real_node(layout)
