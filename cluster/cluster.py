@@ -273,7 +273,7 @@ class Cluster:
     def _start_real_nodes(self) -> None:
         """Real kubelets, each with its own containerd (``real_nodes.py``), in place of kwok."""
         assert self.pki is not None and self.state is not None
-        for node, seconds in start_real_nodes(
+        self.timings |= start_real_nodes(
             self.settings,
             plan=self.plan,
             ca=self.pki.ca,
@@ -281,8 +281,7 @@ class Cluster:
             components=self.components,
             api=self.api,
             free_port=free_port,
-        ).items():
-            self.timings[f"{node}_start_to_ready_s"] = seconds
+        )
 
     def _start_node_agent(self) -> None:
         """The node agent (``agent.py``): runs the pods bound to the simulated nodes."""

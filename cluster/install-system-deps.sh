@@ -5,7 +5,10 @@
 #   ip, bridge (iproute2)  the bridge, veth pairs, network namespaces, routes
 #   debootstrap, umoci, skopeo   `conveyor image build`: the Debian base, the OCI layers,
 #                    the OCI archive (cluster/image_build.py; chroot and tar are always there)
-#   runc             runs the built image (tests/cluster/test_image_build.py)
+#   runc             runs the built image (tests/cluster/test_image_build.py) and real nodes' pods
+#   containerd, containernetworking-plugins   real nodes (opt-in: --node-runtime kubelet): each
+#                    node's container runtime (and ctr), the bridge/host-local/loopback CNI plugins
+#   busybox-static   the image of tests/cluster/test_kubelet_node.py
 # Idempotent and quick when everything is there; needs root (apt-get).
 set -euo pipefail
 
@@ -18,6 +21,9 @@ command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 command -v umoci >/dev/null 2>&1 || need+=(umoci)
 command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
 command -v runc >/dev/null 2>&1 || need+=(runc)
+command -v containerd >/dev/null 2>&1 || need+=(containerd)
+[[ -x /usr/lib/cni/bridge ]] || need+=(containernetworking-plugins)
+[[ -x /bin/busybox ]] || need+=(busybox-static)
 
 if [[ ${#need[@]} -eq 0 ]]; then
     echo "[install-system-deps] nothing to install"
