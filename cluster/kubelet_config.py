@@ -4,7 +4,7 @@ Each node runs its own containerd (a kubelet removes the containers it does not 
 runtime's namespace, so nodes cannot share one) and its own kubelet, with a root directory,
 ports, cgroup root, client certificate and CNI configuration of its own. What the kubelet
 hard-codes (the device-plugin directory ``/var/lib/kubelet/device-plugins``, the container log
-links in ``/var/log/containers``) is made per node by a private mount namespace that the
+links in ``/var/log/containers``; containerd's shims ``/run/containerd``) is made per node by a private mount namespace that the
 node's containerd starts in and its kubelet joins (``namespace_argv``): the node's own
 directories are bind-mounted over those paths there, and every mount the kubelet makes
 (its root directory, the pods' volumes) stays in that namespace and ends with it.
@@ -19,8 +19,14 @@ from pathlib import Path
 
 from conveyor.cluster.nodes import GPU_RESOURCE, POOL_LABEL, MachineShare
 
-HARD_CODED_DIRS = (Path("/var/lib/kubelet/device-plugins"), Path("/var/log/containers"))
-"""Paths the kubelet uses whatever its root directory; each node gets its own in its namespace."""
+HARD_CODED_DIRS = (
+    Path("/var/lib/kubelet/device-plugins"),
+    Path("/var/log/containers"),
+    Path("/run/containerd"),
+)
+"""Paths the kubelet (the first two) and containerd 1.6's shims (their sockets, runc's state)
+use whatever they are configured with; each node gets its own in its namespace. The empty
+directories are made on the host once, as mount points, and left there."""
 
 CNI_BIN_DIR = Path("/usr/lib/cni")
 """Where Debian's ``containernetworking-plugins`` puts bridge, host-local and loopback."""
@@ -85,7 +91,7 @@ class NodeLayout:
 
     def own_dirs(self) -> tuple[Path, ...]:
         """The node's directories bind-mounted over ``HARD_CODED_DIRS``, in that order."""
-        return (self.device_plugins, self.container_logs)
+        return (self.device_plugins, self.container_logs, self.root / "run-containerd")
 
 
 def node_subnet(
@@ -145,7 +151,8 @@ def containerd_config(layout: NodeLayout, *, sandbox_image: str) -> str:
     """containerd 1.6's ``config.toml`` (version 2) for one node.
 
     ``restrict_oom_score_adj``: without CAP_SYS_RESOURCE runc fails ("can't get final child's
-    PID from pipe") when asked to lower a score. The CRI streaming server takes a free port on
+    PID from pipe") when asked to lower a score. The pods' network namespaces are kept in the
+    node's state directory (not ``/var/run/netns``). The CRI streaming server takes a free port on
     loopback (its default, 10010, would be shared by every node). Plugins that would write
     outside the node's directories or probe for other filesystems are off.
     """
@@ -168,6 +175,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
   restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
+  netns_mounts_under_state_dir = true
   enable_selinux = false
   disable_apparmor = true
 
@@ -255,6 +263,11 @@ def kubelet_config(i: KubeletInputs) -> dict:
         },
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
+        # The device plugin's GPUs show in the node's status at the next status sync: every
+        # 2 s rather than 10 s, so that a GPU node offers them soon after it is Ready; a
+        # status that did not change is still reported only once a minute.
+        "nodeStatusUpdateFrequency": "2s",
+        "nodeStatusReportFrequency": "1m",
         "rotateCertificates": False,
         "serverTLSBootstrap": False,
     }

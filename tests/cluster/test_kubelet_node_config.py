@@ -102,6 +102,7 @@ def test_containerd_config_is_the_nodes_own_and_restricts_oom_score_adj(tmp_path
     assert cri["restrict_oom_score_adj"] is True  # runc fails without CAP_SYS_RESOURCE otherwise
     assert cri["sandbox_image"] == "registry.k8s.io/pause:3.10.1"
     assert cri["stream_server_port"] == "0"  # not 10010, shared by every node
+    assert cri["netns_mounts_under_state_dir"] is True  # not the host's /var/run/netns
     assert cri["containerd"]["snapshotter"] == "overlayfs"
     assert cri["containerd"]["runtimes"]["runc"]["options"]["SystemdCgroup"] is False
     assert cri["cni"]["conf_dir"] == str(lay.cni_conf_dir)
