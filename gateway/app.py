@@ -124,7 +124,9 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
             interval_s=settings.load_poll_interval_s,
             timeout_s=settings.load_poll_timeout_s,
             backend_api_key=settings.backend_api_key,
+            heard_max_age_s=settings.load_stale_after_s / 2,
         )
+        proxy.hear_load_with(poller.heard_in_response)
         tasks = [
             asyncio.create_task(poller.run(), name="load poller"),
             asyncio.create_task(proxy.silence_watch().run(), name="upstream silence watch"),

@@ -1,4 +1,7 @@
-"""Polls every replica's load on a fixed interval from one background task.
+"""Polls every replica's load on a fixed interval from one background task, but for the
+replicas whose load came with a response lately (Conveyor replicas say it in the
+``x-conveyor-load`` header of every API response; the gateway's settings say how lately):
+under traffic the replicas serve no polls, each of which is a request on a busy replica's CPU.
 
 A replica's load is read through ``conveyor.contracts.engine_load``, whatever engine it runs:
 Conveyor's ``GET /load``, or, where a replica has no such document there (SGLang answers 404,
@@ -50,11 +53,14 @@ class LoadPoller:
         interval_s: float,
         timeout_s: float,
         backend_api_key: str | None,
+        heard_max_age_s: float = 0.0,
     ) -> None:
         self._registry = registry
         self._session = session
         self._metrics = metrics
         self._interval = interval_s
+        self._heard_max_age = heard_max_age_s
+        """How long a load report in a response's header stands in for polls (0: never)."""
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = backend_headers(backend_api_key)
         self._polls: dict[str, asyncio.Task[None]] = {}
@@ -79,11 +85,11 @@ class LoadPoller:
     async def run(self) -> None:
         try:
             while True:
-                for url, replica in self._registry.replicas.items():
-                    if url not in self._polls:
-                        task = asyncio.create_task(self._poll(replica), name=f"poll {url}")
-                        self._polls[url] = task
-                        task.add_done_callback(functools.partial(self._forget_poll, url))
+                for replica in self.due(asyncio.get_running_loop().time()):
+                    url = replica.url
+                    task = asyncio.create_task(self._poll(replica), name=f"poll {url}")
+                    self._polls[url] = task
+                    task.add_done_callback(functools.partial(self._forget_poll, url))
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):  # the interval passed: poll again
                     await asyncio.wait_for(self._wake.wait(), self._interval)
@@ -91,6 +97,19 @@ class LoadPoller:
             for task in list(self._polls.values()):
                 task.cancel()
             await asyncio.gather(*self._polls.values(), return_exceptions=True)
+
+    def due(self, now: float) -> list[Replica]:
+        """The replicas to poll now: all but those with a poll in flight and those whose load
+        came with a response (after any ejection) less than ``heard_max_age`` ago."""
+        return [
+            replica
+            for url, replica in self._registry.replicas.items()
+            if url not in self._polls
+            and not (
+                replica.load is not None
+                and replica.heard_at > max(replica.ejected_at, now - self._heard_max_age)
+            )
+        ]
 
     def _forget_poll(self, url: str, _task: asyncio.Task[None]) -> None:
         self._polls.pop(url, None)
@@ -151,11 +170,25 @@ class LoadPoller:
                 for model in replica.pools:
                     self._metrics.ejections.labels(model, replica.url).inc()
             return
+        self.heard(replica, report, sent_at, in_flight)
+
+    def heard_in_response(
+        self, replica: Replica, report: ReplicaLoad, sent_at: float, in_flight: int
+    ) -> None:
+        """The ``x-conveyor-load`` header of a response to a request sent at ``sent_at``, when
+        this gateway had ``in_flight`` requests open there (``upstream_attempt``)."""
+        replica.heard_at = max(replica.heard_at, sent_at)
+        self.heard(replica, report, sent_at, in_flight)
+
+    def heard(self, replica: Replica, report: ReplicaLoad, sent_at: float, in_flight: int) -> None:
+        """A load report from ``replica``, taken after ``sent_at`` (when this gateway had
+        ``in_flight`` requests open there)."""
         self._unanswered.discard(replica.url)
-        was_admitted = replica.admitted(loop.time())
+        now = asyncio.get_running_loop().time()
+        was_admitted = replica.admitted(now)
         was_ready = replica.load is not None and replica.load.ready
         replica.record_poll(report, sent_at, in_flight)
-        if replica.admitted(loop.time()) and not was_admitted:
+        if replica.admitted(now) and not was_admitted:
             log.info("replica %s is ready", replica.url)
         if report.ready and not was_ready:
             self._registry.notify()  # requests held for this replica's model go now

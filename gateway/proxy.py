@@ -27,7 +27,7 @@ from conveyor.gateway.pool import NoCandidate, Pool, Registry
 from conveyor.gateway.prefix_key import RouteRequest
 from conveyor.gateway.routing import LoadView
 from conveyor.gateway.settings import GatewaySettings
-from conveyor.gateway.upstream_attempt import SilenceWatch, Upstream, UpstreamRequest
+from conveyor.gateway.upstream_attempt import LoadHeard, SilenceWatch, Upstream, UpstreamRequest
 
 log = logging.getLogger("conveyor.gateway")
 
@@ -55,6 +55,10 @@ class Proxy:
             "content-type": "application/json",
             **backend_headers(settings.backend_api_key),
         }
+
+    def hear_load_with(self, heard: LoadHeard) -> None:
+        """Hand the load report in each response's head to ``heard`` (the load poller's)."""
+        self._upstream.load_heard = heard
 
     def silence_watch(self) -> SilenceWatch:
         """What fails streams whose replica went silent; the gateway runs it."""

@@ -17,6 +17,8 @@ class Replica:
     load: ReplicaLoad | None = None
     load_time: float = -math.inf
     """Monotonic time the last successful /load poll was sent."""
+    heard_at: float = -math.inf
+    """Monotonic send time of the request whose response last carried the replica's load."""
     in_flight: int = 0
     """Requests this gateway has open on the replica right now."""
     in_flight_at_poll: int = 0

@@ -57,7 +57,9 @@ class GatewaySettings:
     """Per-replica /load timeout in seconds; a replica slower than this is treated as failed."""
 
     load_stale_after_s: float = 1.0
-    """Age in seconds after which a replica's load is unknown (ranked behind known ones), not idle."""
+    """Age in seconds after which a replica's load is unknown (ranked behind known ones), not idle.
+    A load a response's header carried (Conveyor replicas send it) stands in for /load polls
+    for half of it, so the replica is polled before that load goes stale."""
 
     connect_timeout_s: float = 2.0
     """Seconds to connect to a replica before trying another; short, as a pod is local to the cluster."""

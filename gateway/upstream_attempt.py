@@ -24,12 +24,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 from starlette.types import Send
 from yarl import URL
 
+from conveyor.contracts.load import LOAD_HEADER, ReplicaLoad
 from conveyor.gateway import sse
 from conveyor.gateway.errors import Failure
 from conveyor.gateway.metrics import GatewayMetrics
@@ -43,7 +45,10 @@ HOP_BY_HOP = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"date", b"server",
      b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer", b"upgrade"}
 )  # fmt: skip
+NOT_FORWARDED = HOP_BY_HOP | {LOAD_HEADER.encode()}
+"""Headers of a replica's response that stay in the gateway (its load is for routing only)."""
 BACKEND_HEADER = b"x-conveyor-backend"
+LoadHeard = Callable[[Replica, ReplicaLoad, float, int], None]
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 """What a replica that is gone, hung or broken looks like from the data path."""
 
@@ -117,6 +122,23 @@ class Upstream:
         self._s = settings
         self.watch = SilenceWatch(settings.upstream_timeout_s)
         """Run by the gateway (``watch.run()``) beside the load poller."""
+        self.load_heard: LoadHeard | None = None
+        """Given each load report a response's ``x-conveyor-load`` header carries (the load
+        poller's ``heard``): the replica, the report, when the request was sent and the
+        gateway's in-flight count there then."""
+
+    def _read_load(
+        self, replica: Replica, response: aiohttp.ClientResponse, sent_at: float, in_flight: int
+    ) -> None:
+        value = response.headers.get(LOAD_HEADER)
+        if value is None or self.load_heard is None:
+            return  # not a Conveyor replica (vLLM, SGLang): the poller reads it
+        try:
+            report = ReplicaLoad.from_header(value)
+        except ValueError as exc:
+            log.debug("replica %s sent a load header that is no load: %s", replica.url, exc)
+            return
+        self.load_heard(replica, report, sent_at, in_flight)
 
     async def attempt(
         self, pool: Pool, replica: Replica, request: UpstreamRequest, send: Send
@@ -126,6 +148,7 @@ class Upstream:
         in_flight = self._metrics.in_flight.labels(pool.model, replica.url)
         replica.in_flight += 1
         in_flight.inc()
+        sent_at, in_flight_at_send = loop.time(), replica.in_flight
         response: aiohttp.ClientResponse | None = None
         watched: _Watched | None = None
         done = False
@@ -147,6 +170,8 @@ class Upstream:
                     )
             assert response is not None
             status = response.status
+            if status < 500 and self.load_heard is not None:
+                self._read_load(replica, response, sent_at, in_flight_at_send)
             if status >= 500:
                 return self._eject(pool, replica, f"{replica.url} answered {status}", response)
             if status == 429:
@@ -156,7 +181,9 @@ class Upstream:
                     response.headers.get("retry-after", str(self._s.retry_after_s)).encode(),
                     code="queue_full",
                 )
-            out_headers = [(k, v) for k, v in response.raw_headers if k.lower() not in HOP_BY_HOP]
+            out_headers = [
+                (k, v) for k, v in response.raw_headers if k.lower() not in NOT_FORWARDED
+            ]
             out_headers.append((BACKEND_HEADER, replica.url.encode()))
             if not (request.stream and response.content_type == "text/event-stream"):
                 try:

@@ -1,4 +1,5 @@
-"""The load record of one replica: Conveyor's ``GET /load`` document (ARCHITECTURE.md).
+"""The load record of one replica: Conveyor's ``GET /load`` document (ARCHITECTURE.md), also
+sent with every API response in the ``x-conveyor-load`` header.
 
 The runtime writes it (:meth:`ReplicaLoad.to_json`); the gateway's poller and the
 autoscaler read it (:meth:`ReplicaLoad.from_json`). The reader is tolerant of what the
@@ -9,8 +10,15 @@ document may grow (unknown fields are ignored; ``max_queued_requests``, ``model`
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+LOAD_HEADER = "x-conveyor-load"
+"""Response header in which a replica also says its load, on every answer to ``/v1/*``: the
+``/load`` document, compact JSON without ``model``. A gateway that reads it has fresh load at
+every response and polls ``/load`` only replicas it has not heard from for a poll interval,
+which under traffic is none (each poll is a request the replica serves, on its own CPU)."""
 
 JsonValue = None | bool | int | float | str | list["JsonValue"] | dict[str, "JsonValue"]
 
@@ -51,6 +59,21 @@ class ReplicaLoad:
         if self.in_flight is not None:
             doc["in_flight"] = self.in_flight
         return doc
+
+    def to_header(self) -> bytes:
+        """The ``LOAD_HEADER`` value: ASCII, whatever the model's name."""
+        doc = self.to_json()
+        doc.pop("model", None)
+        return json.dumps(doc, separators=(",", ":")).encode("ascii")
+
+    @classmethod
+    def from_header(cls, value: str | bytes) -> ReplicaLoad:
+        """Read a ``LOAD_HEADER`` value; ValueError when it is not a load document."""
+        try:
+            doc = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{LOAD_HEADER} is not JSON: {exc}") from None
+        return cls.from_json(doc)
 
     @classmethod
     def from_json(cls, doc: object) -> ReplicaLoad:

@@ -19,9 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.contracts.load import ReplicaLoad
+from conveyor.contracts.load import LOAD_HEADER, ReplicaLoad
 from conveyor.runtime.server.context import Drain, ServerContext
 from conveyor.runtime.server.engine_client import EngineClient, EngineDeadError
 from conveyor.runtime.server.errors import (
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("conveyor.runtime.server")
 
+LOAD_HEADER_BYTES = LOAD_HEADER.encode()
 TOKENIZER_THREADS = 2
 """Tokenising threads: the fast tokenizer releases the GIL, and two keep one long prompt
 from delaying every short one behind it."""
@@ -241,18 +242,7 @@ def build_app(
 
     @app.get("/load")
     async def load(request: Request) -> dict[str, Any]:
-        ctx: ServerContext = request.state.ctx
-        snap = ctx.client.snapshot()
-        return ReplicaLoad(
-            running=snap.num_running,
-            waiting=snap.num_waiting,
-            kv_cache_usage=snap.kv_cache_usage,
-            max_running_requests=snap.max_running_requests or settings.engine.max_running_requests,
-            max_queued_requests=settings.max_queued_requests,
-            ready=ctx.ready,
-            model=ctx.model_name,
-            in_flight=ctx.drain.in_flight,
-        ).to_json()
+        return load_report(request.state.ctx).to_json()
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
@@ -260,6 +250,21 @@ def build_app(
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def load_report(ctx: ServerContext) -> ReplicaLoad:
+    """The replica's load now: the ``/load`` document, and the ``x-conveyor-load`` header."""
+    snap = ctx.client.snapshot()
+    return ReplicaLoad(
+        running=snap.num_running,
+        waiting=snap.num_waiting,
+        kv_cache_usage=snap.kv_cache_usage,
+        max_running_requests=snap.max_running_requests or ctx.settings.engine.max_running_requests,
+        max_queued_requests=ctx.settings.max_queued_requests,
+        ready=ctx.ready,
+        model=ctx.model_name,
+        in_flight=ctx.drain.in_flight,
+    )
 
 
 async def prepare_grammars(client: EngineClient, pool: ThreadPoolExecutor) -> None:
@@ -308,7 +313,9 @@ class AdmissionMiddleware:
     """Before any body is read on ``/v1/*``: the API key (401), and while draining 503.
 
     Also counts in-flight API requests for the drain; a streamed response counts until
-    its last byte. Plain ASGI: no per-request wrapping of the body, no added latency.
+    its last byte; and says the replica's load in each response's head (``LOAD_HEADER``),
+    so that a gateway need not poll ``/load`` while it sends traffic. Plain ASGI: the body
+    passes through untouched.
     """
 
     def __init__(self, app: ASGIApp, *, settings: ServerSettings, drain: Drain) -> None:
@@ -335,8 +342,19 @@ class AdmissionMiddleware:
             await draining(self.retry_after).response()(scope, receive, send)
             return
         self.drain.enter()
+        ctx: ServerContext | None = scope.get("state", {}).get("ctx")
+
+        async def send_with_load(message: Message) -> None:
+            if message["type"] == "http.response.start" and ctx is not None:
+                headers = [
+                    *message.get("headers", ()),
+                    (LOAD_HEADER_BYTES, load_report(ctx).to_header()),
+                ]
+                message = {**message, "headers": headers}
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_with_load)
         finally:
             self.drain.exit()
 

@@ -292,6 +292,22 @@ def test_health_ready_load_metrics(server: ChildProcess) -> None:
     assert f'{names.REQUEST_SUCCESS}{{finish_reason="length",model="{MODEL}"}}' in text
 
 
+def test_api_responses_say_the_replica_load_in_a_header(server: ChildProcess) -> None:
+    from conveyor.contracts.load import LOAD_HEADER, ReplicaLoad
+
+    body = {"prompt": "load", "max_tokens": 3, "ignore_eos": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        plain = http.post("/v1/completions", json=body)
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as streamed:
+            # the head goes out as the request is queued: it counts itself
+            during = ReplicaLoad.from_header(streamed.headers[LOAD_HEADER])
+            streamed.read()
+        assert LOAD_HEADER not in http.get("/load").headers
+    after = ReplicaLoad.from_header(plain.headers[LOAD_HEADER])
+    assert after.ready and after.max_running_requests == 32 and after.model is None
+    assert during.running + during.waiting >= 1
+
+
 def test_chat_stream_n_choices(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL,
