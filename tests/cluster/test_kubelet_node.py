@@ -150,4 +150,15 @@ def test_a_real_node_runs_pods_from_an_image_and_leaves_nothing() -> None:
         cluster.plan, cluster_name=NAME, tools_dir=cluster.tools and cluster.tools.directory
     )
     assert {kind: found for kind, found in left.items() if found} == {}
-    assert rulesets() == baseline
+    # The kubelet's iptables chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, ...) if it made any;
+    # the rest of the rules may change under other work on a shared machine.
+    assert _kube_rules(rulesets()) == _kube_rules(baseline)
+
+
+def _kube_rules(rules: dict[str, str]) -> dict[str, list[str]]:
+    """The iptables lines that name a Kubernetes chain (the nftables tables are leftovers' own)."""
+    return {
+        tool: sorted(line for line in text.splitlines() if "KUBE" in line)
+        for tool, text in rules.items()
+        if tool != "nft"
+    }
