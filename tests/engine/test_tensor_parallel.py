@@ -235,27 +235,6 @@ def test_preemption_keeps_outputs(tp_models, reference):
         engine.close()
 
 
-def test_smollm2_at_three_ranks_matches_one_rank():
-    """The built-in real model (9 heads, 3 KV heads: 3 ranks, not 2), its tied 49,152-row
-    embedding split in three, batched, token for token as one rank runs it (which
-    ``test_smollm2.py`` holds to transformers; transformers' own GGUF reading would take
-    this test's whole time again)."""
-    smollm2 = {"smollm2": "smollm2-135m-instruct"}
-    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a"]
-    outputs = []
-    for tp in (1, 3):
-        engine = make_engine(
-            smollm2, "smollm2", tensor_parallel_size=tp, max_running_requests=3,
-            max_total_tokens=1024,
-        )  # fmt: skip
-        try:
-            requests = [(engine.tokenizer.encode(t), 8) for t in texts]
-            outputs.append(run_staggered(engine, requests, [0, 0, 1], ignore_eos=True))
-        finally:
-            engine.close()
-    assert outputs[1] == outputs[0]
-
-
 # -- the offline API and a rank's death ---------------------------------------------------------
 
 
