@@ -12,6 +12,7 @@ from pathlib import Path
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.figures import figures, format_figures
 from conveyor.cluster.leftovers import find_leftovers
+from conveyor.cluster.real_nodes import node_image_archive
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.state import ClusterState, read_state
 from conveyor.cluster.teardown import ClusterAlreadyRunning
@@ -59,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ARCHIVE",
-        help="an OCI archive to import into each real node's containerd (--node-runtime "
-        "kubelet; repeatable); pods use it with imagePullPolicy: Never",
+        help="an OCI archive each real node's containerd gets (--node-runtime kubelet; "
+        "repeatable), or 'conveyor': the project's image as `conveyor image build` left it; "
+        "imported once into a cached seed that every node clones; pods use it with "
+        "imagePullPolicy: Never",
     )
     up.add_argument(
         "--tools-dir",
@@ -94,6 +97,11 @@ def main(argv: list[str]) -> int:
         return 0
     settings = ClusterSettings(name=args.name, state_root=args.state_root)
     if args.command == "up":
+        try:
+            node_images = tuple(str(node_image_archive(p)) for p in args.node_image)
+        except FileNotFoundError as exc:
+            print(f"conveyor cluster up: {exc}", file=sys.stderr)
+            return 2
         settings = replace(
             settings,
             gpu_nodes=args.gpu_nodes,
@@ -101,7 +109,7 @@ def main(argv: list[str]) -> int:
             cpu_nodes=args.cpu_nodes,
             tools_dir=args.tools_dir,
             node_runtime=args.node_runtime,
-            node_images=tuple(str(Path(p).resolve()) for p in args.node_image),
+            node_images=node_images,
         )
         cluster = Cluster(settings)
         try:

@@ -85,6 +85,11 @@ def images_cache() -> Path:
     return Path(root) / "images"
 
 
+def default_archive(version: str, cache: Path | None = None) -> Path:
+    """Where ``conveyor image build`` writes the image of ``version`` unless told otherwise."""
+    return (cache or images_cache()) / f"conveyor-{version}.oci.tar"
+
+
 def missing_tools() -> dict[str, str]:
     """The build's tools this machine lacks, each with the Debian package that has it."""
     return {tool: pkg for tool, pkg in TOOLS.items() if shutil.which(tool) is None}
@@ -132,7 +137,7 @@ class ImageBuilder:
         started = time.monotonic()
         version = project_version(self.settings.repo)
         name = f"conveyor:{version}"
-        archive = output or self.cache / f"conveyor-{version}.oci.tar"
+        archive = output or default_archive(version, self.cache)
         for d in (self.dirs, self.logs, self.pip_cache):
             d.mkdir(parents=True, exist_ok=True)
         with self._locked():

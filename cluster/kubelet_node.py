@@ -2,14 +2,14 @@
 device plugin, started and stopped as one owner; the configurations come from ``kubelet_config``.
 
 ``start``: directories, client certificate and kubeconfig, cgroup root in every hierarchy,
-containerd (in the node's private mount namespace), the pause image and any other images
-imported into it, the kubelet (joining that namespace), the device plugin; then waits for
+containerd's root cloned from the seed that holds the images (``node_seed``), containerd (in
+the node's private mount namespace), the kubelet (joining that namespace), the device plugin; then waits for
 the Node to be Ready (and to offer its GPUs). ``stop`` undoes it in the order that leaves
 nothing: the node's pods deleted (the kubelet stops their sandboxes, CNI DEL included), the
 kubelet stopped, what containers remain killed and removed through ``ctr``, containerd
 stopped, any mount under the node's directory unmounted, the cgroup trees removed deepest
-first, the Node object deleted. ``sweep_real_node`` is the part of it that needs no process
-(after a crash).
+first, the node's directory removed (its containerd root with it), the Node object deleted.
+``sweep_real_node`` is the part of it that needs no process (after a crash).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from conveyor.cluster.kubelet_config import (
     namespace_argv,
     node_labels,
 )
-from conveyor.cluster.node_images import PAUSE_IMAGE, import_image
+from conveyor.cluster.node_images import PAUSE_IMAGE
+from conveyor.cluster.node_seed import clone_root
 from conveyor.cluster.nodes import GPU_RESOURCE, node_ready
 from conveyor.cluster.tools import BUILD_SCRIPT
 
@@ -174,10 +175,13 @@ def mounts_under(root: Path) -> list[str]:
 
 
 def sweep_real_node(layout: NodeLayout) -> None:
-    """What needs no running process: kill and remove the node's cgroups, unmount its mounts."""
+    """What needs no running process: kill and remove the node's cgroups, unmount its mounts,
+    remove its directory (the containerd root cloned from the seed included)."""
     NodeCgroups(layout.cgroup_root).remove()
     for point in mounts_under(layout.root):
         subprocess.run(["umount", "-l", point], check=True)
+    if layout.root.exists():
+        shutil.rmtree(layout.root)
 
 
 @dataclass(frozen=True)
@@ -190,8 +194,8 @@ class RealNodeInputs:
     tools: Path
     """Directory of ``NODE_BINARIES``."""
     cni: dict
-    images: tuple[Path, ...]
-    """OCI archives imported into the node's containerd (the pause image first)."""
+    seed: Path
+    """A containerd root holding the images, the pause image among them (``node_seed``)."""
     gpu_product: str = ""
     gpu_memory_mib: int = 0
     log_level: int = 1
@@ -210,14 +214,12 @@ class KubeletNode:
         return f"{what}-{self.layout.name}"
 
     def start(self, i: RealNodeInputs) -> None:
-        """Start containerd, import the images, start the kubelet and device plugin; wait Ready."""
+        """Clone containerd's root from the seed, start containerd, the kubelet and the device
+        plugin; wait Ready."""
         lay, t0 = self.layout, time.monotonic()
-        # A fresh kubelet and fresh address leases each run; containerd's root (the images'
-        # content, which takes long to import) is kept.
-        sweep_real_node(lay)
-        for stale in (lay.kubelet_root, lay.ipam_dir, lay.pod_logs, lay.containerd_state):
-            if stale.exists():
-                shutil.rmtree(stale)
+        sweep_real_node(lay)  # what a crashed run left; the directory is made anew
+        clone_root(i.seed, lay.containerd_root)
+        self.timings["clone_s"] = time.monotonic() - t0
         for d in (lay.root, lay.kubelet_root, lay.cni_conf_dir, *lay.own_dirs(), lay.pod_logs):
             d.mkdir(parents=True, exist_ok=True)
         for d in HARD_CODED_DIRS:  # mount points for the node's own directories
@@ -244,8 +246,6 @@ class KubeletNode:
             namespace_argv(lay, ["containerd", "--config", str(config)]),
         )
         self.components.wait(containerd.name, "containerd's socket", self._ctr_ready)
-        for archive in i.images:
-            import_image(lay.containerd_socket, archive)
         self.timings["containerd_s"] = time.monotonic() - t0
 
         kubelet_yaml = lay.root / "kubelet.yaml"

@@ -1,0 +1,200 @@
+"""A seed containerd root for real nodes: the images imported and unpacked once, cloned into
+every node by hardlinks.
+
+``ctr images import`` of the project's image (3.5 GB, gzip layers) takes minutes per node,
+almost all of it decompressing and writing the layers. A seed root holds the content blobs
+and the unpacked overlayfs snapshots of every image the nodes get; it is made once per set of
+images (keyed by each archive's ``index.json``, which names its manifest by digest, and by
+containerd's version) under ``~/.cache/conveyor/node-seed/<key>`` and kept, like the image
+cache. A node's containerd root is then ``clone_root``: its directories made anew, every file
+hardlinked (``cp -al``), except the bolt databases (containerd's metadata and the overlayfs
+snapshotter's), which a running containerd writes in place and so are copied.
+
+Why hardlinks are safe: content blobs are written once and verified by digest; a committed
+snapshot is an overlay lower layer, which overlayfs never writes (a container's writes go to
+its own upper directory, made by its own containerd, copying a file up before changing it).
+Garbage collection in one node unlinks its own names only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import shutil
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from conveyor.cluster.kubelet_config import (
+    CRI_NAMESPACE,
+    HARD_CODED_DIRS,
+    NodeLayout,
+    containerd_config,
+    namespace_argv,
+)
+from conveyor.cluster.node_images import PAUSE_IMAGE, import_image
+
+BOLT_DATABASES = (
+    "io.containerd.metadata.v1.bolt/meta.db",
+    "io.containerd.snapshotter.v1.overlayfs/metadata.db",
+)
+"""containerd's metadata (``io.containerd.metadata.v1.bolt/meta.db``) and the overlayfs
+snapshotter's (``io.containerd.snapshotter.v1.overlayfs/metadata.db``): written in place by
+a running containerd, so each node gets its own copy."""
+
+SEED_DONE = "seed.json"
+"""Written last into a seed's directory: the seed is complete (and what made it, how fast)."""
+
+
+def seed_cache() -> Path:
+    """Where seeds are kept (shared by every cluster of this user; a cache, never removed)."""
+    return Path.home() / ".cache" / "conveyor" / "node-seed"
+
+
+def archive_index(archive: Path) -> bytes:
+    """The ``index.json`` of an OCI archive (it names the image's manifest by digest)."""
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("index.json")
+        if member is None:
+            raise ValueError(f"{archive} has no index.json: not an OCI archive")
+        return member.read()
+
+
+def containerd_version() -> str:
+    return subprocess.run(
+        ["containerd", "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def seed_key(indexes: Sequence[bytes], version: str) -> str:
+    """The seed's name: the archives' indexes in order, and containerd's version."""
+    digest = hashlib.sha256(version.encode())
+    for index in indexes:
+        digest.update(hashlib.sha256(index).digest())
+    return digest.hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(cache: Path) -> Iterator[None]:
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@dataclass(frozen=True)
+class Seed:
+    root: Path
+    """The containerd root that nodes clone."""
+    import_s: float
+    """How long its import took when it was made."""
+    cached: bool
+    """Found in the cache (not made by this call)."""
+
+
+def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
+    """The seed's containerd root holding ``archives`` (the pause image first), made if it is
+    not in the cache: a containerd of its own imports and unpacks them, then stops."""
+    cache = cache or seed_cache()
+    key = seed_key([archive_index(a) for a in archives], containerd_version())
+    seed = cache / key
+    with _locked(cache):
+        if (seed / SEED_DONE).exists():
+            return Seed(seed / "containerd", _import_s(seed), cached=True)
+        work = cache / f"{key}.partial"
+        if work.exists():
+            shutil.rmtree(work)
+        t0 = time.monotonic()
+        _import_into(NodeLayout("seed", key, work), archives)
+        record = {
+            "archives": [str(a) for a in archives],
+            "import_s": round(time.monotonic() - t0, 1),
+        }
+        for stale in ("containerd-state", "run-containerd", "device-plugins", "container-logs"):
+            shutil.rmtree(work / stale, ignore_errors=True)
+        (work / "containerd.sock.ttrpc").unlink(missing_ok=True)
+        (work / SEED_DONE).write_text(json.dumps(record, indent=2))
+        if seed.exists():
+            shutil.rmtree(seed)
+        work.rename(seed)
+    return Seed(seed / "containerd", _import_s(seed), cached=False)
+
+
+def _import_s(seed: Path) -> float:
+    return float(json.loads((seed / SEED_DONE).read_text())["import_s"])
+
+
+def _import_into(layout: NodeLayout, archives: Sequence[Path]) -> None:
+    """Start a containerd on ``layout``'s directories (as a node's: its own mount namespace),
+    import every archive into the CRI namespace, stop it."""
+    for d in (layout.root, *layout.own_dirs(), layout.cni_conf_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    for d in HARD_CODED_DIRS:
+        d.mkdir(parents=True, exist_ok=True)
+    config = layout.root / "containerd.toml"
+    config.write_text(containerd_config(layout, sandbox_image=PAUSE_IMAGE))
+    log = (layout.root / "containerd.log").open("w")
+    proc = subprocess.Popen(
+        namespace_argv(layout, ["containerd", "--config", str(config)]),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _answers(layout.containerd_socket):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the seed's containerd did not start: see {log.name}")
+            time.sleep(0.05)
+        for archive in archives:
+            import_image(layout.containerd_socket, archive)
+        _check_unpacked(layout.containerd_socket)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _answers(socket: Path) -> bool:
+    if not socket.exists():
+        return False
+    argv = ["ctr", "-a", str(socket), "version"]
+    return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+
+
+def _check_unpacked(socket: Path) -> None:
+    """Every image's layers are unpacked into the overlayfs snapshotter (else each node would
+    unpack at its first container, which is the cost the seed is for)."""
+    ctr = ["ctr", "-a", str(socket), "-n", CRI_NAMESPACE]
+    names = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True, check=True)
+    for name in names.stdout.split():
+        out = subprocess.run(
+            [*ctr, "images", "check", f"name=={name}"], capture_output=True, text=True, check=True
+        )
+        # REF TYPE DIGEST STATUS SIZE UNPACKED, the last column "true" or "false"
+        rows = out.stdout.strip().splitlines()[1:]
+        if not rows or any(row.split()[-1] != "true" for row in rows):
+            raise RuntimeError(f"{name} is not unpacked in the seed: {out.stdout.strip()}")
+
+
+def clone_root(seed: Path, root: Path) -> None:
+    """``root`` made a containerd root equal to ``seed``: directories new, files hardlinked,
+    the bolt databases copied (see the module's docstring)."""
+    if root.exists():
+        shutil.rmtree(root)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cp", "-al", str(seed), str(root)], check=True)
+    for name in BOLT_DATABASES:
+        db = root / name
+        copy = db.with_name(db.name + ".copy")
+        shutil.copy2(db, copy)
+        copy.replace(db)

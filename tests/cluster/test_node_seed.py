@@ -1,0 +1,63 @@
+"""The seed containerd root's pure parts: its key, and a node's clone of it (no containerd)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from conveyor.cluster.node_seed import BOLT_DATABASES, archive_index, clone_root, seed_key
+from conveyor.cluster.real_nodes import PROJECT_IMAGE, node_image_archive
+
+
+def _archive(path: Path, index: bytes) -> Path:
+    with tarfile.open(path, "w") as tar:
+        for name, data in (("oci-layout", b"{}"), ("index.json", index)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_the_key_follows_each_archive_s_index_and_containerd_s_version(tmp_path: Path) -> None:
+    a = archive_index(_archive(tmp_path / "a.tar", b'{"manifests": ["sha256:a"]}'))
+    b = archive_index(_archive(tmp_path / "b.tar", b'{"manifests": ["sha256:b"]}'))
+    assert a == b'{"manifests": ["sha256:a"]}'
+    key = seed_key([a, b], "containerd 1.6.20")
+    assert key == seed_key([a, b], "containerd 1.6.20")
+    assert len({key, seed_key([b, a], "containerd 1.6.20"), seed_key([a, b], "2.0")}) == 3
+
+
+def test_a_clone_shares_the_seed_s_files_but_not_its_databases(tmp_path: Path) -> None:
+    seed = tmp_path / "seed"
+    blob = seed / "io.containerd.content.v1.content/blobs/sha256/abc"
+    layer = seed / "io.containerd.snapshotter.v1.overlayfs/snapshots/1/fs/etc/os-release"
+    for f in (blob, layer, *(seed / db for db in BOLT_DATABASES)):
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f.name)
+    root = tmp_path / "node/containerd"
+    root.mkdir(parents=True)
+    (root / "stale").write_text("from a crashed run")
+
+    clone_root(seed, root)
+
+    assert not (root / "stale").exists()
+    for f in (blob, layer):
+        twin = root / f.relative_to(seed)
+        assert twin.stat().st_ino == f.stat().st_ino  # hardlinked
+    for db in BOLT_DATABASES:
+        assert (root / db).read_text() == (seed / db).read_text()
+        assert (root / db).stat().st_ino != (seed / db).stat().st_ino  # copied
+    snapshots = root / "io.containerd.snapshotter.v1.overlayfs/snapshots"
+    assert snapshots.stat().st_ino != (seed / snapshots.relative_to(root)).stat().st_ino
+
+
+def test_node_image_names_an_archive_or_the_project_s_image(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="conveyor image build"):
+        node_image_archive(PROJECT_IMAGE, cache=tmp_path)
+    with pytest.raises(FileNotFoundError, match="no such archive"):
+        node_image_archive(str(tmp_path / "missing.tar"))
+    archive = _archive(tmp_path / "conveyor-0.0.tar", b"{}")
+    assert node_image_archive(str(archive)) == archive
