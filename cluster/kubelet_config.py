@@ -17,7 +17,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.cluster.nodes import GPU_RESOURCE, POOL_LABEL, MachineShare
+from conveyor.cluster.nodes import GPU_RESOURCE, MachineShare
 
 HARD_CODED_DIRS = (
     Path("/var/lib/kubelet/device-plugins"),
@@ -274,20 +274,6 @@ def kubelet_config(i: KubeletInputs) -> dict:
     if i.gpus:
         config["registerWithTaints"] = [{"key": GPU_RESOURCE, "effect": "NoSchedule"}]
     return config
-
-
-def node_labels(*, gpus: int, gpu_product: str = "", gpu_memory_mib: int = 0) -> dict[str, str]:
-    """The labels the kubelet registers its node with (``--node-labels``): those of the
-    simulated nodes (``nodes.node_manifest``) that a kubelet may set on itself."""
-    labels = {POOL_LABEL: "gpu" if gpus else "cpu"}
-    if gpus:
-        labels |= {
-            f"{GPU_RESOURCE}.present": "true",
-            f"{GPU_RESOURCE}.product": gpu_product,
-            f"{GPU_RESOURCE}.memory": str(gpu_memory_mib),
-            f"{GPU_RESOURCE}.count": str(gpus),
-        }
-    return labels
 
 
 def kubelet_argv(

@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from conveyor.cluster.api import ApiClient, ApiError, kubeconfig, wait_for, write_kubeconfig
 from conveyor.cluster.certs import KeyPair
-from conveyor.cluster.cgroups import CGROUP_ROOT
+from conveyor.cluster.cgroups import CGROUP_ROOT, ClusterCgroup
 from conveyor.cluster.components import Components
 from conveyor.cluster.kubelet_config import (
     CRI_NAMESPACE,
@@ -46,11 +45,10 @@ from conveyor.cluster.kubelet_config import (
     kubelet_argv,
     kubelet_config,
     namespace_argv,
-    node_labels,
 )
 from conveyor.cluster.node_images import PAUSE_IMAGE
 from conveyor.cluster.node_seed import clone_root
-from conveyor.cluster.nodes import GPU_RESOURCE, node_ready
+from conveyor.cluster.nodes import GPU_RESOURCE, node_labels, node_ready
 from conveyor.cluster.tools import BUILD_SCRIPT
 
 NODE_BINARIES = ("kubelet", "fake-gpu-plugin")
@@ -116,10 +114,12 @@ def issue_node_certificate(ca: KeyPair, node: str, directory: Path) -> KeyPair:
     return pair
 
 
-class NodeCgroups:
-    """The kubelet's ``cgroupRoot`` in every hierarchy (cgroup v1: each controller; v2: one)."""
+class NodeCgroups(ClusterCgroup):
+    """The kubelet's ``cgroupRoot`` in every hierarchy (cgroup v1: each controller; v2: one);
+    listed and removed as the cluster's own cgroup is."""
 
     def __init__(self, cgroup_root: str, *, root: Path = CGROUP_ROOT) -> None:
+        self.root = root
         if (root / "cgroup.controllers").exists():
             hierarchies = [root]
         else:
@@ -136,32 +136,12 @@ class NodeCgroups:
                 if (d / name).exists() and not (d / name).read_text().strip():
                     (d / name).write_text((d.parent / name).read_text())
 
-    def pids(self) -> set[int]:
-        found: set[int] = set()
-        for d in self.dirs:
-            for procs in d.rglob("cgroup.procs") if d.exists() else ():
-                with contextlib.suppress(FileNotFoundError):
-                    found.update(int(x) for x in procs.read_text().split())
-        return found
-
     def existing(self) -> list[str]:
         return [str(d) for d in self.dirs if d.exists()]
 
     def remove(self, grace_s: float = 10.0) -> None:
         """SIGKILL what is left inside, then rmdir every directory, deepest first."""
-        deadline = time.monotonic() + grace_s
-        while pids := self.pids():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"processes {sorted(pids)} stay in {self.dirs} after SIGKILL")
-            time.sleep(0.05)
-        for d in self.dirs:
-            if d.exists():
-                subs = sorted((p for p in d.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
-                for sub in [*subs, d]:
-                    sub.rmdir()
+        super().remove(grace_s)
 
 
 def mounts_under(root: Path) -> list[str]:

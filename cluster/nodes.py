@@ -39,6 +39,20 @@ def node_names(gpu_nodes: int, cpu_nodes: int) -> tuple[list[str], list[str]]:
     return [f"gpu-node-{i}" for i in range(gpu_nodes)], [f"cpu-node-{i}" for i in range(cpu_nodes)]
 
 
+def node_labels(*, gpus: int, gpu_product: str = "", gpu_memory_mib: int = 0) -> dict[str, str]:
+    """The labels of a node's pool and GPUs: the simulated nodes carry them (``node_manifest``)
+    and a real kubelet registers its node with them (``--node-labels``)."""
+    labels = {POOL_LABEL: "gpu" if gpus else "cpu"}
+    if gpus:
+        labels |= {
+            f"{GPU_RESOURCE}.present": "true",
+            f"{GPU_RESOURCE}.product": gpu_product,
+            f"{GPU_RESOURCE}.memory": str(gpu_memory_mib),
+            f"{GPU_RESOURCE}.count": str(gpus),
+        }
+    return labels
+
+
 def node_manifest(
     name: str,
     *,
@@ -57,7 +71,7 @@ def node_manifest(
         "kubernetes.io/os": "linux",
         "kubernetes.io/arch": "amd64",
         "type": "kwok",
-        POOL_LABEL: "gpu" if gpus else "cpu",
+        **node_labels(gpus=gpus, gpu_product=gpu_product, gpu_memory_mib=gpu_memory_mib),
     }
     resources = {
         "cpu": f"{share.cpu_millis}m",
@@ -67,12 +81,6 @@ def node_manifest(
     }
     taints = []
     if gpus:
-        labels |= {
-            f"{GPU_RESOURCE}.present": "true",
-            f"{GPU_RESOURCE}.product": gpu_product,
-            f"{GPU_RESOURCE}.memory": str(gpu_memory_mib),
-            f"{GPU_RESOURCE}.count": str(gpus),
-        }
         resources[GPU_RESOURCE] = str(gpus)
         taints.append({"key": GPU_RESOURCE, "effect": "NoSchedule"})
     return {

@@ -25,11 +25,10 @@ from conveyor.cluster.kubelet_config import (
     kubelet_argv,
     kubelet_config,
     namespace_argv,
-    node_labels,
     node_subnet,
 )
 from conveyor.cluster.kubelet_node import NodeCgroups, issue_node_certificate
-from conveyor.cluster.nodes import MachineShare, node_manifest
+from conveyor.cluster.nodes import MachineShare, node_labels, node_manifest
 from conveyor.cluster.real_nodes import node_layouts
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.tools import BUILD_SCRIPT, GO_MODULES
