@@ -11,6 +11,7 @@ from pathlib import Path
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.figures import figures, format_figures
+from conveyor.cluster.kubelet_node import missing_host_tools
 from conveyor.cluster.leftovers import find_leftovers
 from conveyor.cluster.real_nodes import node_image_archive
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
@@ -101,6 +102,9 @@ def main(argv: list[str]) -> int:
             node_images = tuple(str(node_image_archive(p)) for p in args.node_image)
         except FileNotFoundError as exc:
             print(f"conveyor cluster up: {exc}", file=sys.stderr)
+            return 2
+        if args.node_runtime == "kubelet" and (missing := missing_host_tools()) is not None:
+            print(f"conveyor cluster up --node-runtime kubelet: {missing}", file=sys.stderr)
             return 2
         settings = replace(
             settings,

@@ -65,6 +65,24 @@ def build_node_tools() -> Path:
     return directory
 
 
+HOST_TOOLS = ("containerd", "ctr", "runc", "unshare", "nsenter", "umoci", "skopeo")
+"""What real nodes run on the host (Debian packages: cluster/install-system-deps.sh)."""
+CNI_BRIDGE = Path("/usr/lib/cni/bridge")
+
+
+def missing_host_tools() -> str | None:
+    """Why this machine cannot run real nodes (not root, a tool or the CNI plugins missing),
+    as a message that says how to fix it; None when it can (the node tools are built on
+    first use)."""
+    if os.geteuid() != 0:
+        return "real nodes need root (mounts, cgroups, network namespaces)"
+    if missing := [t for t in HOST_TOOLS if shutil.which(t) is None]:
+        return f"{', '.join(missing)} not installed: run cluster/install-system-deps.sh"
+    if not CNI_BRIDGE.exists():
+        return "the CNI plugins are not installed: run cluster/install-system-deps.sh"
+    return None
+
+
 def node_tools_built() -> Path | None:
     """The node binaries' directory when they are built, else ``None`` (builds nothing)."""
     proc = subprocess.run(

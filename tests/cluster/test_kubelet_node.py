@@ -12,15 +12,13 @@ running on the machine.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from pathlib import Path
 
 import pytest
 
 from conveyor.cluster.cluster import Cluster
-from conveyor.cluster.kubelet_node import node_tools_built
+from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
 from conveyor.cluster.leftovers import find_leftovers, rulesets
 from conveyor.cluster.node_images import static_image
 from conveyor.cluster.real_nodes import image_cache
@@ -32,16 +30,10 @@ NAME = "realnode-test"
 
 
 def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "real nodes need root (mounts, cgroups, network namespaces)"
-    missing = [t for t in ("containerd", "ctr", "runc", "unshare", "nsenter", "umoci", "skopeo")
-               if shutil.which(t) is None]  # fmt: skip
-    if missing:
-        return f"{missing} not installed (cluster/install-system-deps.sh installs them)"
+    if (missing := missing_host_tools()) is not None:
+        return missing
     if not BUSYBOX.exists():
         return "busybox-static is not installed (apt-get install busybox-static)"
-    if not Path("/usr/lib/cni/bridge").exists():
-        return "containernetworking-plugins is not installed"
     if node_tools_built() is None:
         return "the node tools are not built: cluster/build-tools.sh --set node (about 90 s warm)"
     if (other := Cluster.attach()) is not None:

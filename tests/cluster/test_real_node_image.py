@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import shutil
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.image_build import default_archive
-from conveyor.cluster.kubelet_node import node_tools_built
+from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
 from conveyor.cluster.leftovers import find_leftovers
 from conveyor.cluster.node_images import pause_image
 from conveyor.cluster.node_seed import seed_root
@@ -42,14 +39,8 @@ MARK = "changed-on-cpu-node-0"
 
 
 def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "real nodes need root (mounts, cgroups, network namespaces)"
-    missing = [t for t in ("containerd", "ctr", "runc", "unshare", "nsenter", "umoci", "skopeo")
-               if shutil.which(t) is None]  # fmt: skip
-    if missing:
-        return f"{missing} not installed (cluster/install-system-deps.sh installs them)"
-    if not Path("/usr/lib/cni/bridge").exists():
-        return "containernetworking-plugins is not installed"
+    if (missing := missing_host_tools()) is not None:
+        return missing
     if node_tools_built() is None:
         return "the node tools are not built: cluster/build-tools.sh --set node (about 90 s warm)"
     if not ARCHIVE.exists():
