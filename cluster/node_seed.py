@@ -22,7 +22,9 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tarfile
 import time
@@ -47,6 +49,8 @@ BOLT_DATABASES = (
 snapshotter's (``io.containerd.snapshotter.v1.overlayfs/metadata.db``): written in place by
 a running containerd, so each node gets its own copy."""
 
+PID_FILE = "containerd.pid"
+"""The seed build's containerd, written while it runs (a build killed mid-import leaves it)."""
 SEED_DONE = "seed.json"
 """Written last into a seed's directory: the seed is complete (and what made it, how fast)."""
 
@@ -107,7 +111,8 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
         if (seed / SEED_DONE).exists():
             return Seed(seed / "containerd", _import_s(seed), cached=True)
         work = cache / f"{key}.partial"
-        if work.exists():
+        if work.exists():  # a build that died: its containerd may still run
+            _stop_orphan(work)
             shutil.rmtree(work)
         t0 = time.monotonic()
         _import_into(NodeLayout("seed", key, work), archives)
@@ -118,6 +123,7 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
         for stale in ("containerd-state", "run-containerd", "device-plugins", "container-logs"):
             shutil.rmtree(work / stale, ignore_errors=True)
         (work / "containerd.sock.ttrpc").unlink(missing_ok=True)
+        (work / PID_FILE).unlink(missing_ok=True)
         (work / SEED_DONE).write_text(json.dumps(record, indent=2))
         if seed.exists():
             shutil.rmtree(seed)
@@ -145,6 +151,7 @@ def _import_into(layout: NodeLayout, archives: Sequence[Path]) -> None:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
+    (layout.root / PID_FILE).write_text(str(proc.pid))
     try:
         deadline = time.monotonic() + 30
         while not _answers(layout.containerd_socket):
@@ -162,6 +169,22 @@ def _import_into(layout: NodeLayout, archives: Sequence[Path]) -> None:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _stop_orphan(work: Path) -> None:
+    """SIGKILL the containerd of a seed build that was itself killed (``up`` SIGKILLed mid
+    import leaves it running), and its process group (the import's ``ctr``): the pid in
+    ``PID_FILE``, if that process still runs on ``work``'s config (a pid can be reused)."""
+    try:
+        pid = int((work / PID_FILE).read_text())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (OSError, ValueError):
+        return
+    if str(work).encode() in cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.waitpid(pid, 0)
 
 
 def _answers(socket: Path) -> bool:

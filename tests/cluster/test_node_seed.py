@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from conveyor.cluster.node_seed import BOLT_DATABASES, archive_index, clone_root, seed_key
+from conveyor.cluster.node_seed import (
+    BOLT_DATABASES,
+    PID_FILE,
+    _stop_orphan,
+    archive_index,
+    clone_root,
+    seed_key,
+)
 from conveyor.cluster.real_nodes import PROJECT_IMAGE, node_image_archive
 
 
@@ -61,3 +70,23 @@ def test_node_image_names_an_archive_or_the_project_s_image(tmp_path: Path) -> N
         node_image_archive(str(tmp_path / "missing.tar"))
     archive = _archive(tmp_path / "conveyor-0.0.tar", b"{}")
     assert node_image_archive(str(archive)) == archive
+
+
+def test_a_killed_builds_containerd_is_stopped_and_nothing_else(tmp_path: Path) -> None:
+    work, other = tmp_path / "key.partial", tmp_path / "elsewhere"
+    work.mkdir()
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    orphan = subprocess.Popen([*sleep, str(work)], start_new_session=True)
+    bystander = subprocess.Popen([*sleep, str(other)], start_new_session=True)
+    try:
+        (work / PID_FILE).write_text(str(bystander.pid))  # a pid reused by another process
+        _stop_orphan(work)
+        assert bystander.poll() is None
+        (work / PID_FILE).write_text(str(orphan.pid))
+        _stop_orphan(work)
+        assert orphan.wait(10) is not None  # gone (and reaped by the stop, its parent here)
+        assert bystander.poll() is None
+    finally:
+        for proc in (orphan, bystander):
+            proc.kill()
+            proc.wait()
