@@ -1,0 +1,100 @@
+"""Helpers of the e2e tests on real nodes (node runtime ``kubelet``): why they cannot run here,
+and a watch of pods that keeps every state it saw (a deleted pod's last status, its containers'
+exit codes, lasts only milliseconds before the kubelet removes the object: polling misses it).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from conveyor.cluster.cluster import Cluster
+from conveyor.cluster.image_build import default_archive
+from conveyor.cluster.testing import KubeUnderTest
+
+VERSION = importlib.metadata.version("conveyor")
+ARCHIVE = default_archive(VERSION)
+"""The project's image as ``conveyor image build`` leaves it (never built by a test: 3.5 GB)."""
+IMAGE = f"docker.io/library/conveyor:{VERSION}"
+"""The name the nodes' containerd knows the project's image by."""
+
+
+def why_no_real_nodes() -> str | None:
+    """None when real nodes with the project's image can start here, else why not. The cheap
+    checks come first, so that a machine without the tools (CI) skips at once."""
+    if os.geteuid() != 0:
+        return "real nodes need root (mounts, cgroups, network namespaces)"
+    if not ARCHIVE.exists():
+        return f"the project's image is not built ({ARCHIVE}): conveyor image build"
+    missing = [t for t in ("containerd", "ctr", "runc", "unshare", "nsenter", "umoci", "skopeo")
+               if shutil.which(t) is None]  # fmt: skip
+    if missing:
+        return f"{missing} not installed (cluster/install-system-deps.sh installs them)"
+    if not Path("/usr/lib/cni/bridge").exists():
+        return "containernetworking-plugins is not installed (cluster/install-system-deps.sh)"
+    from conveyor.cluster.kubelet_node import node_tools_built
+
+    if node_tools_built() is None:
+        return "the node tools are not built: cluster/build-tools.sh --set node (about 90 s warm)"
+    if (other := Cluster.attach()) is not None:
+        return f"cluster {other.settings.name!r} runs on this machine (one cluster per machine)"
+    return None
+
+
+class PodWatch:
+    """``kubectl get pods --watch`` in one namespace, every event kept, until ``stop()``."""
+
+    def __init__(self, kube: KubeUnderTest, namespace: str, selector: str) -> None:
+        argv = [kube.kubectl_path, f"--kubeconfig={kube.kubeconfig}", "-n", namespace,
+                "get", "pods", "-l", selector, "--watch", "--output-watch-events", "-o", "json"]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        self.events: list[tuple[float, str, dict[str, Any]]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        decoder = json.JSONDecoder()
+        buffer = ""
+        for line in self.proc.stdout:
+            buffer += line
+            while buffer.strip():
+                try:
+                    event, end = decoder.raw_decode(buffer.lstrip())
+                except json.JSONDecodeError:
+                    break  # an object not complete yet
+                buffer = buffer.lstrip()[end:]
+                with self._lock:
+                    self.events.append((time.monotonic(), event["type"], event["object"]))
+
+    def seen(self) -> list[tuple[float, str, dict[str, Any]]]:
+        with self._lock:
+            return list(self.events)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+        self._thread.join(timeout=10)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+def exit_codes(pod_events: list[dict[str, Any]]) -> dict[str, int]:
+    """Container name -> the exit code of its last termination that the events show."""
+    codes: dict[str, int] = {}
+    for pod in pod_events:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            if terminated := (status.get("state") or {}).get("terminated"):
+                codes[status["name"]] = terminated["exitCode"]
+    return codes

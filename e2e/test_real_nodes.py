@@ -1,0 +1,215 @@
+"""An LLMService served end to end on real nodes (node runtime ``kubelet``), from the project's image.
+
+The module starts its own cluster (``realnode-e2e``: one GPU node with fake GPUs and one CPU
+node, each a real kubelet with its own containerd and runc, both cloned from the seed that
+holds the project's image), runs the operator as the other e2e tests do (a local process
+under its ServiceAccount's token) with its images set to the seeded tag, and applies an
+LLMService: the kubelets run its runtime pod and the namespace's gateway from the image, with
+the operator's probes, resources, GPU request, toleration and graceful termination. An OpenAI
+client is answered through the gateway's ClusterIP; deleting the LLMService stops both pods
+with exit 0 within their grace period; the cluster then goes down leaving nothing.
+
+Skipped unless root, the project's image archive is there (``conveyor image build``; no test
+builds it), containerd and the node tools are installed (``cluster/build-tools.sh --set node``)
+and no other cluster runs here: on CI it skips without starting anything.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_helpers import (
+    OperatorIdentity,
+    apply_yaml,
+    install_crd,
+    llmservice,
+    llmservice_status,
+    operators,
+    wait_for,
+)
+from real_nodes_helpers import ARCHIVE, IMAGE, PodWatch, exit_codes, why_no_real_nodes
+
+from conveyor.cluster.cluster import Cluster
+from conveyor.cluster.leftovers import find_leftovers
+from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.testing import KubeUnderTest
+
+NAME = "realnode-e2e"
+MODEL = "tiny"
+POD_SELECTOR = "app.kubernetes.io/name=conveyor"
+
+_WHY_NOT = why_no_real_nodes()
+pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
+
+
+@pytest.fixture(scope="module")
+def real_kube() -> Iterator[KubeUnderTest]:
+    """The module's own cluster on real nodes; down at the end, and nothing of it left."""
+    settings = ClusterSettings(
+        name=NAME, node_runtime="kubelet", gpu_nodes=1, cpu_nodes=1, node_images=(str(ARCHIVE),)
+    )
+    cluster = Cluster(settings)
+    started = time.monotonic()
+    try:
+        cluster.start()
+        print(f"\n[figures] cluster up (1 GPU + 1 CPU real node): {time.monotonic() - started:.1f} s"
+              f" (seed import {cluster.timings.get('seed_import_s', 0.0):.1f} s, 0: cached)",
+              file=sys.stderr)  # fmt: skip
+        assert cluster.tools is not None
+        yield KubeUnderTest(cluster.kubeconfig_path, str(cluster.tools.path("kubectl")), cluster)
+    except BaseException:
+        print(cluster.log_tails(30), file=sys.stderr)
+        raise
+    finally:
+        down = time.monotonic()
+        cluster.stop()
+        print(f"[figures] cluster down: {time.monotonic() - down:.1f} s", file=sys.stderr)
+    left = find_leftovers(
+        cluster.plan, cluster_name=NAME, tools_dir=cluster.tools and cluster.tools.directory
+    )
+    assert {kind: found for kind, found in left.items() if found} == {}
+
+
+def _pods(kube: KubeUnderTest, namespace: str, component: str) -> list[dict[str, Any]]:
+    selector = f"{POD_SELECTOR},app.kubernetes.io/component={component}"
+    items: list[dict[str, Any]] = kube.api.get(
+        f"/api/v1/namespaces/{namespace}/pods", labelSelector=selector
+    )["items"]
+    return items
+
+
+def _check_real_node(kube: KubeUnderTest, pod: dict[str, Any]) -> dict[str, Any]:
+    """The pod runs the project's image on a node that is a real kubelet with containerd."""
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == IMAGE
+    assert pod["status"]["containerStatuses"][0]["image"] == IMAGE
+    node = kube.api.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+    info = node["status"]["nodeInfo"]
+    assert info["kubeletVersion"].startswith("v"), info
+    assert info["containerRuntimeVersion"].startswith("containerd://"), info
+    return node
+
+
+def test_llmservice_served_from_the_image_on_real_nodes(
+    real_kube: KubeUnderTest, tmp_path: Path
+) -> None:
+    import openai
+
+    kube = real_kube
+    namespace = f"realnode-{uuid.uuid4().hex[:6]}"
+    kube.api.create(
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+    )
+    kube.api.wait_for(
+        f"the default ServiceAccount of {namespace}",
+        lambda: kube.api.get(f"/api/v1/namespaces/{namespace}/serviceaccounts/default"),
+        timeout_s=60,
+    )
+    install_crd(kube)
+    identity = OperatorIdentity(kube, namespace, tmp_path)
+    images = ("--runtime-image", IMAGE, "--gateway-image", IMAGE, "--image-pull-policy", "Never")
+    try:
+        with operators(identity, tmp_path) as start:
+            operator = start("op-a", extra=images)
+            wait_for("the operator to take the Lease", operator.is_leader, timeout_s=60)
+
+            service = llmservice(
+                MODEL, engine="conveyor", resources={"gpus": 1, "cpu": "500m", "memory": "1536Mi"}
+            )
+            applied = time.monotonic()
+            apply_yaml(kube, namespace, service)
+            status = wait_for(
+                "the LLMService Ready",
+                lambda: (
+                    (s := llmservice_status(kube.api, namespace, MODEL)).get("phase") == "Ready"
+                    and s
+                ),
+                timeout_s=300,
+                interval_s=0.2,
+            )
+            ready_s = time.monotonic() - applied
+            endpoint = status["endpoint"]
+            client = openai.OpenAI(
+                base_url=f"http://{endpoint['clusterIP']}:8080/v1", api_key="none",
+                max_retries=0, timeout=60,
+            )  # fmt: skip
+            question = [{"role": "user", "content": "Say hello."}]
+            asked = time.monotonic()
+            chat = wait_for(
+                "an answer through the gateway",
+                lambda: client.chat.completions.create(
+                    model=MODEL, messages=question, max_tokens=8, temperature=0
+                ),
+                timeout_s=120,
+            )
+            answered = time.monotonic()
+            assert chat.choices[0].message.content, chat
+            assert chat.usage is not None and chat.usage.completion_tokens > 0
+            warm = time.monotonic()
+            client.chat.completions.create(
+                model=MODEL, messages=question, max_tokens=8, temperature=0
+            )
+            warm_s = time.monotonic() - warm
+            print(f"[figures] LLMService apply -> Ready {ready_s:.1f} s; Ready -> first answer "
+                  f"{answered - asked:.2f} s (apply -> first answer {answered - applied:.1f} s); "
+                  f"a second answer {warm_s:.2f} s; answer {chat.choices[0].message.content!r}",
+                  file=sys.stderr)  # fmt: skip
+
+            (runtime,) = _pods(kube, namespace, "runtime")
+            gpu_node = _check_real_node(kube, runtime)
+            limits = runtime["spec"]["containers"][0]["resources"]["limits"]
+            assert limits["nvidia.com/gpu"] == "1"
+            assert int(gpu_node["status"]["capacity"]["nvidia.com/gpu"]) >= 1
+            assert any(t["key"] == "nvidia.com/gpu" for t in gpu_node["spec"].get("taints", []))
+            (gateway,) = _pods(kube, namespace, "gateway")
+            _check_real_node(kube, gateway)
+            grace = {
+                p["metadata"]["name"]: p["spec"]["terminationGracePeriodSeconds"]
+                for p in (runtime, gateway)
+            }
+
+            # Deleting the LLMService: its pods and the gateway's stop gracefully.
+            watch = PodWatch(kube, namespace, POD_SELECTOR)
+            try:
+                wait_for("the watch's first events", lambda: len(watch.seen()) >= 2, timeout_s=30)
+                deleted = time.monotonic()
+                kube.kubectl("-n", namespace, "delete", "llmservice", MODEL, "--wait=false")
+                wait_for(
+                    "every pod gone",
+                    lambda: (
+                        not kube.api.get(
+                            f"/api/v1/namespaces/{namespace}/pods", labelSelector=POD_SELECTOR
+                        )["items"]
+                    ),
+                    timeout_s=max(grace.values()) + 60,
+                    interval_s=0.5,
+                )
+                time.sleep(0.5)  # the watch's last event after the list shows none
+            finally:
+                watch.stop()
+            events = watch.seen()
+            for name, grace_s in grace.items():
+                mine = [
+                    (t, kind, pod) for t, kind, pod in events if pod["metadata"]["name"] == name
+                ]
+                gone = [t for t, kind, _ in mine if kind == "DELETED"]
+                assert gone, f"no DELETED event for {name}: {[k for _, k, _ in mine]}"
+                # the garbage collector's deletion of the pod (deletionTimestamp set)
+                stopping = [t for t, _, pod in mine if pod["metadata"].get("deletionTimestamp")]
+                codes = exit_codes([pod for _, _, pod in mine])
+                took = gone[0] - stopping[0]
+                print(f"[figures] {name}: LLMService deleted -> pod deleted "
+                      f"{stopping[0] - deleted:.1f} s, pod deleted -> gone {took:.1f} s "
+                      f"(grace {grace_s} s), exit codes {codes}", file=sys.stderr)  # fmt: skip
+                assert codes and all(code == 0 for code in codes.values()), (name, codes)
+                assert took < grace_s, (name, took, grace_s)
+    finally:
+        identity.close()
+        kube.api.delete(f"/api/v1/namespaces/{namespace}")
