@@ -46,6 +46,11 @@ NAME = "realnode-e2e"
 MODEL = "tiny"
 POD_SELECTOR = "app.kubernetes.io/name=conveyor"
 EXAMPLE = REPO / "examples" / "llmservice.yaml"
+CONTAINER_FACTS = (
+    "id -u; touch /probe-write 2>/dev/null && echo writable || echo read-only; "
+    "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max"
+)
+"""Prints the container's user, whether its root is writable, and its memory limit."""
 
 _WHY_NOT = why_no_real_nodes()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=_WHY_NOT or "")
@@ -185,6 +190,33 @@ def test_llmservice_served_from_the_image_on_real_nodes(
     _check_real_node(kube, gateway)
     for pod in (runtime, gateway):  # no probe of the kubelet's has restarted either
         assert pod["status"]["containerStatuses"][0]["restartCount"] == 0, pod["status"]
+    # The container as runc made it from the operator's spec: user 1000, read-only root,
+    # the memory limit in its cgroup (v1 here, v2 elsewhere).
+    inside = kube.kubectl("-n", namespace, "exec", runtime["metadata"]["name"], "-c", "runtime",
+                          "--", "sh", "-c", CONTAINER_FACTS).stdout.split()  # fmt: skip
+    assert inside == ["1000", "read-only", str(1536 * 2**20)], inside
+
+    # The runtime's process ends (SIGTERM from inside): the kubelet restarts the container and
+    # the LLMService is served again.
+    pod_path = f"/api/v1/namespaces/{namespace}/pods/{runtime['metadata']['name']}"
+    stopped = time.monotonic()
+    kube.kubectl("-n", namespace, "exec", runtime["metadata"]["name"], "-c", "runtime",
+                 "--", "sh", "-c", "kill 1")  # fmt: skip
+
+    def restarted_and_ready() -> bool:
+        status = kube.api.get(pod_path)["status"]
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
+        return status["containerStatuses"][0]["restartCount"] == 1 and ready
+
+    wait_for("the runtime restarted and Ready", restarted_and_ready, timeout_s=120)
+    wait_for(
+        "an answer after the restart",
+        lambda: client.chat.completions.create(model=MODEL, messages=question, max_tokens=8),
+        timeout_s=60,
+    )
+    last = kube.api.get(pod_path)["status"]["containerStatuses"][0]["lastState"]["terminated"]
+    print(f"[figures] runtime's process ended -> restarted by the kubelet, Ready and answering "
+          f"{time.monotonic() - stopped:.1f} s (it exited {last['exitCode']})", file=sys.stderr)  # fmt: skip
     grace = {
         p["metadata"]["name"]: p["spec"]["terminationGracePeriodSeconds"]
         for p in (runtime, gateway)
