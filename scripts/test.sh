@@ -11,7 +11,9 @@
 #   4. unit and integration tests (tests/),
 #   5. the Go build and vLLM for CPU's install (started after phase 2) are waited
 #      for, then the end-to-end tests (e2e/) run on one cluster for the whole session,
-#   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`).
+#   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`),
+#   7. an LLMService on real nodes (e2e/test_real_nodes.py), where the node tools and the
+#      project's image are built (never here: it skips in seconds without them).
 # pytest's "no tests collected" (exit 5) fails the run: a suite that runs
 # nothing must not pass. CONVEYOR_E2E=0 skips phases 1 and 5 (no cluster).
 set -uo pipefail
@@ -111,12 +113,20 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         phases+=("$(printf '%-28s %5ds' "vllm install (wall, overlapped)" "$(( SECONDS - t_vllm ))")")
     fi
     say "phase 5b: end-to-end tests on the one-machine cluster"
-    run_pytest "e2e tests" e2e --ignore=e2e/walkthrough -p no:cacheprovider --durations=12 "$@"
+    run_pytest "e2e tests" e2e --ignore=e2e/walkthrough --ignore=e2e/test_real_nodes.py \
+        -p no:cacheprovider --durations=12 "$@"
     rc_e2e=$?
     say "phase 6: the README walk-through, as written, on a cluster of its own"
     run_pytest "README walk-through" e2e/walkthrough -p no:cacheprovider "$@"
     rc_walk=$?
     [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_walk
+    # Real nodes (kubelet + containerd, pods from the project's image) on a cluster of their
+    # own: skipped in seconds unless the node tools are built (cluster/build-tools.sh --set
+    # node) and the image is (conveyor image build); this script builds neither (minutes each).
+    say "phase 7: an LLMService on real nodes, from the project's image (skips without them)"
+    run_pytest "e2e on real nodes" e2e/test_real_nodes.py -p no:cacheprovider -rs "$@"
+    rc_real=$?
+    [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_real
 elif [[ -n "$build_pid" ]]; then
     wait "$build_pid" || true
 fi
