@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,20 @@ def _check_real_node(kube: KubeUnderTest, pod: dict[str, Any]) -> dict[str, Any]
     return node
 
 
+def _startup_split(pod: dict[str, Any]) -> str:
+    """Where a pod's time to Ready went, from the apiserver's whole-second timestamps."""
+
+    def at(stamp: str) -> float:
+        return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+    created = at(pod["metadata"]["creationTimestamp"])
+    conditions = {c["type"]: at(c["lastTransitionTime"]) for c in pod["status"]["conditions"]}
+    started = at(pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"])
+    return (f"created -> scheduled {conditions['PodScheduled'] - created:.0f} s, -> container "
+            f"started {started - conditions['PodScheduled']:.0f} s, -> Ready "
+            f"{conditions['Ready'] - started:.0f} s")  # fmt: skip
+
+
 @pytest.fixture
 def operated(real_kube: KubeUnderTest, tmp_path: Path) -> Iterator[str]:
     """A namespace of the module's cluster with an operator watching it (a local process under
@@ -177,6 +192,10 @@ def test_llmservice_served_from_the_image_on_real_nodes(
           file=sys.stderr)  # fmt: skip
 
     (runtime,) = _pods(kube, namespace, "runtime")
+    log = kube.kubectl("-n", namespace, "logs", runtime["metadata"]["name"], "-c", "runtime").stdout
+    says = [line for line in log.splitlines() if "ready in" in line]
+    print(f"[figures] runtime pod: {_startup_split(runtime)} (the server: {says[-1:]})",
+          file=sys.stderr)  # fmt: skip
     gpu_node = _check_real_node(kube, runtime)
     limits = runtime["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1"
