@@ -16,6 +16,7 @@ from pathlib import Path
 
 from conveyor.cluster.api import ApiClient, kubeconfig, write_kubeconfig
 from conveyor.cluster.cluster import Cluster
+from conveyor.cluster.leftovers import find_leftovers
 from conveyor.cluster.podnet import PodNetwork
 
 # A tiny HTTP server for pod network namespaces. It answers GET with its name and never
@@ -43,6 +44,13 @@ import sys, urllib.request
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 print(opener.open(sys.argv[1], timeout=5).read().decode())
 """
+
+
+def leftovers_of(cluster: Cluster) -> dict[str, list[str]]:
+    """What ``cluster``, stopped, left on the host: the kinds with something (empty: nothing)."""
+    tools = cluster.tools.directory if cluster.tools is not None else None
+    left = find_leftovers(cluster.plan, cluster_name=cluster.settings.name, tools_dir=tools)
+    return {kind: found for kind, found in left.items() if found}
 
 
 @dataclass

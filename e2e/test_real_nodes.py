@@ -39,9 +39,8 @@ from operator_helpers import (
 from real_nodes_helpers import ARCHIVE, IMAGE, PodWatch, exit_codes, why_no_real_nodes
 
 from conveyor.cluster.cluster import Cluster
-from conveyor.cluster.leftovers import find_leftovers
 from conveyor.cluster.settings import ClusterSettings
-from conveyor.cluster.testing import KubeUnderTest
+from conveyor.cluster.testing import KubeUnderTest, leftovers_of
 
 NAME = "realnode-e2e"
 MODEL = "tiny"
@@ -81,10 +80,7 @@ def real_kube() -> Iterator[KubeUnderTest]:
         down = time.monotonic()
         cluster.stop()
         print(f"[figures] cluster down: {time.monotonic() - down:.1f} s", file=sys.stderr)
-    left = find_leftovers(
-        cluster.plan, cluster_name=NAME, tools_dir=cluster.tools and cluster.tools.directory
-    )
-    assert {kind: found for kind, found in left.items() if found} == {}
+    assert leftovers_of(cluster) == {}
 
 
 def _pods(kube: KubeUnderTest, namespace: str, component: str) -> list[dict[str, Any]]:

@@ -19,10 +19,11 @@ import pytest
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
-from conveyor.cluster.leftovers import find_leftovers, rulesets
+from conveyor.cluster.leftovers import rulesets
 from conveyor.cluster.node_images import static_image
 from conveyor.cluster.real_nodes import image_cache
 from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.testing import leftovers_of
 
 BUSYBOX = Path("/bin/busybox")
 IMAGE = "docker.io/library/busybox:conveyor-test"
@@ -138,10 +139,7 @@ def test_a_real_node_runs_pods_from_an_image_and_leaves_nothing() -> None:
         t_down = time.monotonic()
         cluster.stop()
         print(f"cluster down: {time.monotonic() - t_down:.1f} s")
-    left = find_leftovers(
-        cluster.plan, cluster_name=NAME, tools_dir=cluster.tools and cluster.tools.directory
-    )
-    assert {kind: found for kind, found in left.items() if found} == {}
+    assert leftovers_of(cluster) == {}
     # The kubelet's iptables chains (KUBE-FIREWALL, KUBE-KUBELET-CANARY, ...) if it made any;
     # the rest of the rules may change under other work on a shared machine.
     assert _kube_rules(rulesets()) == _kube_rules(baseline)

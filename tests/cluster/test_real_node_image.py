@@ -25,11 +25,11 @@ import pytest
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.image_build import default_archive
 from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
-from conveyor.cluster.leftovers import find_leftovers
 from conveyor.cluster.node_images import pause_image
 from conveyor.cluster.node_seed import seed_root
 from conveyor.cluster.real_nodes import image_cache, node_layouts
 from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.testing import leftovers_of
 
 VERSION = importlib.metadata.version("conveyor")
 ARCHIVE = default_archive(VERSION)
@@ -159,8 +159,5 @@ def test_the_project_image_serves_on_real_nodes_cloned_from_one_seed() -> None:
         t_down = time.monotonic()
         cluster.stop()
         print(f"cluster down: {time.monotonic() - t_down:.1f} s")
-    left = find_leftovers(
-        cluster.plan, cluster_name=NAME, tools_dir=cluster.tools and cluster.tools.directory
-    )
-    assert {kind: found for kind, found in left.items() if found} == {}
+    assert leftovers_of(cluster) == {}
     assert not any(layout.root.exists() for layout in node_layouts(settings))
