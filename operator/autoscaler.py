@@ -278,7 +278,13 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     settling = (
         obs.busy and history.last_up is not None and now - history.last_up < policy.demand_window
     )
-    if covered and target_down < current and not panicking and not settling:
+    # Nor while a replica is still starting: the ready ones, saturated beside that start, keep
+    # raising the capacity estimate (a closed loop of clients sends faster as it is served),
+    # so a recommendation hovering near the boundary removed the starting replica before it
+    # was ready and asked for it again a few seconds later (the e2e vLLM run: 1 -> 2 -> 1
+    # three times, each second replica killed while it loaded). Once idle, it may go.
+    starting = obs.busy and obs.num_ready < current
+    if covered and target_down < current and not panicking and not settling and not starting:
         desired = clamp(max(target_down, current - policy.max_scale_down_step, 1))
         if desired < current:
             return decision(desired, "down", "below-targets-for-window")

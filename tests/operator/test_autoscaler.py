@@ -718,9 +718,11 @@ def test_a_closed_loop_whose_queue_wavers_gets_the_replica_its_queue_target_asks
     assert loop.direction_changes == 0 and max(loop.replicas) <= E2E.max_replicas
 
 
-def starting_trace(panic: list[float], seconds: int = 40, ready: int = 1) -> list[Decision]:
+def starting_trace(
+    panic: list[float], seconds: int = 40, ready: int = 1, demand: float = 1.16
+) -> list[Decision]:
     """Two replicas asked for, one ready and one still starting (vLLM takes minutes), the
-    demand window's arrivals 1.16 replicas' worth, the panic window's ``panic`` (cycled, in
+    demand window's arrivals ``demand`` replicas' worth, the panic window's ``panic`` (cycled, in
     replicas' worth), and the ready replica's queue gauge read as 0 (as vLLM's was on the
     e2e run between two of its steps). Decided every second, stabilization 10 s."""
     policy = dataclasses.replace(
@@ -729,8 +731,8 @@ def starting_trace(panic: list[float], seconds: int = 40, ready: int = 1) -> lis
     history, seen = History(), []
     for t in range(seconds):
         p = panic[t % len(panic)]
-        demand = Demand(Rates(4.3 * 1.16), Rates(4.3 * p), backlog_growth=0.0)
-        obs = Observation(float(t), 2, replicas(ready, waiting=0, running=2), demand=demand)
+        arrivals = Demand(Rates(4.3 * demand), Rates(4.3 * p), backlog_growth=0.0)
+        obs = Observation(float(t), 2, replicas(ready, waiting=0, running=2), demand=arrivals)
         seen.append(decide(obs, policy, history))
     return seen
 
@@ -757,3 +759,15 @@ def test_a_stalled_ready_replica_does_not_remove_the_one_starting():
     as a load that is gone would, and the starting replica was removed three times over."""
     seen = starting_trace(panic=[0.3, 0.0, 0.4])
     assert all(d.direction == "none" for d in seen), [(d.direction, d.reason) for d in seen]
+
+
+def test_a_busy_service_keeps_a_starting_replica_even_when_one_would_do():
+    """The e2e vLLM run a session later: the ready replica, saturated beside the second one's
+    start, kept raising the capacity estimate, demand over it hovered near one replica, and
+    the starting replica was removed before it was ready, three times. While busy, a replica
+    still starting stays; once it is ready, the same load scales down within the window."""
+    seen = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95)
+    assert all(d.direction == "none" for d in seen), [(d.direction, d.reason) for d in seen]
+    ready = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95, ready=2)
+    downs = [i for i, d in enumerate(ready) if d.direction == "down"]
+    assert downs and downs[0] <= 12, downs
