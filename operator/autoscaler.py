@@ -282,8 +282,11 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     # raising the capacity estimate (a closed loop of clients sends faster as it is served),
     # so a recommendation hovering near the boundary removed the starting replica before it
     # was ready and asked for it again a few seconds later (the e2e vLLM run: 1 -> 2 -> 1
-    # three times, each second replica killed while it loaded). Once idle, it may go.
-    starting = obs.busy and obs.num_ready < current
+    # three times, each second replica killed while it loaded). Busy is read over the panic
+    # window, not at the tick: a vLLM replica's gauges between two steps read idle (and did,
+    # once more, on the run after the first fix). Once nothing arrived for that window, it may go.
+    arriving = obs.demand is not None and obs.demand.arrivals_panic.requests > 0
+    starting = (obs.busy or arriving) and obs.num_ready < current
     if covered and target_down < current and not panicking and not settling and not starting:
         desired = clamp(max(target_down, current - policy.max_scale_down_step, 1))
         if desired < current:

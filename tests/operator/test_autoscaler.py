@@ -719,7 +719,7 @@ def test_a_closed_loop_whose_queue_wavers_gets_the_replica_its_queue_target_asks
 
 
 def starting_trace(
-    panic: list[float], seconds: int = 40, ready: int = 1, demand: float = 1.16
+    panic: list[float], seconds: int = 40, ready: int = 1, demand: float = 1.16, running: int = 2
 ) -> list[Decision]:
     """Two replicas asked for, one ready and one still starting (vLLM takes minutes), the
     demand window's arrivals ``demand`` replicas' worth, the panic window's ``panic`` (cycled, in
@@ -732,7 +732,7 @@ def starting_trace(
     for t in range(seconds):
         p = panic[t % len(panic)]
         arrivals = Demand(Rates(4.3 * demand), Rates(4.3 * p), backlog_growth=0.0)
-        obs = Observation(float(t), 2, replicas(ready, waiting=0, running=2), demand=arrivals)
+        obs = Observation(float(t), 2, replicas(ready, waiting=0, running=running), demand=arrivals)
         seen.append(decide(obs, policy, history))
     return seen
 
@@ -768,6 +768,10 @@ def test_a_busy_service_keeps_a_starting_replica_even_when_one_would_do():
     still starting stays; once it is ready, the same load scales down within the window."""
     seen = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95)
     assert all(d.direction == "none" for d in seen), [(d.direction, d.reason) for d in seen]
+    # the ready replica's gauges read idle at every tick (vLLM's between two steps): the
+    # arrivals of the last seconds still say the service is busy
+    gaps = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95, running=0)
+    assert all(d.direction == "none" for d in gaps), [(d.direction, d.reason) for d in gaps]
     ready = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95, ready=2)
     downs = [i for i, d in enumerate(ready) if d.direction == "down"]
     assert downs and downs[0] <= 12, downs
