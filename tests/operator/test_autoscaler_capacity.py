@@ -1,0 +1,198 @@
+"""Capacity-sized decisions: demand over measured capacity, the panic window, a breach of the
+queue target on a saturated fleet, over simulated services (``autoscaler_sim``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import pytest
+from autoscaler_sim import SIZED, Clients, Service, replicas
+
+from conveyor.operator.autoscaler import decide
+from conveyor.operator.autoscaler_model import Decision, Demand, History, Observation, Rates
+from conveyor.operator.signals import Backlog, Counters, estimate_demand
+
+
+@pytest.mark.parametrize(("factor", "most"), [(2, 3), (3, 4)])
+def test_a_step_settles_at_the_capacity_it_needs(factor, most):
+    svc = Service(SIZED)
+    svc.run(rate=4.0, seconds=60)  # half of one replica: nothing measured yet
+    assert svc.replicas[-1] == 1
+    before = len(svc.replicas)
+    svc.run(rate=factor * 8.0, seconds=300)
+    settling = svc.replicas[before:]
+    assert max(settling) <= most, settling
+    assert settling[-1] == factor, settling
+    first_up = next(i for i, n in enumerate(settling) if n > 1)
+    assert first_up * svc.period <= 6, "the step was seen within a few ticks"
+    est = svc.decisions[-1].estimate
+    assert est is not None and est.capacity_source == "measured"
+    assert est.capacity.requests == pytest.approx(8.0, rel=0.05)
+    assert est.capacity.tokens == pytest.approx(800.0, rel=0.05)
+    assert est.demand.requests == pytest.approx(factor * 8.0, rel=0.05)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_constant_noisy_load_never_changes_direction(seed):
+    """Poisson arrivals at 85% of two replicas' capacity for ten minutes after settling.
+
+    (At exactly 100% the queue of two replicas is a random walk that does grow, and the
+    backlog's drain rightly adds a third from time to time.)
+    """
+    svc = Service(SIZED, seed=seed)
+    svc.run(rate=0.0, seconds=10)
+    svc.run(rate=13.6, seconds=180)
+    start = len(svc.decisions)
+    svc.run(rate=13.6, seconds=600)
+    moves = [d.direction for d in svc.decisions[start:] if d.direction != "none"]
+    assert moves == [] and set(svc.replicas[start:]) == {2}, moves
+
+
+def test_a_burst_panics_up_to_what_capacity_calls_for_and_holds_the_count():
+    svc = Service(SIZED, start_s=10.0)
+    svc.run(rate=7.0, seconds=120)  # one replica nearly full
+    assert svc.current == 1
+    start = len(svc.decisions)
+    svc.run(rate=30.0, seconds=8)  # a burst: 3.75 replicas' worth
+    burst = svc.decisions[start:]
+    assert [d.reason for d in burst if d.direction == "up"].count("panic") >= 2
+    assert all(d.estimate is not None and d.estimate.panic for d in burst)
+    # demand over capacity plus the backlog's drain: 4 or 5, where the queue alone (8 per
+    # replica over a target of 2) would have taken the maximum
+    assert 4 <= svc.current <= 5 < SIZED.max_replicas
+    svc.run(rate=7.0, seconds=20)  # the burst is over, the panic still recent: no scale-down
+    assert all(d.direction != "down" for d in svc.decisions[start:])
+    svc.run(rate=7.0, seconds=120)
+    assert svc.current == 1, "back down once panic and window are over"
+
+
+def test_a_starting_guess_sizes_before_anything_is_measured():
+    policy = dataclasses.replace(SIZED, capacity_requests_per_second=8.0)
+    svc = Service(policy)
+    svc.run(rate=0.0, seconds=10)
+    start = len(svc.decisions)
+    svc.run(rate=16.0, seconds=6)
+    (d,) = [d for d in svc.decisions[start:] if d.direction == "up"]
+    assert d.estimate is not None and d.estimate.capacity_source == "guess"
+    assert (d.desired, d.reason) == (2, "panic")
+
+
+def breach_trace(low: int, seconds: int = 120) -> list[Decision]:
+    """One replica whose arrivals are its throughput (5/s, which the capacity guess says one
+    replica carries), its queue over the target of 2 but at ``low`` every third tick, and the
+    backlog shrinking over every other panic window: a closed loop's queue, as real clients'
+    gaps make it waver, which the old rule (a breach without a break, the backlog never
+    shrinking) never saw last."""
+    policy = dataclasses.replace(SIZED, capacity_requests_per_second=5.0)
+    history, seen = History(), []
+    for i, t in enumerate(range(0, seconds, 2)):
+        demand = Demand(Rates(5.0), Rates(5.0), backlog_growth=-0.5 if i % 2 else 0.5)
+        waiting = low if i % 3 == 2 else 4
+        obs = Observation(float(t), 1, replicas(1, waiting=waiting, running=2), demand=demand)
+        seen.append(decide(obs, policy, history))
+    return seen
+
+
+def test_a_lasting_breach_of_a_saturated_fleet_adds_one_replica():
+    """Demand over capacity says 1. The replica had a queue at every tick of a demand window,
+    so what it finished is all it could: arrivals may be short of the demand. The wavering
+    breach, by its median, lasts: one replica more, and the estimate says so."""
+    seen = breach_trace(low=2, seconds=90)
+    ups = [(d.desired, d.reason) for d in seen if d.direction == "up"]
+    assert ups == [(2, "queue-depth")]
+    assert all(d.direction == "none" for d in seen[:30])  # not before a demand window
+    (up,) = [d for d in seen if d.direction == "up"]
+    assert up.estimate is not None and up.estimate.replicas_needed == 2.0
+
+
+def test_a_breach_on_a_fleet_often_without_a_queue_is_left_to_the_estimate():
+    """The same breach by its median, but every third tick the replica has no queue: it
+    finished all that came, so the arrivals are the demand, and the estimate sizes alone."""
+    assert all(d.direction == "none" for d in breach_trace(low=0))
+
+
+def test_a_closed_loop_of_clients_is_relieved_by_the_queue_target():
+    """Twelve clients back to back on replicas of 2 slots (as e2e/test_autoscaling): arrivals
+    always equal throughput, so demand over capacity never asks for more; the queue target
+    does, one replica at a time, until the queue per replica is under it, and holds there."""
+    svc = Service(SIZED)
+    svc.run(rate=0.0, seconds=10)
+    start = len(svc.decisions)
+    svc.run(rate=0.0, seconds=300, clients=12)
+    ups = [(d.desired, d.reason) for d in svc.decisions[start:] if d.direction == "up"]
+    assert ups == [(2, "queue-depth"), (3, "queue-depth")]  # 9, then 3 queued per replica
+    assert svc.replicas[-1] == 3 and svc.direction_changes == 0  # 1 each: under target
+
+
+def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
+    svc = Service(SIZED, start_s=10.0)
+    svc.run(rate=0.0, seconds=10)
+    svc.run(rate=15.0, seconds=240)
+    assert svc.current == 2
+    # The new operator: capacity read back from status, no counters or backlog yet; the
+    # replicas have a queue of 6 each (3x the target) when it looks first.
+    capacity = svc.history.capacity
+    svc.history, svc.series, svc.backlog = History(capacity=capacity), {}, deque()
+    svc.in_system += 12
+    start = len(svc.decisions)
+    svc.run(rate=15.0, seconds=60)
+    after = svc.decisions[start:]
+    assert (after[0].direction, after[0].reason) == ("none", "measuring-demand")
+    assert after[1].estimate is not None and after[1].estimate.capacity_source == "status"
+    assert max(svc.replicas[start:]) <= 3  # the queue alone would have called for 6
+
+
+def test_requests_the_gateways_turned_away_are_demand_too():
+    """Queues at their bound: replicas finish 8/s, the backlog stays, the gateways answer 429
+    to 4/s more. Arrivals are 12/s, not the 8/s the replicas alone show."""
+    replica = deque(Counters(t, 8.0 * t, 800.0 * t, True) for t in range(0, 62, 2))
+    gateways = {
+        "gw-a": deque(Counters(t, 3.0 * t, 0.0, False) for t in range(0, 62, 2)),
+        "gw-b": deque(Counters(t, 1.0 * t, 0.0, False) for t in range(0, 62, 2)),
+    }
+    backlog = deque(Backlog(t, 10) for t in range(0, 62, 2))
+    demand = estimate_demand(
+        {"a": replica}, backlog, now=60, window=60, panic_window=6, rejected=gateways
+    )
+    assert demand is not None
+    assert demand.arrivals == Rates(12.0, 1200.0) and demand.arrivals_panic == Rates(12.0, 1200.0)
+    assert demand.saturated == Rates(8.0, 800.0)  # capacity is what replicas did
+    without = estimate_demand({"a": replica}, backlog, now=60, window=60, panic_window=6)
+    assert without is not None and without.arrivals == Rates(8.0, 800.0)
+
+
+def test_idle_after_load_scales_down_after_the_window_not_the_demand_window():
+    """The demand window still remembers the load for a minute; an idle service (nothing
+    running, waiting or held) needs no replica for it, and a burst or breach is over."""
+    policy = dataclasses.replace(SIZED, scale_down_stabilization=10, max_replicas=2)
+    svc = Service(policy, period=1.0)
+    svc.run(rate=0.0, seconds=5)
+    svc.run(rate=0.0, seconds=60, clients=10)
+    assert svc.current == 2
+    start = len(svc.decisions)
+    svc.run(rate=0.0, seconds=15)
+    downs = [i for i, d in enumerate(svc.decisions[start:]) if d.direction == "down"]
+    assert svc.current == 1 and len(downs) == 1 and downs[0] <= 12, downs
+
+
+E2E = dataclasses.replace(SIZED, max_replicas=4, scale_down_stabilization=10)
+"""e2e/test_autoscaling's LLMService: queue target 2, 1 to 4 replicas, 10 s down window."""
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_closed_loop_whose_queue_wavers_gets_the_replica_its_queue_target_asks_for(seed):
+    """Ten clients on replicas of 2 slots: two replicas queue 3 each, over the target of 2.
+    Arrivals equal throughput, so demand over capacity asks for two; the queue, with real
+    clients' gaps, dips to the target now and then and its backlog shrinks over half of the
+    panic windows. The saturated, breaching fleet reads as demand of one replica more: a third
+    comes, the queue falls under target, and the count holds for ten minutes."""
+    loop = Clients(E2E, seed=seed)
+    loop.run(300)
+    ups = [d.reason for d in loop.decisions if d.direction == "up"]
+    assert len(loop.ready) >= 3, (loop.replicas[::10], ups)
+    assert sum(loop.queues[-30:]) / 30 <= 2
+    start = len(loop.decisions)
+    loop.run(600)  # later, at most up to what demand over capacity asks for; never down
+    assert all(d.direction != "down" for d in loop.decisions[start:]), ups
+    assert loop.direction_changes == 0 and max(loop.replicas) <= E2E.max_replicas
