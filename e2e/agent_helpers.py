@@ -15,6 +15,7 @@ from conveyor.cluster import Cluster
 from conveyor.cluster.agent_process import AGENT_NAME
 from conveyor.cluster.api import ApiClient, ApiError, wait_for
 from conveyor.cluster.process import ManagedProcess
+from conveyor.operator.names import IMAGE
 
 TIMEOUT_S = 120
 
@@ -30,7 +31,7 @@ def pod(
         "metadata": {"name": name, "labels": labels or {"app": name}},
         "spec": {
             "terminationGracePeriodSeconds": 5,
-            "containers": [{"name": "main", "image": "conveyor", "command": command, **container}],
+            "containers": [{"name": "main", "image": IMAGE, "command": command, **container}],
             **pod_spec,
         },
     }

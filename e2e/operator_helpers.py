@@ -29,6 +29,7 @@ from conveyor.cluster.api import ApiClient, ApiError
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.operator.crd import CRD_FILE
 from conveyor.operator.install import operator_rbac
+from conveyor.operator.names import IMAGE
 
 REPO = Path(__file__).resolve().parent.parent
 LLMSERVICES = "/apis/conveyor.dev/v1alpha1/namespaces/{ns}/llmservices"
@@ -259,7 +260,7 @@ def pods_run(kube: KubeUnderTest, namespace: str) -> str | None:
         "kind": "Pod",
         "metadata": {"name": "probe-pods-run"},
         "spec": {
-            "containers": [{"name": "c", "image": "conveyor", "command": ["sleep", "600"]}],
+            "containers": [{"name": "c", "image": IMAGE, "command": ["sleep", "600"]}],
             "terminationGracePeriodSeconds": 1,
         },
     }

@@ -11,6 +11,7 @@ import urllib.request
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.testing import KubeUnderTest, PodProcesses
+from conveyor.operator.names import IMAGE
 
 TIMEOUT_S = 90
 PORT = 8080
@@ -36,7 +37,7 @@ def _pod(name: str, app: str) -> dict:
             "containers": [
                 {
                     "name": "main",
-                    "image": "conveyor",
+                    "image": IMAGE,
                     "ports": [{"name": "http", "containerPort": PORT}],
                     "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
                 }

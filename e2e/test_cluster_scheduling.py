@@ -7,6 +7,7 @@ import pytest
 from conveyor.cluster import Cluster
 from conveyor.cluster.nodes import GPU_RESOURCE
 from conveyor.cluster.testing import KubeUnderTest
+from conveyor.operator.names import IMAGE
 
 TIMEOUT_S = 90
 
@@ -20,7 +21,7 @@ def _pod_template(labels: dict[str, str], gpus: int | None) -> dict:
         }
     return {
         "metadata": {"labels": labels},
-        "spec": {"containers": [{"name": "main", "image": "conveyor", "resources": resources}]},
+        "spec": {"containers": [{"name": "main", "image": IMAGE, "resources": resources}]},
     }
 
 

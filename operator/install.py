@@ -13,7 +13,14 @@ from typing import Any
 import yaml
 
 from conveyor.operator.crd import load_crd
-from conveyor.operator.names import APP, APP_LABEL, COMPONENT_LABEL, OPERATOR_PORT, PORT_NAME
+from conveyor.operator.names import (
+    APP,
+    APP_LABEL,
+    COMPONENT_LABEL,
+    IMAGE,
+    OPERATOR_PORT,
+    PORT_NAME,
+)
 from conveyor.operator.rbac import LEASE_RULES, OPERATOR_RULES
 
 NAME = "conveyor-operator"
@@ -66,7 +73,7 @@ def operator_rbac(namespace: str, *, name: str = NAME) -> list[dict[str, Any]]:
 def operator_deployment(
     namespace: str,
     *,
-    image: str = "conveyor",
+    image: str = IMAGE,
     replicas: int = 2,
     args: tuple[str, ...] = (),
     name: str = NAME,
@@ -136,7 +143,9 @@ def operator_deployment(
 def main_manifests(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="conveyor operator manifests", description=__doc__)
     parser.add_argument("--namespace", default="conveyor-system", help="namespace of the operator")
-    parser.add_argument("--image", default="conveyor", help="the operator's image")
+    parser.add_argument(
+        "--image", default=IMAGE, help="the operator's image (default: %(default)s)"
+    )
     parser.add_argument("--replicas", type=int, default=2, help="operator replicas (one acts)")
     args = parser.parse_args(argv)
     docs = [

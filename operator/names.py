@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conveyor import __version__
+
 GROUP = "conveyor.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -12,6 +14,10 @@ RUNTIME_PORT = 8000
 GATEWAY_PORT = 8080
 OPERATOR_PORT = 8081
 PORT_NAME = "http"
+
+IMAGE = f"conveyor:{__version__}"
+"""The project's one image, tagged with this release as `conveyor image build` and the chart tag it:
+an untagged name means `:latest`, which no release publishes and an offline node cannot pull."""
 
 APP_LABEL = "app.kubernetes.io/name"
 APP = "conveyor"

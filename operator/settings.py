@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from conveyor.operator.names import OPERATOR_PORT
+from conveyor.operator.names import IMAGE, OPERATOR_PORT
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,10 @@ class OperatorSettings:
     port: int = OPERATOR_PORT
     """Port of ``/healthz`` and ``/metrics``; 8081 is the operator's port (ARCHITECTURE.md)."""
 
-    runtime_image: str = "conveyor"
-    """Image of runtime pods when an LLMService names none; ``conveyor`` is the project's one image."""
+    runtime_image: str = IMAGE
+    """Image of runtime pods when an LLMService names none: the project's one image, this release's tag."""
 
-    gateway_image: str = "conveyor"
+    gateway_image: str = IMAGE
     """Image of the namespace gateways (the same image, ``conveyor gateway``)."""
 
     image_pull_policy: str = "IfNotPresent"

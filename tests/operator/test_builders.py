@@ -368,3 +368,20 @@ def test_gateway_api_key_comes_from_the_configured_secret() -> None:
 
 def test_selector_string() -> None:
     assert selector_string({"a": "1", "b": "2"}) == "a=1,b=2"
+
+
+def test_the_default_images_are_this_releases_tag_not_latest() -> None:
+    """An untagged `conveyor` means `conveyor:latest`: no release publishes it and an offline
+    node (the one-machine cluster's real nodes) cannot pull it."""
+    from conveyor import __version__
+
+    service = MINIMAL
+    gateway = gateway_children("team", [service], OperatorSettings())
+    deployment = runtime_deployment(service, OperatorSettings())
+    images = {c["image"] for c in deployment["spec"]["template"]["spec"]["containers"]} | {
+        c["image"]
+        for child in gateway
+        if child["kind"] == "Deployment"
+        for c in child["spec"]["template"]["spec"]["containers"]
+    }
+    assert images == {f"conveyor:{__version__}"}
