@@ -6,8 +6,8 @@ such as a /load these engines do not have, fails the test)."""
 from __future__ import annotations
 
 import pytest
+from autoscaler_fakes import NS, World, endpoint_slice, gateway_metrics, llmservice
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from test_autoscaler_timer import NS, World, endpoint_slice, gateway_metrics, llmservice
 
 from conveyor.contracts.engine_load import SGLANG, VLLM, EngineMetrics
 from conveyor.operator.autoscaler_observe import Endpoint

@@ -1,0 +1,113 @@
+"""What the autoscaler's timer reads before it decides: the ready endpoints of EndpointSlices,
+a replica's /load, the gateways' pending requests, the counters and the TTFT window of
+/metrics, and the observation built from them. Pure functions, no timer."""
+
+from __future__ import annotations
+
+import pytest
+from autoscaler_fakes import endpoint_slice, gateway_metrics, load, runtime_metrics, ttft_metrics
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from conveyor.operator.autoscaler_model import History, ReplicaSignals
+from conveyor.operator.autoscaler_observe import (
+    Endpoint,
+    ReplicaScrape,
+    ServiceState,
+    build_observation,
+    parse_load,
+    pending_requests,
+    ready_endpoints,
+)
+from conveyor.runtime.metrics_names import REQUEST_SUCCESS
+
+
+def test_ready_endpoints_skip_unready_and_terminating_and_use_the_named_port():
+    slices = [
+        endpoint_slice("tiny", 8000, ("p1", "198.18.0.5", True), ("p2", "198.18.0.6", False)),
+        endpoint_slice("tiny", 8000, ("p3", "198.18.0.7", None), ("p1", "198.18.0.5", True)),
+        {"metadata": {}, "ports": [{"name": "metrics", "port": 9}], "endpoints": []},
+    ]
+    slices[1]["endpoints"].append(
+        {"addresses": ["198.18.0.8"], "conditions": {"ready": True, "terminating": True}}
+    )
+    assert ready_endpoints(slices, "http") == [
+        Endpoint("p1", "http://198.18.0.5:8000"),
+        Endpoint("p3", "http://198.18.0.7:8000"),
+    ]
+
+
+def test_load_and_pending_parsing():
+    signals, ready = parse_load(load(waiting=3, running=2, kv=0.5))
+    assert (signals, ready) == (ReplicaSignals(3, 2, 8, 0.5), True)
+    assert parse_load(load(ready=False))[1] is False
+    with pytest.raises(ValueError, match="waiting"):
+        parse_load('{"running": 1}')
+    assert pending_requests(gateway_metrics(tiny=3, other=5), "tiny") == 3
+    assert pending_requests(gateway_metrics(other=5), "tiny") == 0
+
+
+def test_ttft_p95_is_over_the_window_not_lifetime_totals():
+    state = ServiceState(history=History())
+    one = Endpoint("p1", "http://a:8000")
+    ok = [ReplicaSignals(0, 1, 8, 0.1)]
+    counts = {"fast": 0, "slow": 0}
+
+    def observe(now: float, fast: int = 0, slow: int = 0):
+        counts["fast"] += fast
+        counts["slow"] += slow
+        ttfts = [0.07] * counts["fast"] + [3.0] * counts["slow"]
+        scrape = ReplicaScrape(one, ok[0], True, _buckets(ttft_metrics(*ttfts)))
+        return build_observation(
+            now=now, current_replicas=1, replicas=[scrape], pending=0, state=state, ttft_window=30
+        )
+
+    assert observe(0, fast=100).ttft_p95 is None  # first scrape: a baseline, not a window
+    # 100 fast then 50 slow within the window: p95 among 150, not among the lifetime 250
+    assert observe(10, fast=100).ttft_p95 == pytest.approx(0.0975, abs=0.01)
+    obs = observe(20, slow=50)
+    assert obs.ttft_p95 is not None and obs.ttft_p95 > 2.5
+    # one slow first token among few is not a signal
+    assert observe(60, slow=1).ttft_p95 is None
+    # the slow ones age out of the window: only the fast ones since count
+    assert observe(85, fast=40).ttft_p95 == pytest.approx(0.0975, abs=0.01)
+    # nothing new over a whole window: no TTFT (not the lifetime p95)
+    observe(120)
+    assert observe(151).ttft_p95 is None
+    # the replica restarted (counts went down): its new counts are its own window
+    counts.update(fast=0, slow=0)
+    assert observe(152, fast=12).ttft_p95 == pytest.approx(0.0975, abs=0.01)
+
+
+def test_loading_or_silent_replicas_are_not_counted_as_ready():
+    state = ServiceState()
+    scrapes = [
+        ReplicaScrape(Endpoint("p1", "u1"), ReplicaSignals(4, 8, 8, 0.3), True, None),
+        ReplicaScrape(Endpoint("p2", "u2"), ReplicaSignals(0, 0, 8, 0.0), False, None),
+        ReplicaScrape(Endpoint("p3", "u3"), None, False, None),
+    ]
+    obs = build_observation(now=0, current_replicas=3, replicas=scrapes, pending=2, state=state)
+    assert obs.num_ready == 1 and obs.waiting == 4 and obs.pending_requests == 2
+
+
+def _buckets(text: str):
+    from conveyor.operator.signals import parse_histogram
+
+    return parse_histogram(text)
+
+
+def test_counters_are_read_from_the_runtime_and_gateway_metrics():
+    from conveyor.gateway.metrics import GatewayMetrics
+    from conveyor.operator.signals import parse_counters, parse_rejected
+
+    assert parse_counters(runtime_metrics(12, 1000)) == (12.0, 1000.0)
+    assert parse_counters(ttft_metrics(0.1)) is None  # another engine: no demand from it
+    registry = CollectorRegistry()  # a replica that finished nothing yet: declared, no sample
+    Counter(REQUEST_SUCCESS.removesuffix("_total"), "done", ["model", "finish_reason"],
+            registry=registry)  # fmt: skip
+    assert parse_counters(generate_latest(registry).decode()) == (0.0, 0.0)
+    gateway = GatewayMetrics()
+    gateway.requests.labels("tiny", "", "429").inc(3)
+    gateway.requests.labels("tiny", "http://a:8000", "503").inc(2)
+    gateway.requests.labels("tiny", "http://a:8000", "200").inc(50)
+    gateway.requests.labels("other", "", "429").inc(7)
+    assert parse_rejected(generate_latest(gateway.registry).decode(), "tiny") == 5.0
