@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -25,6 +26,8 @@ import httpx
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.api import ApiClient, ApiError, wait_for
+from conveyor.cluster.kubelet_config import CRI_NAMESPACE
+from conveyor.cluster.real_nodes import node_layouts
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 """Statuses the OpenAI SDK resends (with connection errors)."""
@@ -285,16 +288,35 @@ def frozen(cluster: Cluster, *names: str) -> Iterator[None]:
                 os.killpg(pid, signal.SIGCONT)
 
 
-def container_pid(cluster: Cluster, pod: dict[str, Any], container: str | None = None) -> int:
-    """The host pid of a container's process (from the node agent's attempt files)."""
+def kill_container(cluster: Cluster, pod: dict[str, Any], container: str | None = None) -> None:
+    """SIGKILL a container's processes, as the kernel's OOM killer or a crash would: the node
+    agent's process group, or on a real node the container's init (its PID namespace goes with it)."""
     statuses = pod["status"]["containerStatuses"]
     status = next(s for s in statuses if container in (None, s["name"]))
-    attempt = status["containerID"].rsplit("-", 1)[1]
+    runtime, _, container_id = status["containerID"].partition("://")
+    if runtime == "containerd":
+        os.kill(containerd_task_pid(cluster, pod["spec"]["nodeName"], container_id), signal.SIGKILL)
+        return
+    attempt = container_id.rsplit("-", 1)[1]
     run_dir = (
         cluster.work_dir / "agent" / "pods" / pod["metadata"]["uid"] / "containers"
         / status["name"] / attempt
     )  # fmt: skip
-    return int(json.loads((run_dir / "pid.json").read_text())["pid"])
+    os.killpg(int(json.loads((run_dir / "pid.json").read_text())["pid"]), signal.SIGKILL)
+
+
+def containerd_task_pid(cluster: Cluster, node: str, container_id: str) -> int:
+    """The host pid of a container's init, from the real node's own containerd."""
+    (layout,) = [lay for lay in node_layouts(cluster.settings) if lay.name == node]
+    tasks = subprocess.run(
+        ["ctr", "-a", str(layout.containerd_socket), "-n", CRI_NAMESPACE, "tasks", "ls"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    for line in tasks.splitlines()[1:]:  # TASK PID STATUS
+        task, pid, _ = line.split()
+        if task == container_id:
+            return int(pid)
+    raise AssertionError(f"no task {container_id} in {node}'s containerd:\n{tasks}")
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 60) -> Any:

@@ -27,6 +27,8 @@ from conveyor.cluster.testing import KubeUnderTest, PodProcesses
 E2E_DIR = Path(__file__).parent
 _KUBE = pytest.StashKey[KubeUnderTest]()
 E2E_TIMEOUT_S = 1800
+NODE_RUNTIME = os.environ.get("CONVEYOR_E2E_NODE_RUNTIME", "agent")
+"""Who runs the session cluster's pods: ``agent`` (the node agent) or ``kubelet`` (real nodes)."""
 
 
 def _why_no_local_cluster() -> str | None:
@@ -49,6 +51,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # 2 cores), which pytest-timeout counts against that test.
             if has_timeout and item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+
+
+def _node_settings() -> dict[str, object]:
+    """The cluster settings that choose its nodes, from ``CONVEYOR_E2E_NODE_RUNTIME``."""
+    if NODE_RUNTIME == "agent":
+        return {}
+    if NODE_RUNTIME != "kubelet":
+        raise pytest.UsageError(
+            f"CONVEYOR_E2E_NODE_RUNTIME={NODE_RUNTIME!r}: use agent (the default) or kubelet"
+        )
+    from real_nodes_helpers import ARCHIVE, why_no_real_nodes
+
+    if reason := why_no_real_nodes():
+        # Asked for by name: a skip would pass a run that tested nothing.
+        pytest.fail(f"CONVEYOR_E2E_NODE_RUNTIME=kubelet, but {reason}", pytrace=False)
+    return {"node_runtime": "kubelet", "node_images": (str(ARCHIVE),)}
 
 
 def _running_cluster() -> KubeUnderTest | None:
@@ -84,7 +102,11 @@ def kube(request: pytest.FixtureRequest) -> Iterator[KubeUnderTest]:
         os.environ["PATH"] = os.environ.get("PATH", "") + ":/usr/local/go/bin"
     # CONVEYOR_TOOLS_DIR: binaries built elsewhere; unset, the pinned build (or its cache).
     tools_dir = os.environ.get("CONVEYOR_TOOLS_DIR")
-    cluster = Cluster(ClusterSettings(name="e2e", tools_dir=Path(tools_dir) if tools_dir else None))
+    cluster = Cluster(
+        ClusterSettings(
+            name="e2e", tools_dir=Path(tools_dir) if tools_dir else None, **_node_settings()
+        )
+    )
     baseline = rulesets()
     started = time.monotonic()
     try:
@@ -181,8 +203,20 @@ def pods(own_cluster: Cluster) -> Iterator[PodProcesses]:
 
 @pytest.fixture
 def node_agent(own_cluster: Cluster) -> Cluster:
-    """The one-machine cluster with its node agent running (started if the cluster has none)."""
+    """The one-machine cluster with something running its pods: its node agent (started if the
+    cluster has none), or on real nodes their kubelets."""
     from agent_helpers import ensure_node_agent
+    from real_nodes_helpers import runs_on_real_nodes
 
-    ensure_node_agent(own_cluster)
+    if not runs_on_real_nodes(own_cluster):
+        ensure_node_agent(own_cluster)
     return own_cluster
+
+
+@pytest.fixture
+def agent_only(own_cluster: Cluster) -> None:
+    """Skips a test of the node agent's own workings (its files, its process) on real nodes."""
+    from real_nodes_helpers import runs_on_real_nodes
+
+    if runs_on_real_nodes(own_cluster):
+        pytest.skip("tests the node agent's own workings; real nodes run the kubelet instead")

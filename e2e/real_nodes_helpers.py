@@ -48,6 +48,11 @@ def why_no_real_nodes() -> str | None:
     return None
 
 
+def runs_on_real_nodes(cluster: Cluster) -> bool:
+    """Whether the cluster's pods run on real nodes (kubelets) rather than by the node agent."""
+    return cluster.settings.node_runtime == "kubelet"
+
+
 class PodWatch:
     """``kubectl get pods --watch`` in one namespace, every event kept, until ``stop()``."""
 

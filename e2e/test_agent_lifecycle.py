@@ -18,6 +18,7 @@ from agent_helpers import (
     wait_pod,
     wait_ready,
 )
+from real_nodes_helpers import runs_on_real_nodes
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.api import wait_for
@@ -76,6 +77,11 @@ def test_deletion_runs_prestop_then_sigterm_and_leaves_nothing(
         ),
     )
     p = wait_ready(api, namespace, "graceful")
+    if runs_on_real_nodes(node_agent):  # the kubelet's own volumes, cgroups and network
+        api.delete(f"/api/v1/namespaces/{namespace}/pods/graceful")
+        wait_gone(api, namespace, "graceful")
+        assert events.read_text().split() == ["prestop", "sigterm"]
+        return
     uid = p["metadata"]["uid"]
     netns, _ = node_agent.pod_networks.names(namespace, "graceful")
     pod_dir = node_agent.work_dir / "agent" / "pods" / uid
@@ -175,7 +181,7 @@ MARKED = [
 
 
 def test_agent_killed_and_restarted_adopts_its_pods(
-    kube: KubeUnderTest, node_agent: Cluster, namespace: str, tmp_path: Path
+    kube: KubeUnderTest, node_agent: Cluster, agent_only: None, namespace: str, tmp_path: Path
 ) -> None:
     api = kube.api
     names = ["keep-a", "keep-b", "deleted-meanwhile"]

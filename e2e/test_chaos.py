@@ -14,14 +14,13 @@ from a healthy stack and leaves one.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import sys
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -30,10 +29,10 @@ from chaos_helpers import (
     Figures,
     PhaseWatch,
     Traffic,
-    container_pid,
     elapsed,
     frozen,
     http,
+    kill_container,
     pod_metric,
     pod_ready,
     wait,
@@ -350,29 +349,48 @@ def test_operator_killed_during_a_burst_of_changes(stack: Stack) -> None:
     assert new["metadata"]["name"] != old["metadata"]["name"]
 
 
-def test_node_agent_restarted(stack: Stack) -> None:
-    """The agent SIGKILLed and started again: every pod keeps its process and stays Ready."""
+def test_node_restarted(stack: Stack) -> None:
+    """What runs the pods SIGKILLed and started again (the node agent; on real nodes the kubelet
+    of a runtime replica's node): every pod keeps its process and stays Ready."""
     before = {
         p["metadata"]["name"]: container_ids(p) for p in stack.runtime_pods() + stack.gateway_pods()
     }
     with under_traffic(stack) as run:
         run.begin()
-        agent = stack.cluster.restart(AGENT_NAME)
-        assert agent.record is not None
-        wait(
-            "the new agent to adopt its pods",
-            lambda: agent_ready(stack.cluster.work_dir, agent.record.pid),
-            timeout_s=60,
-        )
+        if stack.cluster.settings.node_runtime == "kubelet":
+            node = stack.runtime_pods()[0]["spec"]["nodeName"]
+            killed_at = time.time()
+            restarted = stack.cluster.restart(f"kubelet-{node}")
+            wait(
+                f"the new kubelet of {node} to renew its Lease",
+                lambda: lease_renewed_after(stack.api, node, killed_at),
+                timeout_s=60,
+            )
+        else:
+            restarted = stack.cluster.restart(AGENT_NAME)
+            assert restarted.record is not None
+            pid = restarted.record.pid
+            wait(
+                "the new agent to adopt its pods",
+                lambda: agent_ready(stack.cluster.work_dir, pid),
+                timeout_s=60,
+            )
         run.end()
         run.recover()
-        run.report("node agent SIGKILLed and restarted")
+        run.report(f"{restarted.name} SIGKILLed and restarted")
         after = {
             p["metadata"]["name"]: container_ids(p)
             for p in stack.runtime_pods() + stack.gateway_pods()
         }
     assert after == before, "a pod was restarted or replaced"
     assert run.watch.pods_unready_seen(run.fault_start) == 0, "a runtime pod was seen not Ready"
+
+
+def lease_renewed_after(api: ApiClient, node: str, since: float) -> bool:
+    """Whether the node's kubelet renewed its Lease in ``kube-node-lease`` after ``since``."""
+    lease = api.get(f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node}")
+    renewed = datetime.fromisoformat(lease["spec"]["renewTime"].replace("Z", "+00:00"))
+    return renewed.timestamp() > since
 
 
 def test_runtime_replica_killed_under_load(stack: Stack) -> None:
@@ -382,7 +400,7 @@ def test_runtime_replica_killed_under_load(stack: Stack) -> None:
         victim = stack.runtime_pods()[0]
         before = restarts([victim])
         run.begin()
-        os.killpg(container_pid(stack.cluster, victim), signal.SIGKILL)
+        kill_container(stack.cluster, victim)
         path = f"/api/v1/namespaces/{stack.namespace}/pods/{victim['metadata']['name']}"
         wait(
             "the replica restarted and Ready",
