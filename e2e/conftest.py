@@ -193,7 +193,12 @@ def owned_cluster(kube: KubeUnderTest, own_cluster: Cluster) -> Cluster:
 
 @pytest.fixture
 def pods(own_cluster: Cluster) -> Iterator[PodProcesses]:
-    """Hand-made pod networks and servers, removed after the test."""
+    """Hand-made pod networks and servers, removed after the test (the node agent's pod network;
+    real nodes' pods get theirs from the CNI bridge plugin, and their kubelets would run the pods)."""
+    from real_nodes_helpers import runs_on_real_nodes
+
+    if runs_on_real_nodes(own_cluster):
+        pytest.skip("hand-made pods need the node agent's pod networks; real nodes use CNI")
     handle = PodProcesses(own_cluster)
     try:
         yield handle
