@@ -109,7 +109,11 @@ def load(waiting: int = 0, running: int = 0, kv: float = 0.0, ready: bool = True
 
 def ttft_metrics(*observations: float) -> str:
     """A runtime's /metrics with ``observations`` in its TTFT histogram (as the runtime writes it)."""
-    registry = CollectorRegistry()
+    return _with_ttft(CollectorRegistry(), observations)
+
+
+def _with_ttft(registry: CollectorRegistry, observations: tuple[float, ...]) -> str:
+    """``registry``'s text once ``observations`` are in its TTFT histogram."""
     hist = Histogram(
         TIME_TO_FIRST_TOKEN, "TTFT", ["model"], buckets=BUCKETS, registry=registry
     ).labels("tiny")
@@ -185,9 +189,4 @@ def runtime_metrics(finished: int, tokens: int, *ttfts: float) -> str:
     Counter(GENERATION_TOKENS.removesuffix("_total"), "g", ["model"], registry=registry).labels(
         "tiny"
     ).inc(tokens - tokens // 4)
-    hist = Histogram(
-        TIME_TO_FIRST_TOKEN, "TTFT", ["model"], buckets=BUCKETS, registry=registry
-    ).labels("tiny")
-    for value in ttfts:
-        hist.observe(value)
-    return generate_latest(registry).decode()
+    return _with_ttft(registry, ttfts)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 import random
 from collections import deque
+from typing import Any
 
 from conveyor.operator.autoscaler import decide
 from conveyor.operator.autoscaler_model import (
     AutoscalingPolicy,
     Decision,
+    Demand,
     History,
     Observation,
     ReplicaSignals,
@@ -32,7 +34,74 @@ SIZED = AutoscalingPolicy(
 )
 
 
-class Service:
+def direction_changes(decisions: list[Decision]) -> int:
+    """How often the scale moved the other way from its last move."""
+    moves = [d.direction for d in decisions if d.direction != "none"]
+    return sum(1 for a, b in itertools.pairwise(moves) if a != b)
+
+
+class Simulated:
+    """What the timer keeps of a simulated service and does at each tick: each replica's
+    counters over a demand window, a minute of backlog, the demand estimated from them, and
+    the decision applied (a replica asked for is ready ``start_s`` later)."""
+
+    policy: AutoscalingPolicy
+    history: History
+    time: float
+    start_s: float
+    ready: dict[int, Any]
+    starting: list[float]  # times at which starting replicas become ready
+    series: dict[int, deque[Counters]]
+    backlog: deque[Backlog]
+    decisions: list[Decision]
+    replicas: list[int]  # spec.replicas after each decision
+
+    @property
+    def current(self) -> int:
+        return len(self.ready) + len(self.starting)
+
+    @property
+    def direction_changes(self) -> int:
+        return direction_changes(self.decisions)
+
+    def _scrape(self, rid: int, counters: Counters) -> None:
+        seen = self.series.setdefault(rid, deque())
+        seen.append(counters)
+        while len(seen) > 2 and seen[1].time <= self.time - self.policy.demand_window:
+            seen.popleft()
+
+    def _demand(self, backlog: float) -> Demand | None:
+        for rid in set(self.series) - set(self.ready):
+            if self.series[rid][-1].time < self.time - self.policy.demand_window:
+                del self.series[rid]
+        self.backlog.append(Backlog(self.time, backlog))
+        while len(self.backlog) > 2 and self.backlog[1].time <= self.time - 60:
+            self.backlog.popleft()
+        return estimate_demand(
+            self.series,
+            self.backlog,
+            now=self.time,
+            window=self.policy.demand_window,
+            panic_window=self.policy.panic_window,
+        )
+
+    def _apply(self, obs: Observation) -> None:
+        d = decide(obs, self.policy, self.history)
+        self.decisions.append(d)
+        while self.current < d.desired:
+            self.starting.append(self.time + self.start_s)
+        while self.current > d.desired:
+            if self.starting:
+                self.starting.pop()
+            else:
+                self._remove_ready()
+        self.replicas.append(self.current)
+
+    def _remove_ready(self) -> None:
+        self.ready.popitem()
+
+
+class Service(Simulated):
     """A fluid model of one LLMService under a given arrival rate.
 
     Each ready replica finishes up to ``capacity`` requests/s (``tokens`` each) and runs at
@@ -58,10 +127,6 @@ class Service:
         self.rng = random.Random(seed) if seed is not None else None
         self.decisions: list[Decision] = []
         self.replicas: list[int] = []  # spec.replicas after each decision
-
-    @property
-    def current(self) -> int:
-        return len(self.ready) + len(self.starting)
 
     def run(self, rate: float, seconds: float, clients: int | None = None) -> None:
         """Open-loop arrivals at ``rate``/s, or a closed loop of ``clients`` that each send
@@ -96,44 +161,14 @@ class Service:
         running = min(share, self.slots)
         waiting = round(share - running)
         for rid, done in self.ready.items():
-            seen = self.series.setdefault(rid, deque())
-            seen.append(Counters(self.time, done, done * self.tokens, waiting > 0))
-            while len(seen) > 2 and seen[1].time <= self.time - self.policy.demand_window:
-                seen.popleft()
-        for rid in set(self.series) - set(self.ready):
-            if self.series[rid][-1].time < self.time - self.policy.demand_window:
-                del self.series[rid]
-        self.backlog.append(Backlog(self.time, round(self.in_system)))
-        while len(self.backlog) > 2 and self.backlog[1].time <= self.time - 60:
-            self.backlog.popleft()
-        demand = estimate_demand(
-            self.series,
-            self.backlog,
-            now=self.time,
-            window=self.policy.demand_window,
-            panic_window=self.policy.panic_window,
-        )
+            self._scrape(rid, Counters(self.time, done, done * self.tokens, waiting > 0))
+        demand = self._demand(round(self.in_system))
         kv = 0.1 + 0.4 * running / self.slots
         signals = tuple(ReplicaSignals(waiting, round(running), self.slots, kv) for _ in range(n))
-        obs = Observation(self.time, self.current, signals, demand=demand, counting=True)
-        d = decide(obs, self.policy, self.history)
-        self.decisions.append(d)
-        while self.current < d.desired:
-            self.starting.append(self.time + self.start_s)
-        while self.current > d.desired:
-            if self.starting:
-                self.starting.pop()
-            else:
-                self.ready.popitem()
-        self.replicas.append(self.current)
-
-    @property
-    def direction_changes(self) -> int:
-        moves = [d.direction for d in self.decisions if d.direction != "none"]
-        return sum(1 for a, b in itertools.pairwise(moves) if a != b)
+        self._apply(Observation(self.time, self.current, signals, demand=demand, counting=True))
 
 
-class Clients:
+class Clients(Simulated):
     """A closed loop of discrete requests, as e2e/test_autoscaling drives a service: each of
     ``clients`` sends again a random gap after its answer (its own HTTP round trip), the
     gateway sends each request to the ready replica with the fewest running and waiting, a
@@ -161,10 +196,6 @@ class Clients:
     @staticmethod
     def _replica() -> dict:
         return {"running": [], "waiting": 0, "done": 0}
-
-    @property
-    def current(self) -> int:
-        return len(self.ready) + len(self.starting)
 
     def run(self, seconds: float) -> None:
         for _ in range(round(seconds / self.period)):
@@ -200,41 +231,16 @@ class Clients:
     def _decide(self) -> None:
         signals = []
         for rid, r in self.ready.items():
-            seen = self.series.setdefault(rid, deque())
-            seen.append(Counters(self.time, r["done"], r["done"] * 100, r["waiting"] > 0))
-            while len(seen) > 2 and seen[1].time <= self.time - self.policy.demand_window:
-                seen.popleft()
+            self._scrape(rid, Counters(self.time, r["done"], r["done"] * 100, r["waiting"] > 0))
             kv = 0.1 + 0.4 * len(r["running"]) / self.slots
             signals.append(ReplicaSignals(r["waiting"], len(r["running"]), self.slots, kv))
-        for rid in set(self.series) - set(self.ready):
-            if self.series[rid][-1].time < self.time - self.policy.demand_window:
-                del self.series[rid]
         backlog = sum(len(r["running"]) + r["waiting"] for r in self.ready.values())
-        self.backlog.append(Backlog(self.time, backlog))
-        while len(self.backlog) > 2 and self.backlog[1].time <= self.time - 60:
-            self.backlog.popleft()
         self.queues.append(sum(s.waiting for s in signals) / len(signals))
-        demand = estimate_demand(
-            self.series,
-            self.backlog,
-            now=self.time,
-            window=self.policy.demand_window,
-            panic_window=self.policy.panic_window,
+        demand = self._demand(backlog)
+        self._apply(
+            Observation(self.time, self.current, tuple(signals), demand=demand, counting=True)
         )
-        obs = Observation(self.time, self.current, tuple(signals), demand=demand, counting=True)
-        d = decide(obs, self.policy, self.history)
-        self.decisions.append(d)
-        while self.current < d.desired:
-            self.starting.append(self.time + self.start_s)
-        while self.current > d.desired:
-            if self.starting:
-                self.starting.pop()
-            else:  # the gateway sends what the removed replica held elsewhere
-                _, gone = self.ready.popitem()
-                self._route(len(gone["running"]) + gone["waiting"])
-        self.replicas.append(self.current)
 
-    @property
-    def direction_changes(self) -> int:
-        moves = [d.direction for d in self.decisions if d.direction != "none"]
-        return sum(1 for a, b in itertools.pairwise(moves) if a != b)
+    def _remove_ready(self) -> None:  # the gateway sends what the removed replica held elsewhere
+        _, gone = self.ready.popitem()
+        self._route(len(gone["running"]) + gone["waiting"])

@@ -4,11 +4,10 @@ spec and the CRD give it."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
-from autoscaler_sim import replicas
+from autoscaler_sim import direction_changes, replicas
 
 from conveyor.operator.autoscaler import decide
 from conveyor.operator.autoscaler_model import AutoscalingPolicy, Decision, History, Observation
@@ -44,8 +43,7 @@ class Loop:
 
     @property
     def direction_changes(self) -> int:
-        moves = [d.direction for d in self.decisions if d.direction != "none"]
-        return sum(1 for a, b in itertools.pairwise(moves) if a != b)
+        return direction_changes(self.decisions)
 
 
 def test_step_up_goes_straight_to_what_the_queue_calls_for():
