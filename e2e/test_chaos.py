@@ -272,7 +272,7 @@ def test_operator_killed_during_a_burst_of_changes(stack: Stack) -> None:
     """Creates, then the operator pod killed while it reconciles them; updates and deletes while
     it is away. Its replacement (after the Lease expires) converges every spec: one Deployment
     per LLMService, none left of the deleted ones, every child owned by a live LLMService.
-    (test_operator.py kills a local operator during creates alone; this is the pod, under
+    (test_operator_ha.py kills a local operator during creates alone; this is the pod, under
     traffic, with updates and deletes too.)"""
     names = [f"burst-{i}" for i in range(4)]
     with under_traffic(stack) as run:
