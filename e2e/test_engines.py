@@ -1,14 +1,15 @@
 """An LLMService on vLLM: the real vLLM (vLLM for CPU, which the node agent runs for vLLM's
 image) behind Conveyor's operator and gateway, on the one-machine cluster.
 
-One vLLM LLMService serves the module (vLLM takes a minute or more to start): it becomes
-Ready on the built-in model (written into the cache volume by the model container before
-vLLM starts), answers chat and streamed completions through the namespace gateway, says on
-``/v1/models`` that vLLM served it, and the gateway's view of the replica follows vLLM's own
-gauges; every dashboard panel draws it. A spec asking vLLM for a setting it lacks is refused
-by the apiserver. Then the autoscaler takes it to two replicas on vLLM's queue and back, to
-zero when idle and back to one for a held request; last, a change of model to the built-in
-SmolLM2 rolls out under traffic without a failed request.
+One vLLM LLMService serves the module (vLLM takes a minute or more to start; its spec and
+probes are in ``vllm_helpers``): it becomes Ready on the built-in model (written into the cache
+volume by the model container before vLLM starts), answers chat and streamed completions
+through the namespace gateway, says on ``/v1/models`` that vLLM served it, and the gateway's
+view of the replica follows vLLM's own gauges; every dashboard panel draws it. Then the
+autoscaler takes it to two replicas on vLLM's queue and back, to zero when idle and back to
+one for a held request; last, a change of model to the built-in SmolLM2 rolls out under
+traffic without a failed request. The tests run in this order and each relies on the ones
+before. (A spec asking vLLM for a setting it lacks is refused: ``test_operator``.)
 
 The operator runs as a local process (as in ``test_operator``). Skips, with the reason, where
 vLLM for CPU is not installed or pods do not really run here.
@@ -28,9 +29,7 @@ from typing import Any
 import httpx
 import pytest
 from operator_helpers import (
-    LLMSERVICES,
     OperatorIdentity,
-    OperatorProcess,
     apply_yaml,
     decisions,
     install_crd,
@@ -42,6 +41,25 @@ from operator_helpers import (
     wait_for,
 )
 from traffic import Load, run_load
+from vllm_helpers import (
+    AUTOSCALING,
+    CLIENTS,
+    NAME,
+    NO_PROXY,
+    OPERATOR_FLAGS,
+    READY_S,
+    REPLICA,
+    RUNTIME,
+    SMOLLM2,
+    autoscaler_signals,
+    gateway_url,
+    patch_spec,
+    ready_status,
+    replicas,
+    requests_per_replica,
+    runtime_logs,
+    runtime_pods,
+)
 
 from conveyor.bench.peers import vllm_env
 from conveyor.cluster.testing import KubeUnderTest
@@ -51,42 +69,7 @@ from conveyor.observability import grafana, panel_check
 from conveyor.observability import names as n
 from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings
-from conveyor.operator.engines import UNSUPPORTED
 
-NAME = "vllm-tiny"
-REPLICA = {"gpus": 1, "memory": "6Gi"}
-"""One simulated GPU; no CPU limit, so vLLM's start-up (a minute or more) uses every core."""
-RUNTIME = {
-    "maxRunningRequests": 2,
-    "extraArgs": ["--enforce-eager"],
-    "env": [
-        {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
-        {"name": "OMP_NUM_THREADS", "value": "1"},
-    ],
-}
-"""Two sequences at a time, so a few concurrent requests queue (vLLM's waiting gauge moves);
-eager mode skips vLLM's compilation at start (it serves the same). One unbound compute thread
-per replica: two replicas share this machine's two cores, and vLLM's default (OpenMP threads
-bound to every core, waiting by spinning) made a second replica starting beside a busy first
-one take over ten minutes."""
-READY_S = 600
-OPERATOR_FLAGS = (
-    "--autoscale-interval", "1", "--gateway-hold-timeout", str(READY_S),
-    "--lease-duration", "60", "--lease-renew-interval", "10", "--lease-retry-interval", "2",
-)  # fmt: skip
-"""Decide every second; the gateway holds a request while a vLLM replica starts from zero
-(a minute or more here). A long Lease, not the e2e helpers' short one (made for fast takeover
-tests): with two vLLM replicas busy on both cores the apiserver once left a renewal unanswered
-for over 10 s (the default deadline), the operator stepped down as it should, and nothing
-here restarts it as a Deployment would."""
-AUTOSCALING = {
-    "enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetQueueDepthPerReplica": 2,
-    "scaleDownStabilizationSeconds": 10,
-}  # fmt: skip
-CLIENTS = 10
-"""Clients sending back to back: five times vLLM's batch (2), so one replica queues about 8,
-four times the autoscaler's target."""
-SMOLLM2 = "smollm2-135m-instruct"
 SCRAPE_S = 1.0
 """Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""
 ALLOWED_EMPTY = (
@@ -110,7 +93,6 @@ ALLOWED_EMPTY = (
     ),
 )  # fmt: skip
 """Panel queries of the LLMService dashboard that this run leaves empty, and why."""
-NO_PROXY = httpx.Client(trust_env=False, timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -189,38 +171,6 @@ def vllm_service(
             }
     finally:
         identity.close()
-
-
-def ready_status(kube: KubeUnderTest, namespace: str, op: OperatorProcess) -> Any:
-    if op.proc.poll() is not None:
-        raise AssertionError(f"the operator exited:\n{op.logs()}")
-    for pod in kube.api.get(f"/api/v1/namespaces/{namespace}/pods")["items"]:
-        for c in (pod.get("status") or {}).get("containerStatuses") or []:
-            last = (c.get("lastState") or {}).get("terminated")
-            if last and c.get("restartCount", 0) >= 2:
-                raise AssertionError(
-                    f"container {c['name']} of {pod['metadata']['name']} keeps exiting "
-                    f"(code {last.get('exitCode')}): kubectl logs it"
-                )
-    status = llmservice_status(kube.api, namespace, NAME)
-    if status.get("phase") == "Ready" and (status.get("endpoint") or {}).get("clusterIP"):
-        return status
-    return None
-
-
-def runtime_pods(kube: KubeUnderTest, namespace: str) -> list[dict[str, Any]]:
-    return kube.api.get(
-        f"/api/v1/namespaces/{namespace}/pods",
-        labelSelector=f"conveyor.dev/llmservice={NAME}",
-    )["items"]
-
-
-def gateway_url(kube: KubeUnderTest, namespace: str) -> str:
-    (pod,) = kube.api.get(
-        f"/api/v1/namespaces/{namespace}/pods",
-        labelSelector="app.kubernetes.io/component=gateway",
-    )["items"]
-    return f"http://{pod['status']['podIP']}:8080"
 
 
 def test_vllm_llmservice_is_ready_and_answers_through_the_gateway(
@@ -344,19 +294,6 @@ def test_the_gateway_sees_what_vllms_own_gauges_say(
     )
 
 
-def test_a_setting_vllm_lacks_is_refused_with_a_message(
-    kube: KubeUnderTest, namespace: str
-) -> None:
-    install_crd(kube)
-    spec = llmservice("refused", engine="vllm", runtime={"maxQueuedRequests": 4})
-    result = apply_yaml(kube, namespace, spec, check=False)
-    assert result.returncode != 0
-    assert UNSUPPORTED[("vllm", "maxQueuedRequests")] in result.stderr
-    assert not kube.api.get(f"/apis/conveyor.dev/v1alpha1/namespaces/{namespace}/llmservices")[
-        "items"
-    ]
-
-
 def test_every_llmservice_dashboard_panel_shows_the_vllm_llmservice(
     vllm_service: dict[str, Any],
 ) -> None:
@@ -450,10 +387,6 @@ def test_every_llmservice_dashboard_panel_shows_the_vllm_llmservice(
 # ---- the autoscaler and rollouts on vLLM (after the dashboard check: they change the spec) ----
 
 
-def patch_spec(kube: KubeUnderTest, namespace: str, spec: dict[str, Any]) -> None:
-    kube.api.merge_patch(f"{LLMSERVICES.format(ns=namespace)}/{NAME}", {"spec": spec})
-
-
 @pytest.fixture(scope="module")
 def client(vllm_service: dict[str, Any]) -> Iterator[Any]:
     """An OpenAI client of the service's gateway (closed after the module)."""
@@ -464,43 +397,6 @@ def client(vllm_service: dict[str, Any]) -> Iterator[Any]:
         api_key="none", max_retries=0, timeout=READY_S,
     ) as client:  # fmt: skip
         yield client
-
-
-def requests_per_replica(gateway: str) -> dict[str, float]:
-    """Requests the gateway answered, per replica it sent them to."""
-    found: dict[str, float] = {}
-    for line in NO_PROXY.get(f"{gateway}/metrics").text.splitlines():
-        if line.startswith(f"{n.GW_REQUESTS}{{"):
-            backend = re.search(r'backend="([^"]*)"', line)
-            if backend and backend.group(1):
-                found[backend.group(1)] = found.get(backend.group(1), 0.0) + float(
-                    line.rsplit(" ", 1)[1]
-                )
-    return found
-
-
-def runtime_logs(kube: KubeUnderTest, namespace: str) -> str:
-    """The last lines of every runtime container, this run's and the one before."""
-    out = []
-    for pod in runtime_pods(kube, namespace):
-        for previous in ("--previous", ""):
-            logs = kube.kubectl(
-                "-n", namespace, "logs", pod["metadata"]["name"], "-c", "runtime", "--tail", "400",
-                *([previous] if previous else []), check=False,
-            )  # fmt: skip
-            out.append(f"--- {pod['metadata']['name']} {previous}\n{logs.stdout}{logs.stderr}")
-    return "\n".join(out)
-
-
-def autoscaler_signals(kube: KubeUnderTest, namespace: str) -> dict[str, Any]:
-    status = llmservice_status(kube.api, namespace, NAME)
-    return (status.get("autoscaler") or {}).get("signals") or {}
-
-
-def replicas(kube: KubeUnderTest, namespace: str) -> tuple[int, int]:
-    """(spec.replicas, status.readyReplicas) of the LLMService."""
-    obj = kube.api.get(f"{LLMSERVICES.format(ns=namespace)}/{NAME}")
-    return obj["spec"].get("replicas", 1), (obj.get("status") or {}).get("readyReplicas", 0)
 
 
 def test_vllms_queue_scales_the_service_to_two_replicas_the_gateway_spreads_over_and_back(

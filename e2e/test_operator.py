@@ -15,6 +15,7 @@ from operator_helpers import (
     apply_yaml,
     children,
     deployment,
+    install_crd,
     llmservice,
     llmservice_status,
     path_of,
@@ -32,6 +33,7 @@ from operator_helpers import start_operator as start_operator
 from conveyor.cluster.api import ApiError
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.operator.crd import apply_defaults
+from conveyor.operator.engines import UNSUPPORTED
 from conveyor.operator.runtime_manifests import runtime_podmonitor
 
 
@@ -91,6 +93,19 @@ def test_invalid_resources_are_refused_with_what_to_fix(
         ).stdout
     )
     assert server["spec"] == apply_defaults(minimal)["spec"]
+
+
+def test_a_setting_vllm_lacks_is_refused_with_a_message(
+    kube: KubeUnderTest, namespace: str
+) -> None:
+    install_crd(kube)
+    spec = llmservice("refused", engine="vllm", runtime={"maxQueuedRequests": 4})
+    result = apply_yaml(kube, namespace, spec, check=False)
+    assert result.returncode != 0
+    assert UNSUPPORTED[("vllm", "maxQueuedRequests")] in result.stderr
+    assert not kube.api.get(f"/apis/conveyor.dev/v1alpha1/namespaces/{namespace}/llmservices")[
+        "items"
+    ]
 
 
 def test_children_are_created_owned_and_reported(
