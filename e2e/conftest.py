@@ -15,10 +15,18 @@ import shutil
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from operator_helpers import (
+    OperatorIdentity,
+    OperatorProcess,
+    install_crd,
+    operators,
+    pods_run,
+    wait_for,
+)
 
 from conveyor.cluster import Cluster, ClusterAlreadyRunning, ClusterSettings
 from conveyor.cluster.leftovers import rulesets
@@ -225,3 +233,48 @@ def agent_only(own_cluster: Cluster) -> None:
 
     if runs_on_real_nodes(own_cluster):
         pytest.skip("tests the node agent's own workings; real nodes run the kubelet instead")
+
+
+# ---- the operator's fixtures (test_operator*.py, test_autoscaling.py) ------------------------
+
+
+@pytest.fixture(scope="session")
+def crd(kube: KubeUnderTest) -> None:
+    install_crd(kube)
+
+
+@pytest.fixture
+def identity(
+    kube: KubeUnderTest, namespace: str, crd: None, tmp_path: Path
+) -> Iterator[OperatorIdentity]:
+    ident = OperatorIdentity(kube, namespace, tmp_path)
+    yield ident
+    ident.close()
+
+
+@pytest.fixture
+def start_operator(
+    identity: OperatorIdentity, tmp_path: Path
+) -> Iterator[Callable[..., OperatorProcess]]:
+    with operators(identity, tmp_path) as start:
+        yield start
+
+
+@pytest.fixture
+def operator(start_operator: Callable[..., OperatorProcess]) -> OperatorProcess:
+    op = start_operator("op-a")
+    wait_for("the operator to take the Lease", op.is_leader, timeout_s=60)
+    return op
+
+
+_PODS_RUN = pytest.StashKey[str]()
+
+
+@pytest.fixture
+def running_pods(kube: KubeUnderTest, namespace: str, request: pytest.FixtureRequest) -> None:
+    """Skips unless pods really run here (probed once per session)."""
+    stash = request.config.stash
+    if _PODS_RUN not in stash:
+        stash[_PODS_RUN] = pods_run(kube, namespace) or ""
+    if stash[_PODS_RUN]:
+        pytest.skip(stash[_PODS_RUN])

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 import yaml
 
 from conveyor.cluster.api import ApiClient, ApiError
@@ -358,48 +357,3 @@ def reconciled(kube: KubeUnderTest, namespace: str, name: str) -> dict[str, Any]
     if status.get("observedGeneration") == obj["metadata"]["generation"] and status.get("endpoint"):
         return status
     return None
-
-
-# ---- fixtures of the operator's modules (test_operator*.py import them by name) ----------
-
-
-@pytest.fixture(scope="session")
-def crd(kube: KubeUnderTest) -> None:
-    install_crd(kube)
-
-
-@pytest.fixture
-def identity(
-    kube: KubeUnderTest, namespace: str, crd: None, tmp_path: Path
-) -> Iterator[OperatorIdentity]:
-    ident = OperatorIdentity(kube, namespace, tmp_path)
-    yield ident
-    ident.close()
-
-
-@pytest.fixture
-def start_operator(
-    identity: OperatorIdentity, tmp_path: Path
-) -> Iterator[Callable[..., OperatorProcess]]:
-    with operators(identity, tmp_path) as start:
-        yield start
-
-
-@pytest.fixture
-def operator(start_operator: Callable[..., OperatorProcess]) -> OperatorProcess:
-    op = start_operator("op-a")
-    wait_for("the operator to take the Lease", op.is_leader, timeout_s=60)
-    return op
-
-
-_PODS_RUN = pytest.StashKey[str]()
-
-
-@pytest.fixture
-def running_pods(kube: KubeUnderTest, namespace: str, request: pytest.FixtureRequest) -> None:
-    """Skips unless pods really run here (probed once per session)."""
-    stash = request.config.stash
-    if _PODS_RUN not in stash:
-        stash[_PODS_RUN] = pods_run(kube, namespace) or ""
-    if stash[_PODS_RUN]:
-        pytest.skip(stash[_PODS_RUN])

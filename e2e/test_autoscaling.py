@@ -23,11 +23,9 @@ from operator_helpers import (
     OperatorProcess,
     apply_yaml,
     decisions,
-    install_crd,
     llmservice,
     llmservice_status,
     operators,
-    pods_run,
     scale_events,
     wait_for,
 )
@@ -48,11 +46,6 @@ a boundary."""
 DEADLINE_S = 600
 
 
-@pytest.fixture(scope="module")
-def crd(kube: KubeUnderTest) -> None:
-    install_crd(kube)
-
-
 @pytest.fixture
 def operator(
     kube: KubeUnderTest, namespace: str, crd: None, tmp_path: Path
@@ -65,19 +58,6 @@ def operator(
             yield op
     finally:
         identity.close()
-
-
-_PODS_RUN = pytest.StashKey[str]()
-
-
-@pytest.fixture
-def running_pods(kube: KubeUnderTest, namespace: str, request: pytest.FixtureRequest) -> None:
-    """Skips unless pods really run here (probed once per session)."""
-    stash = request.config.stash
-    if _PODS_RUN not in stash:
-        stash[_PODS_RUN] = pods_run(kube, namespace) or ""
-    if stash[_PODS_RUN]:
-        pytest.skip(stash[_PODS_RUN])
 
 
 def autoscaled(name: str, **autoscaling: Any) -> dict[str, Any]:

@@ -25,11 +25,6 @@ from operator_helpers import (
 )
 
 # the fixtures these tests and their fixtures ask for by name
-from operator_helpers import crd as crd
-from operator_helpers import identity as identity
-from operator_helpers import operator as operator
-from operator_helpers import start_operator as start_operator
-
 from conveyor.cluster.api import ApiError
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.operator.crd import apply_defaults

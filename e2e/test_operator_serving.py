@@ -25,12 +25,6 @@ from operator_helpers import (
 )
 
 # the fixtures these tests and their fixtures ask for by name
-from operator_helpers import crd as crd
-from operator_helpers import identity as identity
-from operator_helpers import operator as operator
-from operator_helpers import running_pods as running_pods
-from operator_helpers import start_operator as start_operator
-
 from conveyor.cluster.testing import KubeUnderTest
 
 EXAMPLE = REPO / "examples" / "llmservice.yaml"
