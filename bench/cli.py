@@ -22,6 +22,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "peer": ("conveyor.bench.peers.peer", "Conveyor vs vLLM for CPU, side by side"),
     "gateway": ("conveyor.bench.gateway.command", "routing policies and gateway overhead"),
     "autoscale": ("conveyor.bench.autoscale.command", "step load against the autoscaler"),
+    "startup": (
+        "conveyor.bench.startup",
+        "conveyor serve's exec to /ready under a CPU limit, optionally against a git revision",
+    ),
     "gpu": (
         "conveyor.bench.gpu.command",
         "kernels, decode MBU and continuous vs static batching on a GPU",

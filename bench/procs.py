@@ -285,9 +285,11 @@ def conveyor_serve(
     ready_timeout: float = 180.0,
     log_path: Path | None = None,
     cpu_limit: float | None = None,
+    env: Mapping[str, str | None] | None = None,
 ) -> ChildProcess:
     """``conveyor serve ARGS`` on loopback, on the port it binds and reports; ready at /ready;
-    ``cpu_limit``: CPUs it may use (``ChildProcess.cpu_limit``)."""
+    ``cpu_limit``: CPUs it may use (``ChildProcess.cpu_limit``); ``env``: added to its
+    environment (``ChildProcess.env``)."""
     return ChildProcess(
         name,
         lambda port: python_module(
@@ -298,4 +300,5 @@ def conveyor_serve(
         ready_timeout=ready_timeout,
         log_path=log_path,
         cpu_limit=cpu_limit,
+        env=env,
     )
