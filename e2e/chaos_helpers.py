@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 import urllib.request
@@ -23,11 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from real_nodes_helpers import containerd_task_pid
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.api import ApiClient, ApiError, wait_for
-from conveyor.cluster.kubelet_config import CRI_NAMESPACE
-from conveyor.cluster.real_nodes import node_layouts
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 """Statuses the OpenAI SDK resends (with connection errors)."""
@@ -303,20 +301,6 @@ def kill_container(cluster: Cluster, pod: dict[str, Any], container: str | None 
         / status["name"] / attempt
     )  # fmt: skip
     os.killpg(int(json.loads((run_dir / "pid.json").read_text())["pid"]), signal.SIGKILL)
-
-
-def containerd_task_pid(cluster: Cluster, node: str, container_id: str) -> int:
-    """The host pid of a container's init, from the real node's own containerd."""
-    (layout,) = [lay for lay in node_layouts(cluster.settings) if lay.name == node]
-    tasks = subprocess.run(
-        ["ctr", "-a", str(layout.containerd_socket), "-n", CRI_NAMESPACE, "tasks", "ls"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    for line in tasks.splitlines()[1:]:  # TASK PID STATUS
-        task, pid, _ = line.split()
-        if task == container_id:
-            return int(pid)
-    raise AssertionError(f"no task {container_id} in {node}'s containerd:\n{tasks}")
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 60) -> Any:

@@ -17,6 +17,8 @@ from typing import Any
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.image_build import default_archive
+from conveyor.cluster.kubelet_config import CRI_NAMESPACE
+from conveyor.cluster.real_nodes import node_layouts
 from conveyor.cluster.testing import KubeUnderTest
 
 VERSION = importlib.metadata.version("conveyor")
@@ -51,6 +53,20 @@ def why_no_real_nodes() -> str | None:
 def runs_on_real_nodes(cluster: Cluster) -> bool:
     """Whether the cluster's pods run on real nodes (kubelets) rather than by the node agent."""
     return cluster.settings.node_runtime == "kubelet"
+
+
+def containerd_task_pid(cluster: Cluster, node: str, container_id: str) -> int:
+    """The host pid of a container's init, from the real node's own containerd."""
+    (layout,) = [lay for lay in node_layouts(cluster.settings) if lay.name == node]
+    tasks = subprocess.run(
+        ["ctr", "-a", str(layout.containerd_socket), "-n", CRI_NAMESPACE, "tasks", "ls"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    for line in tasks.splitlines()[1:]:  # TASK PID STATUS
+        task, pid, _ = line.split()
+        if task == container_id:
+            return int(pid)
+    raise AssertionError(f"no task {container_id} in {node}'s containerd:\n{tasks}")
 
 
 class PodWatch:

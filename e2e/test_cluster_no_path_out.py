@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_helpers import create, pod, wait_phase
+from real_nodes_helpers import containerd_task_pid, runs_on_real_nodes
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.network import NFT_TABLE, route_get, routes, run
-from conveyor.cluster.testing import PodProcesses
+from conveyor.cluster.testing import KubeUnderTest, PodProcesses
 
 # Addresses outside this machine, used only as questions to `ip route get` (nothing is sent).
 OUTSIDE = ("192.0.2.77", "203.0.113.9", "8.8.8.8")
@@ -85,3 +90,33 @@ def test_the_bridge_forwards_nowhere_else_and_nothing_is_masqueraded_out(
             }, rule
     # The host forwards only because the cluster asked; the rules above confine it to the bridge.
     assert Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
+
+
+def test_a_pod_on_a_real_node_can_only_reach_the_bridge(
+    kube: KubeUnderTest, own_cluster: Cluster, namespace: str
+) -> None:
+    """The same, for a pod a kubelet runs: its network comes from the CNI bridge plugin."""
+    if not runs_on_real_nodes(own_cluster):
+        pytest.skip("real nodes only; the node agent's pods: the test above")
+    plan = own_cluster.plan
+    create(kube.api, namespace, pod("probe", ["sleep", "600"]))
+    running = wait_phase(kube.api, namespace, "probe", "Running")
+    container_id = running["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+    pid = containerd_task_pid(own_cluster, running["spec"]["nodeName"], container_id)
+
+    def in_pod(*argv: str) -> Any:
+        return json.loads(run("nsenter", "-t", str(pid), "-n", "ip", "-j", *argv).stdout)
+
+    pod_routes = in_pod("route", "show")
+    assert {r.get("dev") for r in pod_routes} == {"eth0"}
+    default = next(r for r in pod_routes if r["dst"] == "default")
+    assert default["gateway"] == str(plan.host_address)
+    for address in (*OUTSIDE, str(plan.kubernetes_service_ip)):
+        (got,) = in_pod("route", "get", address)
+        assert got["dev"] == "eth0" and got["gateway"] == str(plan.host_address), got
+    links = {link["ifname"]: link for link in in_pod("link", "show")}
+    assert sorted(links) == ["eth0", "lo"]
+    # The host end of the pod's veth (the peer's index) is a port of the cluster's bridge.
+    host_ends = json.loads(run("ip", "-j", "link", "show").stdout)
+    (host_end,) = [link for link in host_ends if link["ifindex"] == links["eth0"]["link_index"]]
+    assert host_end["master"] == plan.bridge
