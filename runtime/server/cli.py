@@ -66,6 +66,7 @@ def serve(settings: ServerSettings) -> int:
         access_log=settings.access_log,
         timeout_graceful_shutdown=5,
         lifespan="on",
+        ws="none",  # no WebSocket routes: skips importing the websockets package at start
     )
     server = DrainingServer(config, drain, settings.drain_timeout)
     server.run()
