@@ -30,8 +30,10 @@ def stub(*args: str) -> ChildProcess:
     )
 
 
-def gateway(backends: list[str], *extra: str) -> ChildProcess:
-    """``conveyor gateway`` in front of ``backends``."""
+def gateway(
+    backends: list[str], *extra: str, env: dict[str, str | None] | None = None
+) -> ChildProcess:
+    """``conveyor gateway`` in front of ``backends`` (``env``: added to its environment)."""
     return ChildProcess(
         "gateway",
         lambda port: python_module(
@@ -47,6 +49,7 @@ def gateway(backends: list[str], *extra: str) -> ChildProcess:
             *extra,
         ),
         ready_path="/health",
+        env=env,
     )
 
 

@@ -58,6 +58,14 @@ def summarize(collapsed: str, top: int = 15) -> str:
     return "\n".join(out)
 
 
+def py_spy() -> str:
+    """py-spy's executable: on PATH, or beside this interpreter (the dev extras install it)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(spy).exists():
+        raise FileNotFoundError("py-spy not found: pip install -e '.[dev]'")
+    return spy
+
+
 async def _load(url: str, streams: int, seconds: float, ramped: Callable[[], None]) -> None:
     """``streams`` paced streams opened over 2 s, then ``ramped()``, then probes one at a time
     for ``seconds`` more."""
@@ -103,9 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="front runtime replicas with the routing workload instead of the "
                         "stub with held streams (--streams and --seconds do not apply)")  # fmt: skip
     args = parser.parse_args(argv)
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(spy).exists():
-        print("py-spy not found: pip install -e '.[dev]'", file=sys.stderr)
+    try:
+        spy = py_spy()
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
         return 1
     import resource
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conveyor.contracts.load import ReplicaLoad
+from conveyor.contracts.load import LOAD_HEADER, ReplicaLoad
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,11 @@ class StubSettings:
     """Reported in /load (negative: null, no bound)."""
     report_waiting: int = 0
     """Queue depth reported in /load, to make the gateway see a full replica."""
+    replica_like: bool = False
+    """Answer as a Conveyor replica does, for measuring the gateway's CPU on what it really
+    proxies: each completion says the load in ``x-conveyor-load``, a chat stream opens with
+    a role-only chunk, and a stream asked for usage (``stream_options``) ends with a usage
+    chunk. Off by default: tests see the plain answers."""
 
 
 class StubApp:
@@ -61,18 +66,8 @@ class StubApp:
             return
         path = scope["path"]
         if path == "/load":
-            load = ReplicaLoad(
-                running=self.running,
-                waiting=self.s.report_waiting,
-                kv_cache_usage=0.0,
-                max_running_requests=self.s.max_running_requests,
-                max_queued_requests=(
-                    None if self.s.max_queued_requests < 0 else self.s.max_queued_requests
-                ),
-                ready=True,
-            )
             # ``served`` is the stub's own: how many completions it answered, for the tests.
-            await _json(send, {**load.to_json(), "served": self.served})
+            await _json(send, {**self._load().to_json(), "served": self.served})
         elif path in ("/health", "/ready"):
             await _json(send, {"status": "ok"})
         elif path == "/v1/models":
@@ -101,6 +96,23 @@ class StubApp:
         else:
             await _json(send, {"error": {"message": "not found"}}, 404)
 
+    def _load(self) -> ReplicaLoad:
+        return ReplicaLoad(
+            running=self.running,
+            waiting=self.s.report_waiting,
+            kv_cache_usage=0.0,
+            max_running_requests=self.s.max_running_requests,
+            max_queued_requests=(
+                None if self.s.max_queued_requests < 0 else self.s.max_queued_requests
+            ),
+            ready=True,
+        )
+
+    def _load_header(self) -> list[tuple[bytes, bytes]]:
+        if not self.s.replica_like:
+            return []
+        return [(LOAD_HEADER.encode(), self._load().to_header())]
+
     async def _complete(self, request: dict[str, Any], chat: bool, send: Any) -> None:
         created = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -119,13 +131,26 @@ class StubApp:
                 else {"index": 0, "text": text, "finish_reason": "length"}
             )
             usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
-            await _json(send, {**base, "object": kind, "choices": [choice], "usage": usage})
+            doc = {**base, "object": kind, "choices": [choice], "usage": usage}
+            await _json(send, doc, extra_headers=self._load_header())
             return
         await send({
             "type": "http.response.start", "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                        *self._load_header()],
         })  # fmt: skip
         interval = _pace(request.get("prompt"), self.s.token_interval_ms) / 1000
+        chunk_kind = f"{kind}.chunk" if chat else kind
+        if chat and self.s.replica_like:  # the role-only opening chunk, sent before prefill
+            role = {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "finish_reason": None,
+            }
+            await _event(send, {**base, "object": chunk_kind, "choices": [role]})
+        usage_asked = self.s.replica_like and (request.get("stream_options") or {}).get(
+            "include_usage"
+        )
         for i in range(n):
             if i and interval:
                 await asyncio.sleep(interval)
@@ -140,8 +165,17 @@ class StubApp:
                     "finish_reason": "length" if last else None,
                 }
             )
-            chunk = {**base, "object": f"{kind}.chunk" if chat else kind, "choices": [choice]}
+            chunk = {**base, "object": chunk_kind, "choices": [choice]}
             payload = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+            if last and usage_asked:
+                final_usage: dict[str, Any] = {
+                    "prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                }  # fmt: skip
+                await send({"type": "http.response.body", "body": payload, "more_body": True})
+                payload = _event_bytes(
+                    {**base, "object": chunk_kind, "choices": [], "usage": final_usage}
+                )
             if last:
                 payload += b"data: [DONE]\n\n"
             await send({"type": "http.response.body", "body": payload, "more_body": not last})
@@ -162,20 +196,41 @@ async def _wait_disconnect(receive: Any) -> None:
         pass
 
 
-async def _json(send: Any, doc: dict[str, Any], status: int = 200) -> None:
+def _event_bytes(doc: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+async def _event(send: Any, doc: dict[str, Any]) -> None:
+    await send({"type": "http.response.body", "body": _event_bytes(doc), "more_body": True})
+
+
+async def _json(
+    send: Any,
+    doc: dict[str, Any],
+    status: int = 200,
+    extra_headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     body = json.dumps(doc).encode()
     await send({
         "type": "http.response.start", "status": status,
-        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                    *(extra_headers or [])],
     })  # fmt: skip
     await send({"type": "http.response.body", "body": body})
+
+
+def _flag(value: str) -> bool:
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in ("true", "1")
 
 
 def main(argv: list[str] | None = None) -> int:
     defaults = StubSettings()
     parser = argparse.ArgumentParser(prog="python -m conveyor.bench.gateway.stub")
     for field, default in vars(defaults).items():
-        parser.add_argument("--" + field.replace("_", "-"), type=type(default), default=default)
+        kind = _flag if isinstance(default, bool) else type(default)
+        parser.add_argument("--" + field.replace("_", "-"), type=kind, default=default)
     settings = StubSettings(**vars(parser.parse_args(sys.argv[1:] if argv is None else argv)))
     import uvicorn
 
