@@ -138,6 +138,8 @@ def main(argv: list[str]) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,  # one line per request is noise at gateway rates; metrics count them
+        # nothing reads the client's address or scheme: no X-Forwarded-* parsing per request
+        proxy_headers=False,
         backlog=4096,
         # clients' pools keep idle connections for a while (15 s in aiohttp's): uvicorn's 5 s
         # default closed them as they were reused when the gateway was busy; 75 s as nginx

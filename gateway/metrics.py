@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 REQUESTS_TOTAL = "conveyor_gateway_requests_total"
 REQUEST_DURATION = "conveyor_gateway_request_duration_seconds"
@@ -35,6 +37,30 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 """Set (by ``conveyor gateway --workers N``) before the workers import prometheus_client."""
 
 
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Labelled(Generic[M]):
+    """A metric whose labelled series are each looked up once: prometheus_client's
+    ``labels()`` takes a lock and builds a tuple of strings on every call, several times per
+    proxied request; here a request's series is one dict lookup."""
+
+    def __init__(self, metric: M) -> None:
+        self.metric = metric
+        self._series: dict[tuple[str, ...], M] = {}
+
+    def labels(self, *values: str) -> M:
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = self.metric.labels(*values)
+        return series
+
+    def remove(self, *values: str) -> None:
+        """Drop a series (KeyError where it was never written)."""
+        self._series.pop(values, None)
+        self.metric.remove(*values)
+
+
 def multiprocess() -> bool:
     return bool(os.environ.get(MULTIPROC_ENV))
 
@@ -48,42 +74,42 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = Labelled(Counter(
             _name(REQUESTS_TOTAL, "_total"), "Requests by model, backend and status code.",
             ["model", "backend", "code"], registry=r,
-        )  # fmt: skip
-        self.duration = Histogram(
+        ))  # fmt: skip
+        self.duration = Labelled(Histogram(
             REQUEST_DURATION, "Arrival at the gateway to last byte sent.", ["model"],
             buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.ttft = Histogram(
+        ))  # fmt: skip
+        self.ttft = Labelled(Histogram(
             TIME_TO_FIRST_TOKEN, "Arrival at the gateway to first token sent (streamed requests).",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.retries = Counter(
+        ))  # fmt: skip
+        self.retries = Labelled(Counter(
             _name(RETRIES_TOTAL, "_total"), "Attempts retried on another replica before the first byte.",
             ["model", "backend"], registry=r,
-        )  # fmt: skip
-        self.ejections = Counter(
+        ))  # fmt: skip
+        self.ejections = Labelled(Counter(
             _name(EJECTIONS_TOTAL, "_total"), "Replicas taken out of routing after a failure.",
             ["model", "backend"], registry=r,
-        )  # fmt: skip
-        self.in_flight = Gauge(
+        ))  # fmt: skip
+        self.in_flight = Labelled(Gauge(
             BACKEND_IN_FLIGHT, "The gateway's own in-flight requests per backend.",
             ["model", "backend"], registry=r, multiprocess_mode="livesum",
-        )  # fmt: skip
-        self.load = Gauge(
+        ))  # fmt: skip
+        self.load = Labelled(Gauge(
             BACKEND_LOAD, "Last /load seen per backend.", ["model", "backend", "signal"],
             registry=r, multiprocess_mode="livemostrecent",
-        )  # fmt: skip
-        self.decisions = Counter(
+        ))  # fmt: skip
+        self.decisions = Labelled(Counter(
             _name(ROUTING_DECISIONS_TOTAL, "_total"), "Routing decisions by policy and reason.",
             ["model", "policy", "reason"], registry=r,
-        )  # fmt: skip
-        self.pending = Gauge(
+        ))  # fmt: skip
+        self.pending = Labelled(Gauge(
             PENDING_REQUESTS, "Requests held while their model has no ready replica.", ["model"],
             registry=r, multiprocess_mode="livesum",
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def exposition(self) -> bytes:
         """The text /metrics answers: this registry's, or every worker's summed."""

@@ -48,6 +48,11 @@ def is_role_only(event: bytes) -> bool:
     return True
 
 
+DONE = b"data: [DONE]\n\n"
+"""The event that ends an OpenAI stream; nothing follows it (a chunk that ends with it is a
+stream's last)."""
+
+
 def error_event(message: str, status: int = 502) -> bytes:
     """The last event of a stream that broke after its first byte went out."""
-    return b"data: " + error_json(status, message) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + error_json(status, message) + b"\n\n" + DONE

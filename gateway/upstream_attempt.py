@@ -64,12 +64,22 @@ class UpstreamRequest:
     """The client asked for a stream (``"stream": true``)."""
     arrival: float
     """Event-loop time the request reached the gateway."""
+    responded: Callable[[], None] = lambda: None
+    """Called once the client has the whole response while the replica's is still being read
+    (a stream's ``[DONE]`` event went out): from then on the client leaving is no failure."""
 
 
 @functools.lru_cache(maxsize=4096)
 def upstream_url(base: str, path: str) -> URL:
     """A replica's URL for ``path``, parsed once rather than on every request."""
     return URL(base + path)
+
+
+@functools.lru_cache(maxsize=1024)
+def load_from_header(value: str) -> ReplicaLoad:
+    """A ``LOAD_HEADER`` value read once per distinct value: a replica's counts change less
+    often than it answers, and reports are immutable, so replicas' answers share them."""
+    return ReplicaLoad.from_header(value)
 
 
 @dataclass(eq=False)
@@ -134,7 +144,7 @@ class Upstream:
         if value is None or self.load_heard is None:
             return  # not a Conveyor replica (vLLM, SGLang): the poller reads it
         try:
-            report = ReplicaLoad.from_header(value)
+            report = load_from_header(value)
         except ValueError as exc:
             log.debug("replica %s sent a load header that is no load: %s", replica.url, exc)
             return
@@ -208,23 +218,43 @@ class Upstream:
             except UPSTREAM_ERRORS as exc:
                 return self._eject(pool, replica, f"{replica.url} broke off: {_describe(exc)}")
             watched.last = loop.time()
-            # The first byte goes out now: from here on there is no retry.
+            # The first byte goes out now: from here on there is no retry. The chunk that
+            # ends the stream (``data: [DONE]``) ends the client's response with it, in one
+            # write; the replica's own end of the response is still read, so that its
+            # connection goes back to the pool.
+            ended = first.endswith(sse.DONE)
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
-            await send({"type": "http.response.body", "body": first, "more_body": True})
+            await send({"type": "http.response.body", "body": first, "more_body": not ended})
             self._metrics.ttft.labels(pool.model).observe(loop.time() - request.arrival)
+            if ended:
+                request.responded()
+                self._finish(pool, replica, status, request.arrival)
             try:
                 async for chunk in chunks:
                     watched.last = loop.time()
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if ended:
+                        log.debug("%s sent %d bytes after [DONE]; dropped", replica.url, len(chunk))
+                        continue
+                    ended = chunk.endswith(sse.DONE)
+                    await send(
+                        {"type": "http.response.body", "body": chunk, "more_body": not ended}
+                    )
+                    if ended:
+                        request.responded()
+                        self._finish(pool, replica, status, request.arrival)
                 done = True
             except UPSTREAM_ERRORS as exc:
+                if ended:  # the client has the whole stream: only this connection is lost
+                    log.debug("%s broke off after [DONE]: %s", replica.url, _describe(exc))
+                    return None
                 message = f"replica {replica.url} failed mid-stream: {_describe(exc)}"
                 log.warning("model %s: %s", pool.model, message)
                 self._eject(pool, replica, message)
                 event = sse.error_event(message)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-            self._finish(pool, replica, status, request.arrival)
+            if not ended:
+                await send({"type": "http.response.body", "body": b""})
+                self._finish(pool, replica, status, request.arrival)
             return None
         finally:
             if watched is not None:

@@ -193,3 +193,26 @@ def test_a_joining_replica_that_does_not_answer_load_is_logged_once(caplog) -> N
     unanswered = [m for m in said if "does not answer /load yet" in m]
     assert len(unanswered) == 1 and "Cannot connect to host" in unanswered[0]
     assert any(f"replica http://127.0.0.1:{port} is ready" in m for m in said)
+
+
+def test_a_labelled_series_is_looked_up_once_and_forgotten_with_its_replica() -> None:
+    from prometheus_client import generate_latest
+
+    from conveyor.gateway.metrics import GatewayMetrics
+
+    metrics = GatewayMetrics()
+    series = metrics.in_flight.labels("m", "http://a:1")
+    assert metrics.in_flight.labels("m", "http://a:1") is series
+    series.inc()
+    metrics.forget_backend("http://a:1", {"m"})
+    assert b'backend="http://a:1"' not in generate_latest(metrics.registry)
+    # the replica comes back: its series is a new one that /metrics shows again
+    metrics.in_flight.labels("m", "http://a:1").inc(2)
+    text = generate_latest(metrics.registry).decode()
+    assert 'conveyor_gateway_backend_in_flight{backend="http://a:1",model="m"} 2.0' in text
+
+
+def test_the_error_event_ends_the_stream() -> None:
+    from conveyor.gateway.sse import DONE, error_event
+
+    assert error_event("gone").endswith(DONE)

@@ -48,6 +48,38 @@ def test_a_silent_replica_ends_the_stream_with_an_error_event(processes: Process
     )
 
 
+def test_a_stream_ends_with_its_done_event_and_counts_once(processes: Processes) -> None:
+    # replica-like: a role-only opening chunk, a load header, and a usage chunk before [DONE]
+    replica = processes.start(stub(tokens=3, token_interval_ms=20, replica_like="true"))
+    replica.wait_http("/load")
+    gw = processes.start(gateway("--backend", replica.url))
+    gw.wait_http("/health")
+    _admitted(gw, 1)
+
+    body = {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": 3, "stream_options": {"include_usage": True}}  # fmt: skip
+    for _ in range(3):
+        with httpx.stream("POST", gw.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            assert "x-conveyor-load" not in r.headers  # the replica's load stays in the gateway
+            text = "".join(r.iter_text())
+        events = [e.removeprefix("data: ") for e in text.split("\n\n") if e.strip()]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["usage"]["completion_tokens"] == 3
+        words = [c["delta"].get("content") for e in events[:-2] for c in json.loads(e)["choices"]]
+        assert "".join(w for w in words if w) == f"127.0.0.1:{replica.port} " * 3
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert (
+        f'conveyor_gateway_requests_total{{backend="{replica.url}",code="200",model="stub"}} 3.0'
+        in metrics
+    )
+    assert 'code="499"' not in metrics  # the response's end is not the client going away
+    assert 'conveyor_gateway_request_duration_seconds_count{model="stub"} 3.0' in metrics
+    assert (
+        f'conveyor_gateway_backend_in_flight{{backend="{replica.url}",model="stub"}} 0.0' in metrics
+    )
+
+
 def test_proxied_and_other_routes_both_answer(processes: Processes) -> None:
     replica = processes.start(stub())
     replica.wait_http("/load")
