@@ -25,6 +25,7 @@ import torch
 
 from conveyor.runtime.engine import tensor_parallel
 from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
+from conveyor.runtime.engine.platform import check_memory_for
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.engine.settings import EngineSettings
@@ -276,6 +277,12 @@ class ModelRunner:
         s = self.model.shape
         # (layers, K/V, blocks, block_size, kv_heads, head_dim); zeros, so padded reads are finite.
         shape = (s.num_layers, 2, num_blocks, self.block_size, s.num_kv_heads, s.head_dim)
+        if self.device.type == "cpu":  # its pages are taken as blocks fill: check them now
+            check_memory_for(
+                "the KV cache",
+                num_blocks * self.bytes_per_block,
+                "lower --cpu-kv-cache-bytes or --max-total-tokens, or raise the memory limit",
+            )
         self.kv_cache = zeros(shape, self.dtype, self.device)
         if self.cuda_graphs is not None and capture_graphs:  # the graphs hold the cache's address
             self.cuda_graphs.capture(self.kv_cache)

@@ -1,4 +1,5 @@
-"""What this process may use: its CPU limit (cgroup quota), so thread pools fit it."""
+"""What this process may use: its CPU limit (cgroup quota), so thread pools fit it, and its
+memory limit, so a KV cache that cannot fit is refused at start."""
 
 from __future__ import annotations
 
@@ -40,3 +41,66 @@ def configure_threads(requested: int | None, ranks: int = 1) -> int:
     threads = max(1, (requested or cpu_limit()) // ranks)
     torch.set_num_threads(threads)
     return threads
+
+
+_NO_LIMIT = 1 << 60
+"""cgroup v1 writes "no limit" as a page-rounded 2**63 - 1."""
+
+
+def memory_limit_bytes(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> int | None:
+    """This process's cgroup memory limit (its container's), or None when it has none."""
+    own: dict[str, str] = {}
+    try:  # "0::/path" (v2) or "4:memory:/path" (v1)
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                own[controllers] = path.lstrip("/")
+    except OSError:
+        pass
+    candidates = []
+    for controllers, path in own.items():
+        if controllers == "":
+            candidates.append(f"{root}/{path}/memory.max")
+        elif "memory" in controllers.split(","):
+            candidates.append(f"{root}/memory/{path}/memory.limit_in_bytes")
+    # Inside a container the hierarchy's root is the container's own cgroup.
+    candidates += [f"{root}/memory.max", f"{root}/memory/memory.limit_in_bytes"]
+    for candidate in candidates:
+        try:
+            with open(candidate.replace("//", "/")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        limit = int(text)
+        return None if limit >= _NO_LIMIT else limit
+    return None
+
+
+def resident_bytes() -> int:
+    """This process's anonymous resident memory: what the kernel cannot reclaim under a memory
+    limit (the mapped libraries and weights files it can drop and read again)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def check_memory_for(what: str, nbytes: int, fix: str) -> None:
+    """Refuse, saying what to change, ``nbytes`` more than this process's memory limit allows:
+    memory the kernel gives on first touch (a KV cache's pages) would otherwise be found
+    missing under load, when the container is OOM-killed with requests in flight."""
+    limit = memory_limit_bytes()
+    if limit is None:
+        return
+    resident = resident_bytes()
+    if resident + nbytes > limit:
+        gib = 1 << 30
+        raise ValueError(
+            f"{what} ({nbytes / gib:.2f} GiB) does not fit in this container's memory limit "
+            f"({limit / gib:.2f} GiB, {resident / gib:.2f} GiB of it already taken): {fix}"
+        )
