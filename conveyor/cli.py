@@ -21,7 +21,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("conveyor.cluster.cli", "the one-machine Kubernetes cluster: up | down | status"),
     "up": ("conveyor.cluster.stack", "bring the whole stack up on one machine"),
     "down": ("conveyor.cluster.stack", "tear the whole stack down"),
-    "bench": ("conveyor.bench.cli", "benchmarks: offline | serve | peer | autoscale | gpu"),
+    "bench": (
+        "conveyor.bench.cli",
+        "benchmarks: offline, peer, gateway, startup, ... (its --help)",
+    ),
     "dashboard": ("conveyor.observability.cli", "dashboards: render"),
     "image": (
         "conveyor.cluster.image_cli",
