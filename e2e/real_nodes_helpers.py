@@ -69,6 +69,20 @@ def containerd_task_pid(cluster: Cluster, node: str, container_id: str) -> int:
     raise AssertionError(f"no task {container_id} in {node}'s containerd:\n{tasks}")
 
 
+def container_cgroup(cluster: Cluster, pod: dict[str, Any], controller: str) -> Path:
+    """The directory of a real node's container's cgroup in one hierarchy (v1: the one holding
+    ``controller``; v2: the unified one), read from its init's ``/proc/<pid>/cgroup``."""
+    container_id = pod["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+    pid = containerd_task_pid(cluster, pod["spec"]["nodeName"], container_id)
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return Path("/sys/fs/cgroup") / controllers / path.lstrip("/")
+        if controllers == "":
+            unified = Path("/sys/fs/cgroup/unified") / path.lstrip("/")
+    return unified
+
+
 class PodWatch:
     """``kubectl get pods --watch`` in one namespace, every event kept, until ``stop()``."""
 
