@@ -17,6 +17,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 from conveyor.operator.kube import CONNECT_TIMEOUT_S
@@ -264,32 +265,52 @@ def kopf_operator_settings(settings: OperatorSettings) -> Any:
     return kopf_settings
 
 
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+"""Where a pod's ServiceAccount token and the cluster's CA are mounted."""
+
+
 def _register_login(registry: Any, settings: OperatorSettings) -> None:
     """kopf logs in with the same credentials as the operator's own client."""
     import kopf
 
     @kopf.on.login(registry=registry)
-    async def login(**kwargs: Any) -> Any:
-        if not settings.kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            return kopf.login_with_service_account(**kwargs)
-        from kubernetes_asyncio import client, config
+    async def login(**_: Any) -> Any:
+        return await connection_info(settings)
 
-        configuration = client.Configuration()
+
+async def connection_info(
+    settings: OperatorSettings, service_account: Path = SERVICE_ACCOUNT
+) -> Any:
+    """kopf's ConnectionInfo from the kubeconfig, or in a pod from its ServiceAccount, with the
+    apiserver's Service at the address the pod's environment gives, as client-go does (kopf's
+    own ``login_with_service_account`` names kubernetes.default.svc, which only a cluster DNS
+    resolves)."""
+    import kopf
+    from kubernetes_asyncio import client, config
+
+    configuration = client.Configuration()
+    if not settings.kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(
+            client_configuration=configuration,
+            token_filename=str(service_account / "token"),
+            cert_filename=str(service_account / "ca.crt"),
+        )
+    else:
         await config.load_kube_config(
             config_file=settings.kubeconfig, client_configuration=configuration
         )
-        token = (configuration.api_key or {}).get("BearerToken") or ""
-        if configuration.host is None:
-            raise kopf.LoginError(f"{settings.kubeconfig or 'the kubeconfig'} names no server")
-        return kopf.ConnectionInfo(
-            server=configuration.host,
-            ca_path=configuration.ssl_ca_cert,
-            insecure=not configuration.verify_ssl,
-            certificate_path=configuration.cert_file,
-            private_key_path=configuration.key_file,
-            scheme="Bearer" if token else None,
-            token=token.removeprefix("Bearer ") or None,
-        )
+    token = (configuration.api_key or {}).get("BearerToken") or ""
+    if configuration.host is None:
+        raise kopf.LoginError(f"{settings.kubeconfig or 'the kubeconfig'} names no server")
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        scheme="Bearer" if token else None,
+        token=token.removeprefix("Bearer ").strip() or None,
+    )
 
 
 def main(argv: list[str]) -> int:
