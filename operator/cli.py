@@ -290,7 +290,7 @@ async def connection_info(
 
     configuration = client.Configuration()
     if not settings.kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(
+        config.load_incluster_config(  # type: ignore[no-untyped-call]  # kubernetes_asyncio
             client_configuration=configuration,
             token_filename=str(service_account / "token"),
             cert_filename=str(service_account / "ca.crt"),

@@ -27,7 +27,9 @@ class ReadyEndpoint:
 def ready_endpoints(slice_: Mapping[str, Any], port_name: str | None) -> list[ReadyEndpoint]:
     """The endpoints of one EndpointSlice that may take new requests, at the port named
     ``port_name`` (None: the slice's first port); none when the slice has no such port."""
-    ports = [p for p in slice_.get("ports") or [] if port_name is None or p.get("name") == port_name]
+    ports = [
+        p for p in slice_.get("ports") or [] if port_name is None or p.get("name") == port_name
+    ]
     if not ports or ports[0].get("port") is None:
         return []
     port = int(ports[0]["port"])

@@ -52,6 +52,4 @@ def error_body(
     status: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> ErrorBody:
     """The body of an error answered with HTTP ``status``; ``message`` says what to change."""
-    return {
-        "error": {"message": message, "type": error_type(status), "param": param, "code": code}
-    }
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}

@@ -51,4 +51,6 @@ def test_the_request_path_is_documented_hop_by_hop():
 def test_every_named_hop_exists(path, symbol):
     file = ROOT / path
     assert file.is_file(), f"docs/architecture.md names {path}, which does not exist"
-    assert symbol in defined_names(file), f"docs/architecture.md names {symbol} in {path}: not defined there"
+    assert symbol in defined_names(file), (
+        f"docs/architecture.md names {symbol} in {path}: not defined there"
+    )

@@ -19,7 +19,9 @@ def test_load_record_round_trips_and_reads_what_the_document_may_grow():
         "max_queued_requests": None, "ready": True, "model": "tiny", "in_flight": 5,
     }  # fmt: skip
     assert ReplicaLoad.from_json(doc) == record
-    minimal = {k: v for k, v in doc.items() if k not in ("model", "in_flight", "max_queued_requests")}
+    minimal = {
+        k: v for k, v in doc.items() if k not in ("model", "in_flight", "max_queued_requests")
+    }
     assert ReplicaLoad.from_json({**minimal, "new": [1]}) == ReplicaLoad(2, 3, 0.25, 8, None, True)
     assert ReplicaLoad.from_json({**doc, "max_running_requests": 0}).max_running_requests == 1
     assert "model" not in ReplicaLoad(0, 0, 0.0, 1, None, False).to_json()
