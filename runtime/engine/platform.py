@@ -10,22 +10,45 @@ import os
 def cpu_limit() -> int:
     """Cores this process may use: the cgroup CPU quota if any, else its affinity mask."""
     cores = len(os.sched_getaffinity(0))
-    quota = _cgroup_quota()
+    quota = cgroup_cpu_quota()
     return max(1, min(cores, math.ceil(quota))) if quota else cores
 
 
-def _cgroup_quota() -> float | None:
-    try:  # cgroup v2: "max 100000" or "50000 100000"
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        return None if quota == "max" else int(quota) / int(period)
+def cgroup_dirs(
+    controller: str, proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> list[str]:
+    """Where this process's cgroup files for ``controller`` may be, its own cgroup first (a
+    process the node agent or a bench put in a cgroup of its own sees the host's hierarchy),
+    then the hierarchy's root (inside a container, the container's own cgroup)."""
+    dirs = []
+    try:  # "0::/path" (v2) or "4:memory:/path", "3:cpu,cpuacct:/path" (v1)
+        with open(proc_cgroup) as f:
+            for line in f:
+                _, controllers, path = line.rstrip("\n").split(":", 2)
+                if controllers == "":
+                    dirs.append(f"{root}/{path.lstrip('/')}".rstrip("/"))
+                elif controller in controllers.split(","):
+                    dirs.append(f"{root}/{controllers}/{path.lstrip('/')}".rstrip("/"))
     except (OSError, ValueError):
         pass
-    for base in ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"):
+    return [*dirs, root, f"{root}/{controller}", f"{root}/cpu,cpuacct"]
+
+
+def cgroup_cpu_quota(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> float | None:
+    """This process's CPU quota in cores (its own cgroup's, else its container's), or None."""
+    for d in cgroup_dirs("cpu", proc_cgroup, root):
+        try:  # cgroup v2: "max 100000" or "50000 100000"
+            with open(f"{d}/cpu.max") as f:
+                quota, period = f.read().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        except (OSError, ValueError):
+            pass
         try:  # cgroup v1
-            with open(f"{base}/cpu.cfs_quota_us") as f:
+            with open(f"{d}/cpu.cfs_quota_us") as f:
                 quota_us = int(f.read())
-            with open(f"{base}/cpu.cfs_period_us") as f:
+            with open(f"{d}/cpu.cfs_period_us") as f:
                 period_us = int(f.read())
         except (OSError, ValueError):
             continue
@@ -50,33 +73,18 @@ _NO_LIMIT = 1 << 60
 def memory_limit_bytes(
     proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
 ) -> int | None:
-    """This process's cgroup memory limit (its container's), or None when it has none."""
-    own: dict[str, str] = {}
-    try:  # "0::/path" (v2) or "4:memory:/path" (v1)
-        with open(proc_cgroup) as f:
-            for line in f:
-                _, controllers, path = line.rstrip("\n").split(":", 2)
-                own[controllers] = path.lstrip("/")
-    except OSError:
-        pass
-    candidates = []
-    for controllers, path in own.items():
-        if controllers == "":
-            candidates.append(f"{root}/{path}/memory.max")
-        elif "memory" in controllers.split(","):
-            candidates.append(f"{root}/memory/{path}/memory.limit_in_bytes")
-    # Inside a container the hierarchy's root is the container's own cgroup.
-    candidates += [f"{root}/memory.max", f"{root}/memory/memory.limit_in_bytes"]
-    for candidate in candidates:
-        try:
-            with open(candidate.replace("//", "/")) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        if text == "max":
-            return None
-        limit = int(text)
-        return None if limit >= _NO_LIMIT else limit
+    """This process's cgroup memory limit (its own cgroup's, else its container's), or None."""
+    for d in cgroup_dirs("memory", proc_cgroup, root):
+        for name in ("memory.max", "memory.limit_in_bytes"):  # v2, v1
+            try:
+                with open(f"{d}/{name}") as f:
+                    text = f.read().strip()
+            except OSError:
+                continue
+            if text == "max":
+                return None
+            limit = int(text)
+            return None if limit >= _NO_LIMIT else limit
     return None
 
 
