@@ -52,6 +52,10 @@ a running containerd, so each node gets its own copy."""
 PID_FILE = "containerd.pid"
 """The seed build's containerd, written while it runs (a build killed mid-import leaves it)."""
 SEED_DONE = "seed.json"
+KEEP_SEEDS = 2
+"""Seeds kept, the most recently used first (about 10 GB each with the project's image): a
+source edit makes a new image and so a new seed; the one before stays for a quick switch back.
+A running node's root is a hardlink clone, so removing its seed frees nothing it still uses."""
 """Written last into a seed's directory: the seed is complete (and what made it, how fast)."""
 
 
@@ -109,6 +113,7 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
     seed = cache / key
     with _locked(cache):
         if (seed / SEED_DONE).exists():
+            os.utime(seed / SEED_DONE)  # used now: the last to be pruned
             return Seed(seed / "containerd", _import_s(seed), cached=True)
         work = cache / f"{key}.partial"
         if work.exists():  # a build that died: its containerd may still run
@@ -128,7 +133,21 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
         if seed.exists():
             shutil.rmtree(seed)
         work.rename(seed)
+        prune_seeds(cache, keep=KEEP_SEEDS)
     return Seed(seed / "containerd", _import_s(seed), cached=False)
+
+
+def prune_seeds(cache: Path, *, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` most recently used complete seeds; the removed ones. Builds
+    in progress (``.partial``) are left to the build that owns them."""
+    seeds = sorted(
+        (d for d in cache.iterdir() if (d / SEED_DONE).exists()),
+        key=lambda d: (d / SEED_DONE).stat().st_mtime,
+        reverse=True,
+    )
+    for old in seeds[keep:]:
+        shutil.rmtree(old)
+    return seeds[keep:]
 
 
 def _import_s(seed: Path) -> float:

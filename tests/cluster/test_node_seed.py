@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -13,9 +14,11 @@ import pytest
 from conveyor.cluster.node_seed import (
     BOLT_DATABASES,
     PID_FILE,
+    SEED_DONE,
     _stop_orphan,
     archive_index,
     clone_root,
+    prune_seeds,
     seed_key,
 )
 from conveyor.cluster.real_nodes import PROJECT_IMAGE, node_image_archive
@@ -90,3 +93,13 @@ def test_a_killed_builds_containerd_is_stopped_and_nothing_else(tmp_path: Path) 
         for proc in (orphan, bystander):
             proc.kill()
             proc.wait()
+
+
+def test_only_the_most_recently_used_seeds_are_kept(tmp_path: Path) -> None:
+    for age, name in enumerate(["newest", "older", "oldest"]):
+        (tmp_path / name / "containerd").mkdir(parents=True)
+        (tmp_path / name / SEED_DONE).write_text("{}")
+        os.utime(tmp_path / name / SEED_DONE, (1e9 - age, 1e9 - age))
+    (tmp_path / "building.partial").mkdir()  # another build's, in progress
+    assert prune_seeds(tmp_path, keep=2) == [tmp_path / "oldest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["building.partial", "newest", "older"]
