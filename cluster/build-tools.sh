@@ -59,12 +59,13 @@ main() {
         "kube-proxy kubernetes k8s.io/kubernetes/cmd/kube-proxy"
         "kubectl kubernetes k8s.io/kubernetes/cmd/kubectl"
         "kwok kwok sigs.k8s.io/kwok/cmd/kwok"
+        "coredns coredns conveyor.dev/cluster/tools/coredns/cmd/coredns"
         "helm helm helm.sh/helm/v3/cmd/helm"
         "prometheus prometheus github.com/prometheus/prometheus/cmd/prometheus"
         "promtool prometheus github.com/prometheus/prometheus/cmd/promtool"
     )
 
-    modules=(etcd kubernetes kwok helm prometheus)
+    modules=(etcd kubernetes kwok coredns helm prometheus)
     lock="$cache_root/.build.lock"
     prefix=""
     case "$set" in
@@ -98,7 +99,7 @@ main() {
         -*) echo "usage: $0 [--set cluster|node] [--print-dir|--check|BINARY...]" >&2; exit 2 ;;
     esac
 
-    # Named binaries: build only those (the cluster needs seven of the ten; helm and
+    # Named binaries: build only those (the cluster needs eight of the eleven; helm and
     # Prometheus can follow later). None named: all of them.
     local wanted=("$@")
     if [[ ${#wanted[@]} -eq 0 ]]; then

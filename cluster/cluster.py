@@ -2,7 +2,8 @@
 
 Order of ``start``: the pod network (guard route first), the cluster's cgroup, certificates,
 etcd, kube-apiserver on the bridge's host address, kube-controller-manager, kube-scheduler,
-the simulated nodes and kwok (nodes Ready before any pod), kube-proxy (ClusterIPs route),
+CoreDNS (the cluster's names: ``dns``), the simulated nodes and kwok (nodes Ready before any
+pod), kube-proxy (ClusterIPs route),
 the node agent (pods run). ``stop`` ends them in reverse, SIGTERM then SIGKILL (the agent's
 SIGTERM stops every pod first), and removes every network namespace, link, route, rule,
 mount and cgroup the cluster made (``teardown``). What was done is written to ``state.json``
@@ -43,6 +44,7 @@ from conveyor.cluster.control_plane import (
     kwok_args,
     scheduler_args,
 )
+from conveyor.cluster.dns import coredns_args, corefile, rbac_objects
 from conveyor.cluster.kubeconfigs import CLIENTS, write_kubeconfigs
 from conveyor.cluster.kwok_logs import install_crds
 from conveyor.cluster.network import HostNetwork, NetworkPlan, nft_tables, run
@@ -89,6 +91,8 @@ def free_ports(host: str) -> Ports:
         proxy_healthz=free_port("127.0.0.1"),
         proxy_metrics=free_port("127.0.0.1"),
         kwok=free_port(host),
+        dns_health=free_port("127.0.0.1"),
+        dns_ready=free_port("127.0.0.1"),
     )
 
 
@@ -255,6 +259,7 @@ class Cluster:
         self.timings["start_to_readyz_s"] = time.monotonic() - t0
         self._run("kube-controller-manager", controller_manager_args(inputs))
         self._run("kube-scheduler", scheduler_args(inputs))
+        self._start_dns(inputs, config_dir)
         if s.node_runtime == "kubelet":
             self._start_real_nodes()
         else:
@@ -269,6 +274,28 @@ class Cluster:
             timeout_s=s.start_timeout_s,
         )
         self.timings["start_to_ready_s"] = time.monotonic() - t0
+
+    def _start_dns(self, inputs: ControlPlaneInputs, config_dir: Path) -> None:
+        """CoreDNS on the bridge's host address, port 53; ready once it has listed the Services."""
+        for path, obj in rbac_objects():
+            self.api.create(path, obj)
+        config = config_dir / "Corefile"
+        config.write_text(
+            corefile(
+                inputs.host,
+                kubeconfig=inputs.kubeconfigs["coredns"],
+                health_port=inputs.ports.dns_health,
+                ready_port=inputs.ports.dns_ready,
+            )
+        )
+        self._run("coredns", coredns_args(config))
+        ready = f"http://127.0.0.1:{inputs.ports.dns_ready}/ready"
+
+        def serving() -> bool:
+            with urllib.request.urlopen(ready, timeout=2) as resp:
+                return bool(resp.status == 200)
+
+        self.components.wait("coredns", f"CoreDNS's {ready}", serving)
 
     def _start_real_nodes(self) -> None:
         """Real kubelets, each with its own containerd (``real_nodes.py``), in place of kwok."""

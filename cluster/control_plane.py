@@ -45,6 +45,12 @@ class Ports:
     kwok: int
     """The simulated nodes' kubelet API (kwok), on the bridge's host address."""
 
+    dns_health: int
+    """CoreDNS's ``/health``, on loopback (it answers lookups on the bridge's host address, port 53)."""
+
+    dns_ready: int
+    """CoreDNS's ``/ready``, on loopback."""
+
 
 @dataclass(frozen=True)
 class ControlPlaneInputs:

@@ -17,6 +17,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.cluster.dns import DOMAIN
 from conveyor.cluster.nodes import GPU_RESOURCE, MachineShare
 
 HARD_CODED_DIRS = (
@@ -254,7 +255,11 @@ def kubelet_config(i: KubeletInputs) -> dict:
         "registerNode": True,
         "staticPodPath": "",
         "serializeImagePulls": False,
+        # The cluster's DNS (``dns.py``) on the bridge's host address; no host resolv.conf:
+        # pods reach nothing outside, so the host's name servers and search path stay out.
         "resolvConf": "",
+        "clusterDNS": [i.address],
+        "clusterDomain": DOMAIN,
         "evictionHard": {
             "memory.available": "1Mi",
             "nodefs.available": "1Mi",

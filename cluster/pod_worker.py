@@ -607,8 +607,8 @@ class PodWorker:
     def _write_files(self) -> None:
         etc = self.dir / "etc"
         etc.mkdir(exist_ok=True)
-        (etc / "hosts").write_text(hosts_file(self.pod, self.pod_ip or "", self.ctx.service_host))
-        (etc / "resolv.conf").write_text(resolv_conf(self.pod))
+        (etc / "hosts").write_text(hosts_file(self.pod, self.pod_ip or ""))
+        (etc / "resolv.conf").write_text(resolv_conf(self.pod, self.ctx.host_ip))
         (etc / "hostname").write_text((self.pod["spec"].get("hostname") or self.name) + "\n")
         for p in etc.iterdir():
             p.chmod(0o644)

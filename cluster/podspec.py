@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from conveyor.cluster.dns import DOMAIN
+
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 """The PATH of an image that sets none (Docker's default)."""
 
@@ -199,19 +201,14 @@ def service_env(services: Sequence[Mapping[str, Any]]) -> dict[str, str]:
     return env
 
 
-def hosts_file(pod: Mapping[str, Any], pod_ip: str, apiserver_ip: str | None = None) -> str:
-    """The pod's ``/etc/hosts``, as a kubelet writes it.
-
-    With ``apiserver_ip`` (the ``kubernetes`` Service's ClusterIP) it also names the apiserver
-    as cluster DNS would (``kubernetes.default.svc``): there is no cluster DNS here, and
-    in-cluster clients such as kopf connect to that name.
-    """
+def hosts_file(pod: Mapping[str, Any], pod_ip: str) -> str:
+    """The pod's ``/etc/hosts``, as a kubelet writes it (other names come from the cluster's DNS)."""
     spec = pod["spec"]
     hostname = spec.get("hostname") or pod["metadata"]["name"]
     names = hostname
     if sub := spec.get("subdomain"):
         ns = pod["metadata"]["namespace"]
-        names = f"{hostname}.{sub}.{ns}.svc.cluster.local\t{hostname}"
+        names = f"{hostname}.{sub}.{ns}.svc.{DOMAIN}\t{hostname}"
     lines = [
         "# Kubernetes-managed hosts file (written by the conveyor node agent).",
         "127.0.0.1\tlocalhost",
@@ -222,12 +219,6 @@ def hosts_file(pod: Mapping[str, Any], pod_ip: str, apiserver_ip: str | None = N
         "fe00::2\tip6-allrouters",
         f"{pod_ip}\t{names}",
     ]
-    if apiserver_ip:
-        lines.append(
-            "# The apiserver, as cluster DNS names it (conveyor node agent: no cluster DNS).\n"
-            f"{apiserver_ip}\tkubernetes.default.svc.cluster.local kubernetes.default.svc "
-            "kubernetes.default kubernetes"
-        )
     for alias in spec.get("hostAliases") or []:
         lines.append(
             f"# Entries added by HostAliases.\n{alias['ip']}\t{' '.join(alias['hostnames'])}"
@@ -235,24 +226,39 @@ def hosts_file(pod: Mapping[str, Any], pod_ip: str, apiserver_ip: str | None = N
     return "\n".join(lines) + "\n"
 
 
-def resolv_conf(pod: Mapping[str, Any]) -> str:
-    """The pod's ``/etc/resolv.conf``: the cluster's search path and no reachable name server.
+def resolv_conf(pod: Mapping[str, Any], cluster_dns: str) -> str:
+    """The pod's ``/etc/resolv.conf``, as a kubelet whose ``clusterDNS`` is ``cluster_dns`` writes it.
 
-    There is no cluster DNS; the name server is the pod's own loopback, where nothing listens,
-    so a lookup is refused at once inside the pod instead of leaving it for the host's resolver.
+    ``dnsPolicy`` ``ClusterFirst`` (the default): the cluster's DNS and search path, then
+    ``dnsConfig``'s; ``None``: ``dnsConfig`` alone; ``Default``: the node's resolver, which here
+    is none (as the real nodes' kubelets, whose ``resolvConf`` is empty), so the name server
+    is the pod's own loopback, where nothing listens, and a lookup fails at once.
     """
-    ns = pod["metadata"]["namespace"]
-    dns = pod["spec"].get("dnsConfig") or {}
-    searches = [f"{ns}.svc.cluster.local", "svc.cluster.local", "cluster.local"]
+    spec = pod["spec"]
+    policy = spec.get("dnsPolicy") or "ClusterFirst"
+    dns = spec.get("dnsConfig") or {}
+    servers: list[str] = []
+    searches: list[str] = []
+    options: list[str] = []
+    if policy in ("ClusterFirst", "ClusterFirstWithHostNet"):
+        ns = pod["metadata"]["namespace"]
+        servers = [cluster_dns]
+        searches = [f"{ns}.svc.{DOMAIN}", f"svc.{DOMAIN}", DOMAIN]
+        options = ["ndots:5"]
+    elif policy == "Default":
+        servers = ["127.0.0.1"]
+    servers += dns.get("nameservers") or []
     searches += dns.get("searches") or []
-    options = ["ndots:5", "attempts:1", "timeout:1"]
-    options += [
-        o["name"] + (f":{o['value']}" if o.get("value") else "") for o in dns.get("options") or []
-    ]
-    return (
-        "# Written by the conveyor node agent: no cluster DNS, lookups fail at once.\n"
-        f"search {' '.join(searches)}\nnameserver 127.0.0.1\noptions {' '.join(options)}\n"
-    )
+    merged = dict(o.split(":", 1) if ":" in o else (o, "") for o in options)
+    merged |= {o["name"]: o.get("value") or "" for o in dns.get("options") or []}  # later wins
+    options = [f"{name}:{value}" if value else name for name, value in merged.items()]
+    lines = ["# Written by the conveyor node agent, as a kubelet would."]
+    if searches:
+        lines.append(f"search {' '.join(searches)}")
+    lines += [f"nameserver {server}" for server in servers]
+    if options:
+        lines.append(f"options {' '.join(options)}")
+    return "\n".join(lines) + "\n"
 
 
 def effective_user(

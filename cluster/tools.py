@@ -19,12 +19,13 @@ BINARIES = (
     "kube-proxy",
     "kubectl",
     "kwok",
+    "coredns",
     "helm",
     "prometheus",
     "promtool",
 )
 
-CLUSTER_BINARIES = BINARIES[:7]
+CLUSTER_BINARIES = BINARIES[:8]
 """What the cluster itself runs (helm and Prometheus are for the stack on top of it)."""
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from conveyor.cluster.podspec import (
@@ -87,12 +89,52 @@ def test_field_refs() -> None:
 
 
 def test_hosts_and_resolv_conf() -> None:
-    hosts = hosts_file(POD, "198.18.0.9", "198.19.0.1")
+    hosts = hosts_file(POD, "198.18.0.9")
     assert "198.18.0.9\tweb-1\n" in hosts and "127.0.0.1\tlocalhost" in hosts
-    assert "198.19.0.1\tkubernetes.default.svc.cluster.local kubernetes.default.svc " in hosts
-    resolv = resolv_conf(POD)
-    assert "search shop.svc.cluster.local svc.cluster.local cluster.local" in resolv
-    assert "nameserver 127.0.0.1" in resolv
+    assert "kubernetes" not in hosts.replace("Kubernetes-managed", "")  # the cluster's DNS names it
+    resolv = resolv_conf(POD, "198.19.0.1")
+    assert resolv.splitlines()[1:] == [
+        "search shop.svc.cluster.local svc.cluster.local cluster.local",
+        "nameserver 198.19.0.1",
+        "options ndots:5",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("policy", "config", "lines"),
+    [
+        (
+            "ClusterFirst",
+            {"nameservers": ["192.0.2.53"], "searches": ["corp"], "options": [{"name": "edns0"}]},
+            [
+                "search shop.svc.cluster.local svc.cluster.local cluster.local corp",
+                "nameserver 198.19.0.1",
+                "nameserver 192.0.2.53",
+                "options ndots:5 edns0",
+            ],
+        ),
+        (
+            "None",
+            {"nameservers": ["192.0.2.53"], "options": [{"name": "ndots", "value": "2"}]},
+            ["nameserver 192.0.2.53", "options ndots:2"],
+        ),
+        (
+            "ClusterFirst",
+            {"options": [{"name": "ndots", "value": "1"}]},
+            [
+                "search shop.svc.cluster.local svc.cluster.local cluster.local",
+                "nameserver 198.19.0.1",
+                "options ndots:1",
+            ],
+        ),
+        ("Default", {}, ["nameserver 127.0.0.1"]),
+    ],
+)
+def test_resolv_conf_follows_the_dns_policy(
+    policy: str, config: dict[str, Any], lines: list[str]
+) -> None:
+    pod = {**POD, "spec": {**POD["spec"], "dnsPolicy": policy, "dnsConfig": config}}
+    assert resolv_conf(pod, "198.19.0.1").splitlines()[1:] == lines
 
 
 def test_run_as_non_root_needs_a_user() -> None:

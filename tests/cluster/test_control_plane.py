@@ -32,6 +32,8 @@ PORTS = Ports(
     proxy_healthz=10256,
     proxy_metrics=10249,
     kwok=10250,
+    dns_health=18080,
+    dns_ready=18181,
 )
 
 

@@ -126,6 +126,9 @@ def test_kubelet_config_for_a_cgroup_v1_host_without_systemd(tmp_path: Path) -> 
     assert config["containerRuntimeEndpoint"] == f"unix://{i.layout.containerd_socket}"
     assert (config["port"], config["healthzPort"], config["readOnlyPort"]) == (10250, 10248, 0)
     assert config["staticPodPath"] == ""
+    # Pods ask the cluster's DNS on the bridge's host address, never the host's resolvers.
+    assert config["clusterDNS"] == [i.address] and config["clusterDomain"] == "cluster.local"
+    assert config["resolvConf"] == ""
     # The node's slice: what is not its share of the machine is reserved.
     assert config["systemReserved"] == {"cpu": "3000m", "memory": str(12 * 2**30)}
     assert config["enforceNodeAllocatable"] == ["pods"]
