@@ -249,7 +249,7 @@ def resolv_conf(pod: Mapping[str, Any], cluster_dns: str) -> str:
         servers = ["127.0.0.1"]
     servers += dns.get("nameservers") or []
     searches += dns.get("searches") or []
-    merged = dict(o.split(":", 1) if ":" in o else (o, "") for o in options)
+    merged = {name: value for name, _, value in (o.partition(":") for o in options)}
     merged |= {o["name"]: o.get("value") or "" for o in dns.get("options") or []}  # later wins
     options = [f"{name}:{value}" if value else name for name, value in merged.items()]
     lines = ["# Written by the conveyor node agent, as a kubelet would."]

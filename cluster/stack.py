@@ -12,7 +12,9 @@ what is missing. Ctrl-C during ``up`` stops what this run started.
 ``--kubeconfig`` installs into an existing cluster instead (kind, k3d, a real
 one) and starts nothing on this machine. ``--engine vllm`` serves the example with the real
 vLLM (vLLM for CPU here, installed into its own cached environment first) behind the same
-operator, gateway and dashboards.
+operator, gateway and dashboards. ``--node-runtime kubelet`` starts the cluster on real nodes
+(the upstream kubelet, containerd and runc), whose pods run the project's image, built here
+first (only the layers whose inputs changed).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ import yaml
 
 from conveyor.bench.peers import vllm_env
 from conveyor.cluster.cluster import Cluster
-from conveyor.cluster.settings import ClusterSettings
+from conveyor.cluster.image_build import ImageBuilder, images_cache
+from conveyor.cluster.image_oci import ImageBuildError
+from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
+from conveyor.cluster.kubelet_node import missing_host_tools
+from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
 from conveyor.runtime.model.builtin import BUILTIN_MODELS
@@ -69,6 +75,10 @@ class StackSettings:
     engine: str = "conveyor"
     """The example LLMService's ``spec.engine``: ``conveyor``, or ``vllm`` (vLLM for CPU,
     installed into its own cached environment first)."""
+    node_runtime: str = "agent"
+    """What runs the pods of a cluster started here: ``agent`` (the node agent, pods as
+    processes of this checkout) or ``kubelet`` (real nodes: kubelet, containerd and runc,
+    pods from the project's image, built or brought up to date first)."""
 
 
 def say(message: str) -> None:
@@ -85,6 +95,14 @@ def preflight(settings: StackSettings) -> None:
             "conveyor up needs root on this machine: the cluster's pods get network namespaces, "
             "a bridge and cgroups. Run it with sudo, or use --kubeconfig for an existing cluster."
         )
+    if settings.node_runtime == "kubelet" and settings.kubeconfig is None:
+        if settings.engine != "conveyor":
+            raise SystemExit(
+                f"--engine {settings.engine} has no image for real nodes yet: "
+                "use --node-runtime agent with it"
+            )
+        if (missing := missing_host_tools()) is not None:
+            raise SystemExit(f"--node-runtime kubelet: {missing}")
     try:
         directory = tools_directory()
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
@@ -162,9 +180,16 @@ class Stack:
             if self.cluster is not None:
                 say(f"cluster {self.cluster.settings.name!r} is already up: reusing it")
             else:
-                say(f"starting the cluster ({s.gpu_nodes} GPU nodes)")
+                say(
+                    f"starting the cluster ({s.gpu_nodes} GPU nodes, node runtime {s.node_runtime})"
+                )
                 self.cluster = Cluster(
-                    ClusterSettings(gpu_nodes=s.gpu_nodes, tools_dir=self.tools.directory)
+                    ClusterSettings(
+                        gpu_nodes=s.gpu_nodes,
+                        tools_dir=self.tools.directory,
+                        node_runtime=s.node_runtime,
+                        node_images=self.node_images(),
+                    )
                 )
                 self.started_cluster = True
                 self.cluster.start()
@@ -185,6 +210,21 @@ class Stack:
             previous = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
             self.state_file.write_text(json.dumps({**previous, **info}, indent=2))
         return info
+
+    def node_images(self) -> tuple[str, ...]:
+        """Real nodes: the project's image, built (only the layers whose inputs changed, so
+        the pods run this checkout's code) before the cluster starts; the agent needs none."""
+        if self.settings.node_runtime != "kubelet":
+            return ()
+        say(
+            "building the project's image for the real nodes (cold: 10-30 minutes; cached by layer)"
+        )
+        settings = ImageSettings(repo=ROOT, mirror=host_debian_mirror() or ImageSettings.mirror)
+        try:
+            result = ImageBuilder(settings, cache=images_cache(), progress=say).build()
+        except ImageBuildError as exc:
+            raise RuntimeError(f"building the image failed: {exc}") from exc
+        return (str(result.archive),)
 
     def install_chart(self) -> None:
         s = self.settings
@@ -370,6 +410,14 @@ def main_up(argv: list[str]) -> int:
         "--namespace", default=d.namespace, help="namespace of the example LLMService"
     )
     parser.add_argument(
+        "--node-runtime",
+        default=d.node_runtime,
+        choices=NODE_RUNTIMES,
+        help="what runs the cluster's pods: agent (default: the node agent, pods as processes "
+        "of this checkout) or kubelet (real nodes: the upstream kubelet, containerd and runc "
+        "run pods from the project's image, which is built first; root, Debian's containerd)",
+    )
+    parser.add_argument(
         "--kubeconfig",
         type=Path,
         default=None,
@@ -391,6 +439,7 @@ def main_up(argv: list[str]) -> int:
         model=model,
         engine=args.engine,
         namespace=args.namespace,
+        node_runtime=args.node_runtime,
         kubeconfig=args.kubeconfig,
         wait_s=args.wait,
     )

@@ -43,3 +43,19 @@ def test_engine_vllm_refuses_the_gguf_model_and_defaults_to_the_tiny_one(
     monkeypatch.setattr(stack.Stack, "abort", lambda self: None)
     assert stack.main_up(["--engine", "vllm"]) == 130
     assert (seen[0].engine, seen[0].model) == ("vllm", stack.ENGINE_MODEL)
+
+
+def test_real_nodes_run_only_the_projects_own_engine() -> None:
+    settings = stack.StackSettings(engine="vllm", model=stack.ENGINE_MODEL, node_runtime="kubelet")
+    with pytest.raises(SystemExit) as exc:
+        stack.preflight(settings)
+    assert "--engine vllm has no image for real nodes" in str(exc.value.code)
+
+
+def test_node_runtime_reaches_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[stack.StackSettings] = []
+    monkeypatch.setattr(stack, "preflight", lambda settings: seen.append(settings))
+    monkeypatch.setattr(stack.Stack, "up", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
+    monkeypatch.setattr(stack.Stack, "abort", lambda self: None)
+    assert stack.main_up(["--node-runtime", "kubelet"]) == 130
+    assert seen[0].node_runtime == "kubelet"
