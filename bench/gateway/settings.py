@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 MODEL = "conveyor-tiny"
@@ -66,8 +67,9 @@ class BenchSettings:
     one path per number (``conveyor``, ``conveyor-x2``, ...); the routing part runs one."""
     max_streams: str = "1000,2000,4000"
     """Numbers of streams held open at once through each path, tried in order until one fails."""
-    plot: str = "gateway-bench.png"
-    """PNG of the side-by-side figures (empty: none)."""
+    plot: str = os.path.join(tempfile.gettempdir(), "gateway-bench.png")
+    """PNG of the side-by-side figures (empty: none); by default in the temp directory
+    ($TMPDIR, else /tmp), not the directory the bench runs in (a checkout's root)."""
 
 
 def replica_cpu_limit(s: BenchSettings, cpus: int | None = None) -> float | None:
