@@ -411,10 +411,10 @@ def main_up(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--node-runtime",
-        default=d.node_runtime,
+        default=os.environ.get("CONVEYOR_NODE_RUNTIME") or d.node_runtime,
         choices=NODE_RUNTIMES,
-        help="what runs the cluster's pods: agent (default: the node agent, pods as processes "
-        "of this checkout) or kubelet (real nodes: the upstream kubelet, containerd and runc "
+        help="what runs the cluster's pods (default $CONVEYOR_NODE_RUNTIME, else agent): agent "
+        "(the node agent, pods as processes of this checkout) or kubelet (real nodes: the upstream kubelet, containerd and runc "
         "run pods from the project's image, which is built first; root, Debian's containerd)",
     )
     parser.add_argument(
@@ -427,6 +427,8 @@ def main_up(argv: list[str]) -> int:
         "--wait", type=float, default=d.wait_s, help="seconds to wait for the first answer"
     )
     args = parser.parse_args(argv)
+    if args.node_runtime not in NODE_RUNTIMES:  # a default from the environment is not checked
+        parser.error(f"CONVEYOR_NODE_RUNTIME={args.node_runtime!r} is not one of {NODE_RUNTIMES}")
     model = args.model or (d.model if args.engine == "conveyor" else ENGINE_MODEL)
     if args.engine != "conveyor" and model != ENGINE_MODEL:
         parser.error(

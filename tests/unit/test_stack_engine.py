@@ -59,3 +59,13 @@ def test_node_runtime_reaches_the_stack(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(stack.Stack, "abort", lambda self: None)
     assert stack.main_up(["--node-runtime", "kubelet"]) == 130
     assert seen[0].node_runtime == "kubelet"
+
+
+def test_a_node_runtime_from_the_environment_is_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CONVEYOR_NODE_RUNTIME", "docker")
+    with pytest.raises(SystemExit) as exc:
+        stack.main_up([])
+    assert exc.value.code == 2
+    assert "CONVEYOR_NODE_RUNTIME='docker' is not one of" in capsys.readouterr().err
