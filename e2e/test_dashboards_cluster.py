@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from chaos_helpers import kill_container
 from operator_helpers import (
     REPO,
     apply_yaml,
@@ -45,6 +46,7 @@ from operator_helpers import (
     release_llmservices,
     wait_for,
 )
+from real_nodes_helpers import runs_on_real_nodes
 
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
@@ -203,13 +205,13 @@ async def cut(client: openai.AsyncOpenAI, tally: Tally, i: int) -> None:
     tally.outcomes["cut"] += 1
 
 
-def pod_of(run: Run, url: str) -> str:
+def pod_of(run: Run, url: str) -> dict[str, Any]:
     ip = httpx.URL(url).host
     pods = run.kube.api.get(
         f"/api/v1/namespaces/{run.namespace}/pods",
         labelSelector=f"conveyor.dev/llmservice={SCALED}",
     )["items"]
-    return next(p["metadata"]["name"] for p in pods if p.get("status", {}).get("podIP") == ip)
+    return next(p for p in pods if p.get("status", {}).get("podIP") == ip)
 
 
 async def drive(run: Run) -> None:
@@ -285,10 +287,17 @@ async def drive(run: Run) -> None:
                 DEADLINE_S,
             )
             victim = max(busy, key=lambda r: r["in_flight"])
-            name = await asyncio.to_thread(pod_of, run, victim["url"])
-            await asyncio.to_thread(
-                kube.kubectl, "-n", ns, "delete", "pod", name, "--grace-period=0", "--force"
-            )
+            pod = await asyncio.to_thread(pod_of, run, victim["url"])
+            name = pod["metadata"]["name"]
+            if kube.cluster is not None and runs_on_real_nodes(kube.cluster):
+                # A crash (SIGKILL through containerd): a forced deletion would have the
+                # kubelet send SIGTERM first, a drain the gateway need not retry.
+                await asyncio.to_thread(kill_container, kube.cluster, pod, "runtime")
+            else:
+                # The node agent kills a force-deleted pod's processes at once.
+                await asyncio.to_thread(
+                    kube.kubectl, "-n", ns, "delete", "pod", name, "--grace-period=0", "--force"
+                )
             print(f"\n[run] killed {name} ({victim['url']}) under load", file=sys.stderr)
             retried = (
                 f'sum({names.GW_RETRIES}{{namespace="{ns}"}}) > 0 '
