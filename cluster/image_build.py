@@ -4,9 +4,9 @@ The layers ``image_plan`` names are built one on another, each only when the cac
 key: the base with debootstrap into a plain directory; the deps and src layers by running
 their step of cluster/image-steps.sh in a chroot on an overlay of the layers below, whose
 upper directory is the new layer. Every mount lives in a private mount namespace
-(``unshare --mount``), so a build that dies leaves none behind. umoci appends each layer's
-tar to an OCI layout in the cache (tag = the layer's key) and writes the configuration the
-Dockerfile states; skopeo writes the OCI archive that ``ctr images import`` loads.
+(``unshare --mount``), so a build that dies leaves none behind. Each layer's tar is added,
+uncompressed, to an OCI layout in the cache (tag = the layer's key; ``image_oci``), then the
+configuration the Dockerfile states, and the OCI archive that ``ctr images import`` loads.
 
 The cache, ``$CONVEYOR_CACHE/images`` (``~/.cache/conveyor/images``), holds the layout, the
 base's root file system and the deps' upper directory (the lower layers of the next build),
@@ -29,7 +29,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.cluster.image_oci import ImageBuildError, OciLayout, ToolRunner
+from conveyor.cluster.image_oci import (
+    CANONICAL_REPOSITORY,
+    ImageBuildError,
+    OciLayout,
+    ToolRunner,
+)
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
     STEPS_SCRIPT,
@@ -43,8 +48,6 @@ from conveyor.cluster.image_plan import (
 
 TOOLS = {
     "debootstrap": "debootstrap",
-    "umoci": "umoci",
-    "skopeo": "skopeo",
     "unshare": "util-linux",
     "chroot": "coreutils",
     "tar": "tar",
@@ -68,7 +71,8 @@ class LayerReport:
     tar_bytes: int
     """Size of the layer unpacked (its uncompressed tar)."""
     blob_bytes: int
-    """Size of the layer in the image (gzip)."""
+    """Size of the layer as stored in the image: the same plain tar (gzip in a cache from
+    before layers were stored uncompressed)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ class ImageBuilder:
         self.pip_cache = cache / "pip"
         self._sizes_file = cache / "layers.json"
         self._run = ToolRunner(self.logs)
-        self.oci = OciLayout(cache / "oci", self._run)
+        self.oci = OciLayout(cache / "oci")
 
     def build(self, output: Path | None = None) -> BuildResult:
         """Build what the cache lacks and write the archive (default: beside the cache)."""
@@ -171,10 +175,7 @@ class ImageBuilder:
         sizes[layer.tag] = (tar_bytes, blob_bytes)
         self._sizes_file.write_text(json.dumps(sizes))
         seconds = time.monotonic() - started
-        self.say(
-            f"{layer.kind}: done in {seconds:.1f} s, {tar_bytes / 1e6:.0f} MB unpacked, "
-            f"{blob_bytes / 1e6:.0f} MB compressed"
-        )
+        self.say(f"{layer.kind}: done in {seconds:.1f} s, {tar_bytes / 1e6:.0f} MB")
         return LayerReport(layer, False, seconds, tar_bytes, blob_bytes)
 
     def _cached(self, layer: Layer) -> bool:
@@ -331,7 +332,7 @@ class ImageBuilder:
             created_by = f"image-steps.sh {layer.kind}"
             self.oci.append(tar, parent=parent, tag=layer.tag, created_by=created_by)
         finally:
-            tar.unlink()
+            tar.unlink(missing_ok=True)  # moved into the layout unless append failed
         return size
 
     def _finish(self, top: Layer, version: str, archive: Path) -> None:
@@ -339,7 +340,7 @@ class ImageBuilder:
         tag = f"conveyor-{version}"
         self.oci.configure(top.tag, tag, dockerfile_config(self.settings.repo / "Dockerfile"))
         started = time.monotonic()
-        self.oci.write_archive(tag, archive, version)
+        self.oci.write_archive(tag, archive, f"{CANONICAL_REPOSITORY}:{version}")
         self.say(f"archive: {archive} in {time.monotonic() - started:.1f} s")
 
     def _prune_other_bases(self, base: Layer) -> None:

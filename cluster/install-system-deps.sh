@@ -3,8 +3,9 @@
 #   nft (nftables)   kube-proxy's nftables mode, and the cluster's forward rule
 #   iptables         kube-proxy clears leftovers of its iptables mode at start
 #   ip, bridge (iproute2)  the bridge, veth pairs, network namespaces, routes
-#   debootstrap, umoci, skopeo   `conveyor image build`: the Debian base, the OCI layers,
-#                    the OCI archive (cluster/image_build.py; chroot and tar are always there)
+#   debootstrap      `conveyor image build`: the Debian base (cluster/image_build.py; it writes
+#                    the OCI layers and archive itself; unshare, chroot and tar are always there)
+#   skopeo           pushes the built image to a registry (README: "The image")
 #   runc             runs the built image (tests/cluster/test_image_build.py) and real nodes' pods
 #   containerd, containernetworking-plugins   real nodes (opt-in: --node-runtime kubelet): each
 #                    node's container runtime (and ctr), the bridge/host-local/loopback CNI plugins
@@ -18,7 +19,6 @@ command -v iptables >/dev/null 2>&1 || need+=(iptables)
 { command -v ip >/dev/null 2>&1 && command -v bridge >/dev/null 2>&1; } || need+=(iproute2)
 command -v flock >/dev/null 2>&1 || need+=(util-linux)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
-command -v umoci >/dev/null 2>&1 || need+=(umoci)
 command -v skopeo >/dev/null 2>&1 || need+=(skopeo)
 command -v runc >/dev/null 2>&1 || need+=(runc)
 command -v containerd >/dev/null 2>&1 || need+=(containerd)

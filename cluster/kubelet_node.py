@@ -65,7 +65,7 @@ def build_node_tools() -> Path:
     return directory
 
 
-HOST_TOOLS = ("containerd", "ctr", "runc", "unshare", "nsenter", "umoci", "skopeo")
+HOST_TOOLS = ("containerd", "ctr", "runc", "unshare", "nsenter")
 """What real nodes run on the host (Debian packages: cluster/install-system-deps.sh)."""
 CNI_BRIDGE = Path("/usr/lib/cni/bridge")
 

@@ -1,5 +1,5 @@
 """Small images for real nodes, built here: the pause image (the pods' sandbox) and images of
-one static binary (busybox, for tests), packed with umoci and skopeo as OCI archives that
+one static binary (busybox, for tests), packed as OCI archives (``image_oci``, skopeo) that
 ``ctr images import`` loads into a node's containerd. Nothing is pulled from a registry.
 
 The pause program is the Kubernetes module's own ``build/pause/linux/pause.c``, compiled
@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import shutil
 import subprocess
 import tarfile
+import tempfile
 from pathlib import Path
 
-from conveyor.cluster.image_oci import OciLayout, ToolRunner
+from conveyor.cluster.image_oci import LAYER_TAR, OciLayout
+from conveyor.cluster.image_plan import ImageConfig
 from conveyor.cluster.tools import pinned_version
 
 PAUSE_TAG = "3.10.1"
@@ -25,17 +29,21 @@ PAUSE_IMAGE = f"registry.k8s.io/pause:{PAUSE_TAG}"
 
 
 def pause_source() -> Path:
-    """``pause.c`` of the pinned Kubernetes module, from the Go module cache."""
-    version = pinned_version("k8s.io/kubernetes")
-    cache = subprocess.run(
-        ["go", "env", "GOMODCACHE"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    source = Path(cache) / f"k8s.io/kubernetes@{version}" / "build/pause/linux/pause.c"
-    if not source.exists():
-        raise FileNotFoundError(
-            f"{source} is missing: build the node tools first (cluster/build-tools.sh --set node)"
-        )
-    return source
+    """``pause.c`` of the pinned Kubernetes module, from the Go module cache (``go mod
+    download`` puts the module there if no build has yet)."""
+    module = f"k8s.io/kubernetes@{pinned_version('k8s.io/kubernetes')}"
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    proc = subprocess.run(
+        [go, "mod", "download", "-json", module], capture_output=True, text=True, cwd="/"
+    )
+    try:
+        found = json.loads(proc.stdout)
+    except ValueError:
+        found = {}
+    if proc.returncode != 0 or "Dir" not in found:
+        why = found.get("Error") or proc.stderr.strip() or f"exit {proc.returncode}"
+        raise FileNotFoundError(f"go mod download {module} (for the pause image) failed: {why}")
+    return Path(found["Dir"]) / "build/pause/linux/pause.c"
 
 
 def _rootfs_tar(files: dict[str, Path]) -> bytes:
@@ -53,24 +61,21 @@ def _rootfs_tar(files: dict[str, Path]) -> bytes:
 def static_image(files: dict[str, Path], *, entrypoint: list[str], ref: str, cache: Path) -> Path:
     """An OCI archive of one layer holding ``files``, referenced as ``ref``; cached by content."""
     layer = _rootfs_tar(files)
-    key = hashlib.sha256(layer + repr((entrypoint, ref)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(layer + repr((entrypoint, ref, LAYER_TAR)).encode()).hexdigest()[:16]
     archive = cache / f"{ref.rsplit('/', 1)[-1].replace(':', '-')}-{key}.tar"
     if archive.exists():
         return archive
     work = cache / f".work-{key}"
-    run = ToolRunner(work / "logs")
-    layout = OciLayout(work / "oci", run)
+    layout = OciLayout(work / "oci")
     layout.ensure()
     tar = work / "layer.tar"
     tar.write_bytes(layer)
     layout.append(tar, parent=None, tag="layer", created_by="conveyor node_images")
-    args = ["umoci", "config", "--image", f"{layout.path}:layer", "--tag", "image"]
-    args += [f"--config.entrypoint={a}" for a in entrypoint]
-    run(args)
-    partial = archive.with_name(archive.name + ".partial")
-    partial.unlink(missing_ok=True)
-    run(["skopeo", "copy", "--quiet", f"oci:{layout.path}:image", f"oci-archive:{partial}:{ref}"])
-    partial.rename(archive)
+    config = ImageConfig(
+        env={}, user="", workdir="", ports=(), entrypoint=tuple(entrypoint), cmd=()
+    )
+    layout.configure("layer", "image", config, created_by="conveyor node_images")
+    layout.write_archive("image", archive, ref)
     subprocess.run(["rm", "-rf", str(work)], check=True)
     return archive
 
@@ -90,12 +95,39 @@ def pause_image(cache: Path) -> Path:
     return static_image({"/pause": binary}, entrypoint=["/pause"], ref=PAUSE_IMAGE, cache=cache)
 
 
-def import_image(ctr_address: Path, archive: Path) -> None:
-    """Load ``archive`` into the CRI namespace of the containerd at ``ctr_address``."""
-    proc = subprocess.run(
-        ["ctr", "-a", str(ctr_address), "-n", "k8s.io", "images", "import",
-         "--all-platforms", str(archive)],
-        capture_output=True, text=True,
-    )  # fmt: skip
+def import_image(ctr_address: Path, archive: Path, *, content: Path | None = None) -> None:
+    """Load ``archive`` into the CRI namespace of the containerd at ``ctr_address``.
+
+    ``content``: that containerd's blob directory (``.../blobs/sha256``). Blobs already there
+    are left out of what ``ctr`` reads: it learns a blob's digest only by sending all of it
+    to containerd, so a 6 GB layer that a cloned seed already holds would cost a minute and a
+    half for nothing. Unpacking then reads the blobs from the store."""
+    argv = ["ctr", "-a", str(ctr_address), "-n", "k8s.io", "images", "import", "--all-platforms"]
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        skip = {
+            m.name for m in members
+            if content is not None and m.isfile() and m.name.startswith("blobs/sha256/")
+            and (content / m.name.rsplit("/", 1)[-1]).is_file()
+        }  # fmt: skip
+        if not skip:
+            proc = subprocess.run([*argv, str(archive)], capture_output=True, text=True)
+        else:
+            with tempfile.TemporaryFile() as err:  # a pipe could fill while stdin is written
+                with subprocess.Popen(
+                    [*argv, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err
+                ) as ctr:
+                    assert ctr.stdin is not None
+                    try:
+                        with tarfile.open(fileobj=ctr.stdin, mode="w|", copybufsize=1 << 20) as out:
+                            for m in members:
+                                if m.name not in skip:
+                                    out.addfile(m, tar.extractfile(m) if m.isfile() else None)
+                    except BrokenPipeError:
+                        pass  # ctr stopped reading: its exit status and stderr say why
+                    ctr.stdin.close()
+                err.seek(0)
+                stderr = err.read().decode(errors="replace")
+            proc = subprocess.CompletedProcess(ctr.args, ctr.returncode, "", stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"ctr images import {archive} failed: {proc.stderr.strip()}")

@@ -1,8 +1,8 @@
 """A seed containerd root for real nodes: the images imported and unpacked once, cloned into
 every node by hardlinks.
 
-``ctr images import`` of the project's image (3.5 GB, gzip layers) takes minutes per node,
-almost all of it decompressing and writing the layers. A seed root holds the content blobs
+``ctr images import`` of the project's image (6.7 GB of plain tar layers) takes minutes per
+node, almost all of it writing the blobs and unpacking the layers. A seed root holds the content blobs
 and the unpacked overlayfs snapshots of every image the nodes get; it is made once per set of
 images (keyed by each archive's ``index.json``, which names its manifest by digest, and by
 containerd's version) under ``~/.cache/conveyor/node-seed/<key>`` and kept, like the image
@@ -52,11 +52,12 @@ a running containerd, so each node gets its own copy."""
 PID_FILE = "containerd.pid"
 """The seed build's containerd, written while it runs (a build killed mid-import leaves it)."""
 SEED_DONE = "seed.json"
-KEEP_SEEDS = 2
-"""Seeds kept, the most recently used first (about 10 GB each with the project's image): a
-source edit makes a new image and so a new seed; the one before stays for a quick switch back.
-A running node's root is a hardlink clone, so removing its seed frees nothing it still uses."""
 """Written last into a seed's directory: the seed is complete (and what made it, how fast)."""
+KEEP_SEEDS = 2
+"""Seeds kept, the most recently used first: a source edit makes a new image and so a new seed
+(cloned from the last, so the two share all but the image's top layer on disk); the one before
+stays for a quick switch back. A running node's root is a hardlink clone, so removing its seed
+frees nothing it still uses."""
 
 
 def seed_cache() -> Path:
@@ -107,9 +108,16 @@ class Seed:
 
 def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
     """The seed's containerd root holding ``archives`` (the pause image first), made if it is
-    not in the cache: a containerd of its own imports and unpacks them, then stops."""
+    not in the cache: a containerd of its own imports and unpacks them, then stops.
+
+    A new seed starts as a clone of the newest one the same containerd made (``clone_root``:
+    hardlinks), so what the images share with it is neither written nor unpacked again: after
+    a source edit only the image's thin top layer is new, and the two seeds share the rest on
+    disk. What the clone held that no image of the new seed uses is collected before it is
+    kept."""
     cache = cache or seed_cache()
-    key = seed_key([archive_index(a) for a in archives], containerd_version())
+    version = containerd_version()
+    key = seed_key([archive_index(a) for a in archives], version)
     seed = cache / key
     with _locked(cache):
         if (seed / SEED_DONE).exists():
@@ -120,10 +128,16 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
             _stop_orphan(work)
             shutil.rmtree(work)
         t0 = time.monotonic()
-        _import_into(NodeLayout("seed", key, work), archives)
+        layout = NodeLayout("seed", key, work)
+        base = _newest_seed(cache, version)
+        if base is not None:
+            clone_root(base / "containerd", layout.containerd_root)
+        _import_into(layout, archives)
         record = {
             "archives": [str(a) for a in archives],
             "import_s": round(time.monotonic() - t0, 1),
+            "containerd": version,
+            "based_on": base.name if base else None,
         }
         for stale in ("containerd-state", "run-containerd", "device-plugins", "container-logs"):
             shutil.rmtree(work / stale, ignore_errors=True)
@@ -137,14 +151,29 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
     return Seed(seed / "containerd", _import_s(seed), cached=False)
 
 
-def prune_seeds(cache: Path, *, keep: int) -> list[Path]:
-    """Remove all but the ``keep`` most recently used complete seeds; the removed ones. Builds
-    in progress (``.partial``) are left to the build that owns them."""
-    seeds = sorted(
+def _newest_seed(cache: Path, version: str) -> Path | None:
+    """The most recently used complete seed made by containerd ``version`` (another version's
+    databases may not be this one's), or None."""
+    for seed in _complete_seeds(cache):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads((seed / SEED_DONE).read_text()).get("containerd") == version:
+                return seed
+    return None
+
+
+def _complete_seeds(cache: Path) -> list[Path]:
+    """The complete seeds, the most recently used first."""
+    return sorted(
         (d for d in cache.iterdir() if (d / SEED_DONE).exists()),
         key=lambda d: (d / SEED_DONE).stat().st_mtime,
         reverse=True,
     )
+
+
+def prune_seeds(cache: Path, *, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` most recently used complete seeds; the removed ones. Builds
+    in progress (``.partial``) are left to the build that owns them."""
+    seeds = _complete_seeds(cache)
     for old in seeds[keep:]:
         shutil.rmtree(old)
     return seeds[keep:]
@@ -177,8 +206,11 @@ def _import_into(layout: NodeLayout, archives: Sequence[Path]) -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the seed's containerd did not start: see {log.name}")
             time.sleep(0.05)
+        content = layout.containerd_root / "io.containerd.content.v1.content/blobs/sha256"
         for archive in archives:
-            import_image(layout.containerd_socket, archive)
+            import_image(layout.containerd_socket, archive, content=content)
+        keep = {m["digest"] for a in archives for m in json.loads(archive_index(a))["manifests"]}
+        _collect_garbage(layout.containerd_socket, keep)
         _check_unpacked(layout.containerd_socket)
     finally:
         proc.terminate()
@@ -211,6 +243,22 @@ def _answers(socket: Path) -> bool:
         return False
     argv = ["ctr", "-a", str(socket), "version"]
     return subprocess.run(argv, capture_output=True, timeout=10).returncode == 0
+
+
+def _collect_garbage(socket: Path, keep: set[str]) -> None:
+    """Remove every image whose manifest is not in ``keep`` (a cloned seed's: the image the
+    import replaced, and the ``sha256:ID`` names the CRI plugin gives each image), then run
+    containerd's garbage collection and wait for it, so that their blobs and snapshots go.
+    ``images rm --sync`` of a throwaway tag is how ``ctr`` asks for a collection now."""
+    ctr = ["ctr", "-a", str(socket), "-n", CRI_NAMESPACE, "images"]
+    listed = subprocess.run([*ctr, "ls"], capture_output=True, text=True, check=True).stdout
+    rows = [line.split() for line in listed.splitlines()[1:] if line.strip()]
+    stale = [row[0] for row in rows if row[2] not in keep]  # REF TYPE DIGEST ...
+    throwaway = "conveyor.local/seed-gc:collect"
+    subprocess.run(
+        [*ctr, "tag", "--force", PAUSE_IMAGE, throwaway], capture_output=True, check=True
+    )
+    subprocess.run([*ctr, "rm", "--sync", *stale, throwaway], capture_output=True, check=True)
 
 
 def _check_unpacked(socket: Path) -> None:

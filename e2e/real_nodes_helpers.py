@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
-import shutil
 import subprocess
 import threading
 import time
@@ -31,17 +29,12 @@ IMAGE = f"docker.io/library/conveyor:{VERSION}"
 def why_no_real_nodes() -> str | None:
     """None when real nodes with the project's image can start here, else why not. The cheap
     checks come first, so that a machine without the tools (CI) skips at once."""
-    if os.geteuid() != 0:
-        return "real nodes need root (mounts, cgroups, network namespaces)"
+    from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
+
     if not ARCHIVE.exists():
         return f"the project's image is not built ({ARCHIVE}): conveyor image build"
-    missing = [t for t in ("containerd", "ctr", "runc", "unshare", "nsenter", "umoci", "skopeo")
-               if shutil.which(t) is None]  # fmt: skip
-    if missing:
-        return f"{missing} not installed (cluster/install-system-deps.sh installs them)"
-    if not Path("/usr/lib/cni/bridge").exists():
-        return "containernetworking-plugins is not installed (cluster/install-system-deps.sh)"
-    from conveyor.cluster.kubelet_node import node_tools_built
+    if why := missing_host_tools():
+        return why
 
     if node_tools_built() is None:
         return "the node tools are not built: cluster/build-tools.sh --set node (about 90 s warm)"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.cluster import image_cli
-from conveyor.cluster.image_oci import OciLayout, ToolRunner
+from conveyor.cluster.image_oci import OciLayout
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
     STEPS_SCRIPT,
@@ -154,7 +154,7 @@ def test_a_missing_tool_names_the_script_that_installs_it(
     code = image_cli.main(["build", "--repo", str(REPO), "--cache", str(tmp_path / "cache")])
     err = capsys.readouterr().err
     assert code == 1
-    assert "debootstrap" in err and "umoci" in err and "cluster/install-system-deps.sh" in err
+    assert "debootstrap" in err and "unshare" in err and "cluster/install-system-deps.sh" in err
     assert not (tmp_path / "cache").exists()  # nothing was started
 
 
@@ -181,7 +181,7 @@ def _layout(path: Path, images: dict[str, list[str]]) -> OciLayout:
             }
         )
     (path / "index.json").write_text(json.dumps({"manifests": manifests}))
-    return OciLayout(path, ToolRunner(path / "logs"))
+    return OciLayout(path)
 
 
 def test_the_cache_drops_what_no_build_can_use_and_the_blobs_only_it_held(tmp_path: Path) -> None:

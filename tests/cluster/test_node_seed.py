@@ -15,6 +15,7 @@ from conveyor.cluster.node_seed import (
     BOLT_DATABASES,
     PID_FILE,
     SEED_DONE,
+    _newest_seed,
     _stop_orphan,
     archive_index,
     clone_root,
@@ -103,3 +104,18 @@ def test_only_the_most_recently_used_seeds_are_kept(tmp_path: Path) -> None:
     (tmp_path / "building.partial").mkdir()  # another build's, in progress
     assert prune_seeds(tmp_path, keep=2) == [tmp_path / "oldest"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["building.partial", "newest", "older"]
+
+
+def test_a_new_seed_grows_from_the_newest_seed_of_the_same_containerd(tmp_path: Path) -> None:
+    def seed(name: str, age: int, record: str) -> None:
+        (tmp_path / name / "containerd").mkdir(parents=True)
+        (tmp_path / name / SEED_DONE).write_text(record)
+        os.utime(tmp_path / name / SEED_DONE, (1e9 - age, 1e9 - age))
+
+    seed("other-containerd", 0, '{"containerd": "containerd 2.0"}')
+    seed("before-versions-were-kept", 1, '{"import_s": 200}')
+    seed("older", 3, '{"containerd": "containerd 1.6.20"}')
+    seed("newer", 2, '{"containerd": "containerd 1.6.20"}')
+    (tmp_path / "building.partial").mkdir()
+    assert _newest_seed(tmp_path, "containerd 1.6.20") == tmp_path / "newer"
+    assert _newest_seed(tmp_path, "containerd 1.7") is None
