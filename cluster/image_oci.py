@@ -9,9 +9,10 @@ tags by their digests.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import os
 import platform
+import shutil
 import subprocess
 import tarfile
 from datetime import UTC, datetime
@@ -129,7 +130,9 @@ class OciLayout:
         if config.ports:
             runtime["ExposedPorts"] = {f"{p}/tcp": {} for p in config.ports}
         image["config"] = runtime
-        image["created"] = _now()
+        # The top layer's time, not now: the same layers and configuration make the same image
+        # (and so the same node seed) however often the build is run.
+        image["created"] = image["history"][-1]["created"] if image["history"] else _now()
         image["history"].append(
             {"created": image["created"], "created_by": f"{created_by} configuration",
              "empty_layer": True}
@@ -153,13 +156,27 @@ class OciLayout:
             "mediaType": INDEX,
             "manifests": [{**entry, "annotations": {_REF: ref}}],
         }
+        if archive_index(archive) == json.dumps(index).encode():
+            return  # this very image (its manifest's digest names all of it)
         archive.parent.mkdir(parents=True, exist_ok=True)
         partial = archive.with_name(archive.name + ".partial")
-        with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT, copybufsize=1 << 20) as tar:
-            _add_bytes(tar, "oci-layout", (self.path / "oci-layout").read_bytes())
-            _add_bytes(tar, "index.json", json.dumps(index).encode())
+        # GNU tar of a directory of hardlinks to the blobs (beside them: one file system), so
+        # nothing is copied twice.
+        staging = self.path / "archive.staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        (staging / "blobs" / "sha256").mkdir(parents=True)
+        try:
+            shutil.copy(self.path / "oci-layout", staging / "oci-layout")
+            (staging / "index.json").write_text(json.dumps(index))
             for digest in dict.fromkeys(digests):
-                tar.add(self._blob(digest), arcname=f"blobs/{digest.replace(':', '/')}")
+                os.link(self._blob(digest), staging / "blobs" / Path(*digest.split(":", 1)))
+            subprocess.run(
+                ["tar", "--create", "--file", str(partial), "--directory", str(staging),
+                 "oci-layout", "index.json", "blobs"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
         partial.rename(archive)
 
     def prune_siblings(self, keep: str, prefix: str) -> None:
@@ -251,6 +268,17 @@ class OciLayout:
         partial.replace(self.path / "index.json")
 
 
+def archive_index(archive: Path) -> bytes | None:
+    """The ``index.json`` of an OCI archive (it names the image's manifest by digest), or None
+    when there is no such archive."""
+    try:
+        with tarfile.open(archive) as tar:
+            member = tar.extractfile("index.json")
+            return member.read() if member is not None else None
+    except (OSError, KeyError, tarfile.TarError):
+        return None
+
+
 def oci_architecture() -> str:
     """This machine's architecture as OCI names it (``amd64``, ``arm64``, ...)."""
     machine = platform.machine()
@@ -263,12 +291,6 @@ def _sha256_of(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return f"sha256:{h.hexdigest()}"
-
-
-def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), 0o644
-    tar.addfile(info, io.BytesIO(data))
 
 
 def _canonical(doc: dict) -> bytes:

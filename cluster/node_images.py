@@ -119,7 +119,7 @@ def import_image(ctr_address: Path, archive: Path, *, content: Path | None = Non
                 ) as ctr:
                     assert ctr.stdin is not None
                     try:
-                        with tarfile.open(fileobj=ctr.stdin, mode="w|", copybufsize=1 << 20) as out:
+                        with tarfile.open(fileobj=ctr.stdin, mode="w|") as out:
                             for m in members:
                                 if m.name not in skip:
                                     out.addfile(m, tar.extractfile(m) if m.isfile() else None)

@@ -26,12 +26,12 @@ import os
 import shutil
 import signal
 import subprocess
-import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from conveyor.cluster.image_oci import archive_index as read_archive_index
 from conveyor.cluster.kubelet_config import (
     CRI_NAMESPACE,
     HARD_CODED_DIRS,
@@ -67,11 +67,10 @@ def seed_cache() -> Path:
 
 def archive_index(archive: Path) -> bytes:
     """The ``index.json`` of an OCI archive (it names the image's manifest by digest)."""
-    with tarfile.open(archive) as tar:
-        member = tar.extractfile("index.json")
-        if member is None:
-            raise ValueError(f"{archive} has no index.json: not an OCI archive")
-        return member.read()
+    index = read_archive_index(archive)
+    if index is None:
+        raise ValueError(f"{archive} has no index.json: not an OCI archive")
+    return index
 
 
 def containerd_version() -> str:
