@@ -7,6 +7,7 @@ For a real cluster, build the Dockerfile with Docker or BuildKit and push it to 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the image cache (default: $CONVEYOR_CACHE/images, ~/.cache/conveyor/images)",
     )
     build.add_argument(
+        "--seed",
+        action="store_true",
+        help="then import the image, with the pause image, into the real nodes' seed (the "
+        "containerd root that `conveyor cluster up --node-runtime kubelet` clones into each "
+        "node): a minute or two the first time, seconds after a source edit; needs containerd "
+        "and the node tools' Go module (cluster/build-tools.sh --set node)",
+    )
+    build.add_argument(
         "--no-cache",
         action="store_true",
         help="rebuild every layer (pip's download cache is still used)",
@@ -90,9 +99,21 @@ def main(argv: list[str]) -> int:
         print(
             f"layer {r.layer.kind:<5} {r.layer.key}  "
             f"{'cached' if r.cached else f'{r.seconds:7.1f} s'}  "
-            f"{r.tar_bytes / 1e6:8.0f} MB unpacked  {r.blob_bytes / 1e6:8.0f} MB compressed"
+            f"{r.tar_bytes / 1e6:8.0f} MB unpacked  {r.blob_bytes / 1e6:8.0f} MB stored"
         )
     size = result.archive.stat().st_size
     print(f"image {result.name}: {result.archive} ({size / 1e6:.0f} MB) in {result.seconds:.1f} s")
-    print(f"load it: ctr -n k8s.io images import {result.archive}")
+    if not args.seed:
+        print(f"load it: ctr -n k8s.io images import {result.archive}")
+        return 0
+    from conveyor.cluster.real_nodes import node_seed  # real nodes' code only when asked
+
+    _say("seed: importing the image into the real nodes' seed")
+    try:
+        seed = node_seed([result.archive])
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        print(f"conveyor image build --seed: {exc}", file=sys.stderr)
+        return 1
+    how = "cached" if seed.cached else f"imported in {seed.import_s:.1f} s"
+    print(f"seed for real nodes: {seed.root} ({how})")
     return 0

@@ -26,7 +26,7 @@ from conveyor.cluster.kubelet_node import (
 )
 from conveyor.cluster.network import NetworkPlan
 from conveyor.cluster.node_images import pause_image
-from conveyor.cluster.node_seed import seed_root
+from conveyor.cluster.node_seed import Seed, seed_root
 from conveyor.cluster.nodes import MachineShare, node_names
 from conveyor.cluster.settings import ClusterSettings
 
@@ -62,6 +62,12 @@ def node_image_archive(arg: str, *, cache: Path | None = None) -> Path:
     return archive
 
 
+def node_seed(archives: list[Path]) -> Seed:
+    """The seed containerd root every real node clones: the pause image and ``archives``
+    (made once per set of images; a few seconds after a source edit, ``node_seed``)."""
+    return seed_root((pause_image(image_cache()), *archives))
+
+
 def start_real_nodes(
     settings: ClusterSettings,
     *,
@@ -76,7 +82,7 @@ def start_real_nodes(
     each is Ready; the seconds each took (all of it, the clone of the seed, containerd up),
     keyed ``<node>_<what>_s``, and the seed's import (``seed_import_s``, 0 when cached)."""
     tools = build_node_tools()
-    seed = seed_root((pause_image(image_cache()), *(Path(p) for p in settings.node_images)))
+    seed = node_seed([Path(p) for p in settings.node_images])
     timings = {"seed_import_s": 0.0 if seed.cached else seed.import_s}
     layouts = node_layouts(settings)
     machine = MachineShare.of_this_machine(1)
