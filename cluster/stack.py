@@ -95,6 +95,14 @@ def preflight(settings: StackSettings) -> None:
             "conveyor up needs root on this machine: the cluster's pods get network namespaces, "
             "a bridge and cgroups. Run it with sudo, or use --kubeconfig for an existing cluster."
         )
+    running = Cluster.attach() if settings.kubeconfig is None else None
+    if running is not None and running.settings.node_runtime != settings.node_runtime:
+        raise SystemExit(
+            f"cluster {running.settings.name!r} is already up on node runtime "
+            f"{running.settings.node_runtime!r}; up would reuse it, and a running cluster's nodes "
+            f"cannot become {settings.node_runtime!r}: run `conveyor down` first, or leave out "
+            "--node-runtime (and CONVEYOR_NODE_RUNTIME) to use it as it is"
+        )
     if settings.node_runtime == "kubelet" and settings.kubeconfig is None:
         if settings.engine != "conveyor":
             raise SystemExit(
@@ -217,7 +225,8 @@ class Stack:
         if self.settings.node_runtime != "kubelet":
             return ()
         say(
-            "building the project's image for the real nodes (cold: 10-30 minutes; cached by layer)"
+            "building the project's image for the real nodes (cold: about 4-10 minutes; "
+            "cached by layer)"
         )
         settings = ImageSettings(repo=ROOT, mirror=host_debian_mirror() or ImageSettings.mirror)
         try:

@@ -39,6 +39,21 @@ def test_too_little_disk_for_the_first_build_is_refused(
         preflight(StackSettings())
 
 
+def test_a_running_cluster_on_another_node_runtime_is_not_silently_reused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    class Running:
+        settings = stack.ClusterSettings(node_runtime="agent")
+
+    monkeypatch.setattr(stack.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(stack.Cluster, "attach", lambda: Running())
+    with pytest.raises(SystemExit, match=r"already up on node runtime 'agent'.*conveyor down"):
+        preflight(StackSettings(node_runtime="kubelet"))
+    monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
+    monkeypatch.setattr(stack.Tools, "missing", lambda self: [])
+    preflight(StackSettings(node_runtime="agent"))  # the same runtime: reused, as always
+
+
 def test_ctrl_c_during_up_undoes_what_that_run_started(monkeypatch: pytest.MonkeyPatch) -> None:
     undone: list[stack.Stack] = []
     monkeypatch.setattr(stack, "preflight", lambda settings: None)
