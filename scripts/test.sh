@@ -163,7 +163,9 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
     fi
     if [[ $rc_real -eq 0 ]]; then
         say "phase 7: an LLMService on real nodes, from the project's image"
-        run_pytest "e2e on real nodes" e2e/test_real_nodes.py -p no:cacheprovider -rs "$@"
+        # Built above, so a reason to skip is a failure here.
+        CONVEYOR_REAL_NODES_REQUIRED=$real_nodes run_pytest "e2e on real nodes" \
+            e2e/test_real_nodes.py -p no:cacheprovider -rs "$@"
         rc_real=$?
     fi
     [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_real
