@@ -65,8 +65,8 @@ class OciLayout:
     for the 6 GB dependency layer), and a layer that only ever travels from this cache into
     the nodes' containerd on the same disk gains nothing from it. Layers are stored as plain
     tar (``application/vnd.oci.image.layer.v1.tar``), so a layer's digest is also its diff ID
-    and containerd unpacks it without decompressing; ``skopeo copy --dest-compress`` gzips
-    them on the way to a registry.
+    and containerd unpacks it without decompressing; a push to a registry (``skopeo copy
+    oci-archive:... docker://...``) gzips them on the way.
     """
 
     def __init__(self, path: Path, *, architecture: str | None = None) -> None:
