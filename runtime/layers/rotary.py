@@ -50,7 +50,8 @@ def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+    with torch.device("cpu"):  # it makes some tensors on the default device (the model's)
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -67,7 +68,11 @@ class RotaryEmbedding(nn.Module):
     ):
         super().__init__()
         self.head_dim = head_dim
-        positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+        # The tables go where the model is being built (``with torch.device(...)``), and are
+        # computed there, as the reference computes them on its own device.
+        device = torch.get_default_device()
+        inv_freq = inv_freq.to(device)
+        positions = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)

@@ -88,3 +88,23 @@ def test_reading_a_config_imports_no_transformers(tmp_path):
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{**SMALL}, {**SMALL, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+      "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}],
+    ids=["plain-rope", "llama3-rope"],
+)  # fmt: skip
+def test_every_tensor_of_a_model_lives_on_the_device_it_is_built_on(values):
+    """The engine builds its model under ``with torch.device(...)``: a buffer computed on the
+    CPU instead (the rotary tables once were) fails the first step on a GPU. ``meta`` stands
+    in for the GPU here."""
+    from conveyor.runtime.model.llama import LlamaForCausalLM
+
+    config = transformers_config("llama", values)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend=None)  # type: ignore[arg-type]
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    assert any(name.startswith("rotary.") for name, _ in tensors)
+    assert [name for name, t in tensors if t.device.type != "meta"] == []
