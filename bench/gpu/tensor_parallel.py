@@ -1,11 +1,12 @@
 """Stage ``tp`` of ``conveyor bench gpu``: tensor parallelism over two GPUs (NCCL).
 
-Needs two CUDA devices (reported as skipped otherwise). First the built-in tiny model's
-greedy output at TP=2 against TP=1 (Triton kernels, NCCL all-reduces), then output tokens
-per second and weight bytes per rank at TP=1 and TP=2 for the 8B shape in bfloat16 (dummy
-weights): the same requests, one engine after the other, both eager (a tensor-parallel
-replica does not capture CUDA graphs yet). ``--smoke`` runs it on CPU over gloo with tiny
-shapes, to check the stage itself.
+First the built-in tiny model's greedy output at TP=2 against TP=1 (Triton kernels, NCCL
+all-reduces, CUDA graphs), then output tokens per second and weight bytes per rank at TP=1
+and TP=2 for the 8B shape in bfloat16 (dummy weights): the same requests, one engine after
+the other. That needs two CUDA devices; on one, the stage checks what a rank's graphs rely
+on there: an all-reduce of the ranks' own NCCL group, captured in a CUDA graph between two
+matrix products, replays to what it computes eagerly. ``--smoke`` runs the engine part on
+CPU over gloo with tiny shapes, to check the stage itself.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ def stage_tp(args, workdir: Path) -> dict:
 
     device = "cpu" if args.smoke else "cuda"
     if not args.smoke and torch.cuda.device_count() < 2:
-        return {"skipped": f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()}"}
+        return {
+            "skipped": f"needs 2 CUDA devices, this machine has {torch.cuda.device_count()}",
+            "nccl_all_reduce_in_cuda_graph": nccl_all_reduce_in_cuda_graph(),
+        }
     result: dict = {}
 
     def engine(model: str, tp: int, **settings) -> LLMEngine:
@@ -62,7 +66,6 @@ def stage_tp(args, workdir: Path) -> dict:
             dtype="float32" if args.smoke else "bfloat16",
             max_running_requests=n,
             max_model_len=2048,
-            enforce_eager=True,
         )
         try:
             _greedy(e, prompts[:2], 4)  # warm-up: kernels compiled, graphs captured
@@ -97,3 +100,41 @@ def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[lis
             if out.finished:
                 done[out.request_id] = out.output_token_ids
     return [done[rid] for rid in ids], time.monotonic() - started
+
+
+def nccl_all_reduce_in_cuda_graph() -> dict:
+    """A group of one rank on this GPU, built as a replica's ranks build theirs: its
+    all-reduce between two matrix products, captured in a CUDA graph (as a rank captures its
+    decode step), against the same eagerly. A single rank's all-reduce goes through the same
+    ProcessGroupNCCL calls as several ranks', so this is what capture relies on there."""
+    from conveyor.runtime.engine.tensor_parallel import free_port, process_group
+    from conveyor.runtime.layers.parallel import TensorParallel
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    tp = TensorParallel(0, 1, process_group(0, 1, free_port(), device))
+    g = torch.Generator(device=device).manual_seed(0)
+    w1, w2 = (torch.randn(1024, 1024, device=device, generator=g) / 32 for _ in range(2))
+    x = torch.randn(64, 1024, device=device, generator=g)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(x @ w1) @ w2
+
+    eager = step(x)
+    static_x = torch.zeros_like(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(static_x)  # warm-up on a side stream, as torch's graph docs ask
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            out = step(static_x)
+    except RuntimeError as exc:
+        return {"ok": False, "error": f"capture failed: {exc}"[:2000]}
+    static_x.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    diff = (out - eager).abs().max().item()
+    return {"ok": torch.allclose(out, eager, rtol=1e-4, atol=1e-5), "max_abs_diff": diff}

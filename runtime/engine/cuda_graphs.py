@@ -91,8 +91,14 @@ class DecodeCudaGraphs:
             self.model(*args)  # warm-up: compiles the kernels, settles allocator state
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(*args)  # (batch, hidden)
+            try:
+                with torch.cuda.graph(graph, pool=pool):
+                    hidden = self.model(*args)  # (batch, hidden)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"capturing the decode step's CUDA graph at batch size {batch} failed "
+                    f"({exc}); --enforce-eager runs without CUDA graphs"
+                ) from exc
             pool = graph.pool()
             self.graphs[batch] = (graph, hidden)
         torch.cuda.synchronize(self.device)

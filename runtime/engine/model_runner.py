@@ -177,15 +177,14 @@ class ModelRunner:
             use_fused_layers(self.model, self.backend.layer_kernels)
         if self.device.type == "cpu" and self.backend.name == "cpu":
             self._pack_linear_weights()
-        # CUDA graphs for decode steps (Triton attention on a GPU only). Not yet under tensor
-        # parallelism: capturing the NCCL all-reduces has not been tried on two GPUs, and a
-        # replica that fails at capture would never start; its ranks run eager.
+        # CUDA graphs for decode steps (Triton attention on a GPU only). Under tensor
+        # parallelism every rank captures the same sizes in the same order, its NCCL
+        # all-reduces inside the graphs, and replays the same one each step.
         self.cuda_graphs: DecodeCudaGraphs | None = None
         if (
             self.device.type == "cuda"
             and self.backend.name == "triton"
             and not settings.enforce_eager
-            and self.tp.size == 1
         ):
             self.cuda_graphs = DecodeCudaGraphs(
                 self.model,
