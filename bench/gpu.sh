@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU benchmark (`conveyor bench gpu`) on a machine that has its own python3 with torch,
 # triton and transformers but no pip: runs from this checkout, nothing is installed.
-# Results (gpu_bench.json, offline.json; decode_mbu.png where matplotlib is installed) go to
+# Results (gpu_bench.json, offline.json, engine_step.pstats; decode_mbu.png where matplotlib is installed) go to
 # $OUT, or ./gpu-bench-out.
-#   bash bench/gpu.sh [--stages kernels,decode,offline,tp,plot] [--context-len 1024] ...
-# (tp runs where two GPUs are lent, and reports itself skipped elsewhere)
+#   bash bench/gpu.sh [--stages kernels,decode,offline,profile,tp,plot] [--context-len 1024] ...
+# (tp compares TP=2 with TP=1 where two GPUs are lent; on one it checks an NCCL all-reduce in a CUDA graph)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

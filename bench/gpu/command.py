@@ -18,10 +18,12 @@ every stage, so a run cut short still reports what it measured:
    read per step) / step time / the GPU's peak memory bandwidth.
 3. ``offline``: ``conveyor bench offline --compare`` on a 1B-shaped Llama
    (random weights saved once, so Hugging Face ``generate`` loads the same).
-4. ``tp``: tensor parallelism over two GPUs (skipped with fewer): greedy output at TP=2
-   against TP=1, and throughput and weights per rank at TP=1 and TP=2 for the 8B shape
-   (``tensor_parallel.py``).
-5. ``plot``: a PNG of step time and MBU against batch size (skipped without matplotlib).
+4. ``profile``: a warm engine's steps under cProfile on the 1B shape; the stats file
+   (``engine_step.pstats``) comes back with the results (``profile.py``).
+5. ``tp``: tensor parallelism over two GPUs: greedy output at TP=2 against TP=1, and
+   throughput and weights per rank at TP=1 and TP=2 for the 8B shape; on one GPU, an NCCL
+   all-reduce captured in a CUDA graph against the same eagerly (``tensor_parallel.py``).
+6. ``plot``: a PNG of step time and MBU against batch size (skipped without matplotlib).
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ import torch
 from conveyor.bench.gpu.decode import stage_decode
 from conveyor.bench.gpu.kernels import stage_kernels
 from conveyor.bench.gpu.plot import stage_plot
+from conveyor.bench.gpu.profile import stage_profile
 from conveyor.bench.gpu.shapes import LLAMA_1B, TINY, write_model_dir
 from conveyor.bench.gpu.tensor_parallel import stage_tp
 
-STAGES = ("kernels", "decode", "offline", "tp", "plot")
+STAGES = ("kernels", "decode", "offline", "profile", "tp", "plot")
 
 
 # -- stage 3: the scheduling comparison on the GPU ----------------------------------------
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = stage_offline(args, workdir)
                     if (workdir / "offline.json").exists():
                         (out / "offline.json").write_text((workdir / "offline.json").read_text())
+                elif stage == "profile":
+                    result = stage_profile(args, workdir, out)
                 elif stage == "tp":
                     result = stage_tp(args, workdir)
                 else:
@@ -232,9 +237,19 @@ def summary(doc: dict) -> str:
     o = doc["stages"].get("offline", {})
     for name, ratio in o.get("ratios", {}).items():
         lines.append(f"offline {name} throughput: {ratio:.2f}x")
+    p = doc["stages"].get("profile", {})
+    if "step_p50_ms" in p:
+        lines.append(
+            f"profile: {p['output_tok_s']} tok/s, step p50 {p['step_p50_ms']} ms "
+            f"({p['step_p50_ms_profiled']} ms profiled); seconds in {p['seconds_in']}"
+        )
     tp = doc["stages"].get("tp", {})
     if "skipped" in tp:
         lines.append(f"tp: skipped ({tp['skipped']})")
+        if "nccl_all_reduce_in_cuda_graph" in tp:
+            lines.append(
+                f"tp: NCCL all-reduce in a CUDA graph: {tp['nccl_all_reduce_in_cuda_graph']}"
+            )
     elif "rows" in tp:
         lines.append(
             f"tp: TP=2 greedy equals TP=1: {tp['tiny_greedy_equal']}; TP=2/TP=1 throughput "
