@@ -6,12 +6,14 @@ runner holds rank 0's shard. ``Ranks.start`` starts ranks 1..N-1 as plain subpro
 each builds a model runner over its own shard and KV cache, then obeys rank 0's commands,
 which arrive over a socket: size the KV cache, allocate it, run a step (what changed since
 the last one: ``step_messages.py``; small lists, never tensors), stop. The model's
-all-reduces run over a process group of their own (gloo on CPU, NCCL on GPU) that no other
-code shares, so an engine can be built and closed many times in one process.
+all-reduces run over collectives of their own (NCCL on GPU; on CPU through shared memory,
+``shared_memory.py``, with gloo beside it) that no other code shares, so an engine can be
+built and closed many times in one process.
 
 Failure is loud, never a hang: a rank that dies closes its sockets, so the all-reduce that
 waits for it raises at once (gloo and NCCL both), and a watcher thread on rank 0 notices a
-rank that exits between steps and calls the engine's ``on_rank_failure``. Ranks exit when
+rank that exits, aborts the shared-memory all-reduce (which has no socket to close) and
+calls the engine's ``on_rank_failure``. Ranks exit when
 rank 0 goes away: their socket reaches its end, their all-reduce fails, and on Linux the
 kernel kills them when the thread that started them ends (``PR_SET_PDEATHSIG``). SIGTERM
 and SIGINT are rank 0's alone: it drains with every rank still there, then stops them.
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from conveyor.runtime.engine.settings import EngineSettings
-    from conveyor.runtime.layers.parallel import TensorParallel
+    from conveyor.runtime.layers.parallel import Collectives, TensorParallel
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -99,9 +101,13 @@ class RankSpec:
 # -- the process group ------------------------------------------------------------------------
 
 
-def process_group(rank: int, size: int, port: int, device: torch.device) -> Any:
-    """The ranks' own process group (gloo for CPU tensors, NCCL for CUDA), met on ``port``."""
+def process_group(rank: int, size: int, port: int, device: torch.device) -> Collectives:
+    """The ranks' own collectives, met on ``port``: NCCL for CUDA tensors; for CPU tensors
+    the all-reduce through shared memory (``shared_memory.py``) and the gather over gloo."""
     import torch.distributed as dist
+
+    from conveyor.runtime.engine.shared_memory import CpuCollectives, shared_memory_handshake
+    from conveyor.runtime.layers.parallel import ProcessGroupCollectives
 
     store = dist.TCPStore(
         "127.0.0.1", port, size, is_master=rank == 0, timeout=START_TIMEOUT, wait_for_workers=True
@@ -109,13 +115,19 @@ def process_group(rank: int, size: int, port: int, device: torch.device) -> Any:
     if device.type == "cuda":
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = COLLECTIVE_TIMEOUT
-        return dist.ProcessGroupNCCL(store, rank, size, nccl)
+        return ProcessGroupCollectives(dist.ProcessGroupNCCL(store, rank, size, nccl))
+    shm, path = shared_memory_handshake(store, rank, size, COLLECTIVE_TIMEOUT.total_seconds())
     # The options that name the device (torch's own process-group setup uses them too): on
     # loopback, whatever the host name resolves to.
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._timeout = COLLECTIVE_TIMEOUT
-    return dist.ProcessGroupGloo(store, rank, size, opts)
+    try:
+        gloo = dist.ProcessGroupGloo(store, rank, size, opts)  # every rank has mapped it now
+    finally:
+        if path is not None:
+            os.unlink(path)
+    return CpuCollectives(gloo, shm)
 
 
 def rank_device(base: torch.device, rank: int) -> torch.device:
@@ -181,6 +193,8 @@ class Ranks:
         """Called (on the watcher thread) when a rank exits while the replica runs."""
         self._closing = False
         self._assigned = False
+        self.collectives: Collectives | None = None
+        """Rank 0's collectives, once the ranks have met (aborted when a rank dies)."""
         self._watcher = threading.Thread(target=self._watch, name="conveyor-tp-watch", daemon=True)
 
     @classmethod
@@ -242,6 +256,7 @@ class Ranks:
         result = joined[0]
         if isinstance(result, BaseException):
             raise result
+        self.collectives = result.group
         return result
 
     def wait_ready(self) -> list[int]:
@@ -284,6 +299,8 @@ class Ranks:
             return
         self.failure = exits[ready[0]].describe_exit()  # type: ignore[index]
         log.error("%s; this replica cannot go on", self.failure)
+        if self.collectives is not None:  # a shared-memory all-reduce would wait on
+            self.collectives.abort()
         if self.on_failure is not None:
             self.on_failure(RankFailure(self.failure))
 

@@ -17,12 +17,42 @@ holds zeros, so the all-reduce's sum carries it exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+
+class Collectives(Protocol):
+    """What the layers need from the ranks' communication (``engine/tensor_parallel.py``)."""
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sum ``x`` over the ranks, in place."""
+
+    def gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> None:
+        """Every rank's ``x`` into ``parts`` on rank 0 (``parts`` empty on the others)."""
+
+    def abort(self) -> None:
+        """Make a waiting collective fail (a peer is gone); a no-op where a closed socket
+        already does that."""
+
+
+class ProcessGroupCollectives:
+    """A torch process group's own collectives (NCCL)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        self.group.allreduce([x]).wait()
+
+    def gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> None:
+        self.group.gather(parts, x, 0).wait()
+
+    def abort(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -31,13 +61,13 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
-    group: ProcessGroup | None = None
-    """The ranks' own process group (``engine/tensor_parallel.py``); None at size 1."""
+    group: Collectives | None = None
+    """The ranks' own collectives (``engine/tensor_parallel.py``); None at size 1."""
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; returns it (as is at size 1)."""
         if self.group is not None:
-            self.group.allreduce([x]).wait()
+            self.group.all_reduce(x)
         return x
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
@@ -45,7 +75,7 @@ class TensorParallel:
         if self.group is None:
             return [x]
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else []
-        self.group.gather(parts, x, 0).wait()
+        self.group.gather(parts, x)
         return parts if self.rank == 0 else None
 
 

@@ -255,6 +255,34 @@ def test_offline_llm_then_a_rank_that_dies_fails_the_next_step_naming_it(tp_mode
     assert rank_pids(os.getpid()) == []
 
 
+def test_a_rank_that_dies_mid_generation_fails_it_instead_of_hanging(tp_models):
+    """Killed while rank 0 runs steps, most likely inside an all-reduce: on CPU that waits on
+    shared memory, which no closed socket interrupts, so rank 0's watcher must abort it."""
+    import threading
+
+    from conveyor.runtime import LLM
+
+    with LLM(tp_models["conveyor-tiny"], tensor_parallel_size=2, max_total_tokens=4096,
+             num_threads=2, device="cpu") as llm:  # fmt: skip
+        [pid] = rank_pids(os.getpid())
+
+        def kill_once_running() -> None:
+            wait_for(lambda: llm.engine.steps >= 3, 60, "the generation ran 3 steps")
+            os.kill(pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_once_running)
+        killer.start()
+        try:
+            with pytest.raises(RankFailure, match="rank 1 was killed by SIGKILL"):
+                llm.generate(
+                    [list(b"Once upon a time")] * 4,
+                    SamplingParams(max_tokens=900, temperature=0, ignore_eos=True),
+                )
+        finally:
+            killer.join()
+    assert rank_pids(os.getpid()) == []
+
+
 def test_settings_take_the_size_from_the_command_line():
     import argparse
 
