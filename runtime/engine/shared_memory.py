@@ -24,12 +24,9 @@ import logging
 import os
 import platform
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -127,7 +124,7 @@ class CpuCollectives:
     """The CPU ranks' collectives: the all-reduce through shared memory when it could be set
     up, gloo's otherwise; the LM head's gather through gloo (once a step, off the layers)."""
 
-    def __init__(self, gloo: ProcessGroup, shm: SharedMemoryAllReduce | None) -> None:
+    def __init__(self, gloo: Any, shm: SharedMemoryAllReduce | None) -> None:  # ProcessGroupGloo
         self.gloo, self.shm = gloo, shm
 
     def all_reduce(self, x: torch.Tensor) -> None:

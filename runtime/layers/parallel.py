@@ -17,12 +17,9 @@ holds zeros, so the all-reduce's sum carries it exactly once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 class Collectives(Protocol):
@@ -42,7 +39,7 @@ class Collectives(Protocol):
 class ProcessGroupCollectives:
     """A torch process group's own collectives (NCCL)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: Any) -> None:  # a ProcessGroupNCCL (a torch backend object)
         self.group = group
 
     def all_reduce(self, x: torch.Tensor) -> None:
