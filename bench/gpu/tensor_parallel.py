@@ -6,7 +6,7 @@ and TP=2 for the 8B shape in bfloat16 (dummy weights): the same requests, one en
 the other. That needs two CUDA devices; on one, the stage checks what a rank's graphs rely
 on there: an all-reduce of the ranks' own NCCL group, captured in a CUDA graph between two
 matrix products, replays to what it computes eagerly. ``--smoke`` runs the engine part on
-CPU over gloo with tiny shapes, to check the stage itself.
+CPU (shared memory) with tiny shapes, to check the stage itself.
 """
 
 from __future__ import annotations

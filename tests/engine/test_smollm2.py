@@ -107,7 +107,7 @@ def test_answers_and_stops_at_im_end():
 
 
 def test_tensor_parallel_over_three_ranks_matches_transformers(engine_factory, prompts, expected):
-    """Its 9 attention heads and 3 KV heads split over 3 ranks (gloo on CPU; not 2), its tied
+    """Its 9 attention heads and 3 KV heads split over 3 ranks (shared memory on CPU; not 2), its tied
     49,152-row embedding split in three, each rank loading its shard of the Q4_1 file: the
     short prompts batched give transformers' tokens."""
     engine = engine_factory(max_running_requests=8, tensor_parallel_size=3)
