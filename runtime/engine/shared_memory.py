@@ -20,6 +20,8 @@ elsewhere, or when ``/dev/shm`` cannot hold the buffer, the ranks keep gloo's al
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
 import platform
@@ -154,6 +156,9 @@ def shared_memory_handshake(
             if not supported():
                 raise OSError(f"not on {platform.machine()} or without /dev/shm")
             SharedMemoryAllReduce.create(path, size)
+            # A rank that never joins leaves the group forming until its timeout; the file
+            # goes at the latest when this process ends.
+            atexit.register(remove_buffer, path)
         except OSError as exc:
             log.warning("tensor parallel: all-reduce over gloo (no shared memory: %s)", exc)
             store.set("conveyor-shm", "")
@@ -164,3 +169,9 @@ def shared_memory_handshake(
     if not path:
         return None, None
     return SharedMemoryAllReduce(path, rank, size, timeout_s), None
+
+
+def remove_buffer(path: str) -> None:
+    """Rank 0: unlink the buffer's file (every rank keeps its mapping); again at exit."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -106,7 +106,11 @@ def process_group(rank: int, size: int, port: int, device: torch.device) -> Coll
     the all-reduce through shared memory (``shared_memory.py``) and the gather over gloo."""
     import torch.distributed as dist
 
-    from conveyor.runtime.engine.shared_memory import CpuCollectives, shared_memory_handshake
+    from conveyor.runtime.engine.shared_memory import (
+        CpuCollectives,
+        remove_buffer,
+        shared_memory_handshake,
+    )
     from conveyor.runtime.layers.parallel import ProcessGroupCollectives
 
     store = dist.TCPStore(
@@ -126,7 +130,7 @@ def process_group(rank: int, size: int, port: int, device: torch.device) -> Coll
         gloo = dist.ProcessGroupGloo(store, rank, size, opts)  # every rank has mapped it now
     finally:
         if path is not None:
-            os.unlink(path)
+            remove_buffer(path)
     return CpuCollectives(gloo, shm)
 
 
