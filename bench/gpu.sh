@@ -3,7 +3,7 @@
 # triton and transformers but no pip: runs from this checkout, nothing is installed.
 # Results (gpu_bench.json, offline.json, engine_step.pstats; decode_mbu.png where matplotlib is installed) go to
 # $OUT, or ./gpu-bench-out.
-#   bash bench/gpu.sh [--stages kernels,decode,offline,profile,tp,plot] [--context-len 1024] ...
+#   bash bench/gpu.sh [--stages kernels,decode,launch,offline,profile,tp,plot] [--context-len 1024] ...
 # (tp compares TP=2 with TP=1 where two GPUs are lent; on one it checks an NCCL all-reduce in a CUDA graph)
 set -euo pipefail
 cd "$(dirname "$0")/.."

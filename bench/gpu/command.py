@@ -16,14 +16,16 @@ every stage, so a run cut short still reports what it measured:
    at ``--context-len`` tokens, through the engine's model runner with CUDA
    graphs; the model bandwidth utilisation (MBU) = (weight bytes + KV bytes
    read per step) / step time / the GPU's peak memory bandwidth.
-3. ``offline``: ``conveyor bench offline --compare`` on a 1B-shaped Llama
+3. ``launch``: the CPU cost of launching each kernel of an eager forward, Triton's
+   against the torch operations they replace (``launch.py``).
+4. ``offline``: ``conveyor bench offline --compare`` on a 1B-shaped Llama
    (random weights saved once, so Hugging Face ``generate`` loads the same).
-4. ``profile``: a warm engine's steps under cProfile on the 1B shape; the stats file
+5. ``profile``: a warm engine's steps under cProfile on the 1B shape; the stats file
    (``engine_step.pstats``) comes back with the results (``profile.py``).
-5. ``tp``: tensor parallelism over two GPUs: greedy output at TP=2 against TP=1, and
+6. ``tp``: tensor parallelism over two GPUs: greedy output at TP=2 against TP=1, and
    throughput and weights per rank at TP=1 and TP=2 for the 8B shape; on one GPU, an NCCL
    all-reduce captured in a CUDA graph against the same eagerly (``tensor_parallel.py``).
-6. ``plot``: a PNG of step time and MBU against batch size (skipped without matplotlib).
+7. ``plot``: a PNG of step time and MBU against batch size (skipped without matplotlib).
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ import torch
 
 from conveyor.bench.gpu.decode import stage_decode
 from conveyor.bench.gpu.kernels import stage_kernels
+from conveyor.bench.gpu.launch import stage_launch
 from conveyor.bench.gpu.plot import stage_plot
 from conveyor.bench.gpu.profile import stage_profile
 from conveyor.bench.gpu.shapes import LLAMA_1B, TINY, write_model_dir
 from conveyor.bench.gpu.tensor_parallel import stage_tp
 
-STAGES = ("kernels", "decode", "offline", "profile", "tp", "plot")
+STAGES = ("kernels", "decode", "launch", "offline", "profile", "tp", "plot")
 
 
 # -- stage 3: the scheduling comparison on the GPU ----------------------------------------
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     result = stage_kernels(args)
                 elif stage == "decode":
                     result = stage_decode(args, workdir, lambda partial: report("decode", partial))
+                elif stage == "launch":
+                    result = stage_launch(args)
                 elif stage == "offline":
                     result = stage_offline(args, workdir)
                     if (workdir / "offline.json").exists():
@@ -237,6 +242,11 @@ def summary(doc: dict) -> str:
     o = doc["stages"].get("offline", {})
     for name, ratio in o.get("ratios", {}).items():
         lines.append(f"offline {name} throughput: {ratio:.2f}x")
+    for r in doc["stages"].get("launch", {}).get("rows", []):
+        lines.append(
+            f"launch {r['kernel']:<28} {r['cpu_us_per_call']:7.1f} us CPU, "
+            f"{r['wall_us_per_call']:7.1f} us wall per call"
+        )
     p = doc["stages"].get("profile", {})
     if "step_p50_ms" in p:
         lines.append(
