@@ -89,16 +89,31 @@ class SharedMemoryAllReduce:
             self._all_reduce(flat[start : start + per])
 
     def _all_reduce(self, part: torch.Tensor) -> None:
-        self.seq += 1
-        slots = self.slots[self.seq & 1]
-        nbytes = part.numel() * part.element_size()
-        mine = slots[self.rank][:nbytes].view(part.dtype)
-        mine.copy_(part)
-        self.words[self.rank * self.stride] = self.seq
-        self._wait_for_all()
+        slots, nbytes = self._publish(part)
         part.copy_(slots[0][:nbytes].view(part.dtype))
         for r in range(1, self.size):
             part.add_(slots[r][:nbytes].view(part.dtype))
+
+    def gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> None:
+        """Every rank's ``x`` (contiguous, all of one shape) into ``parts`` on rank 0 (empty
+        on the others, which still wait: that keeps the slots' reuse safe)."""
+        flat = x.view(-1)
+        outs = [p.view(-1) for p in parts]
+        per = self.slot_bytes // x.element_size()
+        for start in range(0, flat.numel(), per):
+            slots, nbytes = self._publish(flat[start : start + per])
+            for r, out in enumerate(outs):
+                out[start : start + per].copy_(slots[r][:nbytes].view(x.dtype))
+
+    def _publish(self, part: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+        """One operation: ``part`` into this rank's slot, then wait for every rank's."""
+        self.seq += 1
+        slots = self.slots[self.seq & 1]
+        nbytes = part.numel() * part.element_size()
+        slots[self.rank][:nbytes].view(part.dtype).copy_(part)
+        self.words[self.rank * self.stride] = self.seq
+        self._wait_for_all()
+        return slots, nbytes
 
     def _wait_for_all(self) -> None:
         words, stride, seq = self.words, self.stride, self.seq
@@ -123,8 +138,8 @@ class SharedMemoryAllReduce:
 
 
 class CpuCollectives:
-    """The CPU ranks' collectives: the all-reduce through shared memory when it could be set
-    up, gloo's otherwise; the LM head's gather through gloo (once a step, off the layers)."""
+    """The CPU ranks' collectives: the all-reduce and the LM head's gather through shared
+    memory when it could be set up, gloo's otherwise."""
 
     def __init__(self, gloo: Any, shm: SharedMemoryAllReduce | None) -> None:  # ProcessGroupGloo
         self.gloo, self.shm = gloo, shm
@@ -136,7 +151,10 @@ class CpuCollectives:
             self.gloo.allreduce([x]).wait()
 
     def gather(self, parts: list[torch.Tensor], x: torch.Tensor) -> None:
-        self.gloo.gather(parts, x, 0).wait()
+        if self.shm is not None and x.is_contiguous():
+            self.shm.gather(parts, x)
+        else:
+            self.gloo.gather(parts, x, 0).wait()
 
     def abort(self) -> None:
         if self.shm is not None:

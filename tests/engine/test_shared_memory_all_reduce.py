@@ -1,7 +1,7 @@
 """The CPU ranks' shared-memory all-reduce, two ranks as two threads over one buffer (the
 engine's tests run it between processes): sums that span several slots, every dtype the
-engine uses, the same bits on every rank, and an abort that ends a wait on a peer that
-never comes."""
+engine uses, the same bits on every rank, the LM head's gather, and an abort that ends a
+wait on a peer that never comes."""
 
 from __future__ import annotations
 
@@ -73,6 +73,24 @@ def test_the_slots_are_reused_across_many_operations(buffer):
     for t in threads:
         t.join(120)
     assert results[0] == results[1] == [3.0 * i for i in range(200)]
+
+
+@pytest.mark.parametrize("numel", [5, 3_000_003], ids=["small", "three-slots"])
+def test_rank_0_gathers_every_ranks_part_in_rank_order(buffer, numel):
+    ranks = [SharedMemoryAllReduce(buffer, r, 2, timeout_s=60) for r in range(2)]
+    inputs = [torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(2)]
+    parts = [torch.empty(numel), torch.empty(numel)]
+
+    def run(r: int) -> None:
+        ranks[r].gather(parts if r == 0 else [], inputs[r])
+        ranks[r].all_reduce(torch.ones(3))  # the next operation reuses the slots
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert torch.equal(parts[0], inputs[0]) and torch.equal(parts[1], inputs[1])
 
 
 def test_abort_ends_a_wait_for_a_peer_that_never_comes(buffer):

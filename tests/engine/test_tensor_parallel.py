@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU: greedy output equals transformers' token for token.
 
-Each engine here is rank 0 of a replica whose other ranks are real processes, whose
-all-reduces go through shared memory and whose LM-head gather goes over gloo on loopback. The shapes cover a split of the KV heads (Qwen2 and Llama at 2 ranks)
+Each engine here is rank 0 of a replica whose other ranks are real processes, meeting
+through shared memory (``engine/shared_memory.py``; gloo on loopback beside it). The shapes cover a split of the KV heads (Qwen2 and Llama at 2 ranks)
 and fewer KV heads than ranks (Llama's 2 KV heads at 4 ranks, Qwen2's 2 at 4, one KV head
 at 2), biases on the row-parallel projections, vocabularies split by rows, tied and untied,
 with sizes the ranks do not divide (321 over 2, 322 over 4: the last rank's rows padded),
