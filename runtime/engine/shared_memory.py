@@ -42,15 +42,20 @@ def supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and os.path.isdir("/dev/shm")
 
 
+def _layout(size: int) -> tuple[int, int, int]:
+    """(bytes per slot, header bytes, file bytes) of ``size`` ranks' buffer."""
+    slot = BUFFER_BYTES // (2 * size) // LINE * LINE
+    header = LINE * (size + 1)
+    return slot, header, header + 2 * size * slot
+
+
 class SharedMemoryAllReduce:
     """One replica's all-reduce buffer, mapped by every rank (``path`` is unlinked by rank 0
     once all have mapped it)."""
 
     def __init__(self, path: str, rank: int, size: int, timeout_s: float) -> None:
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self.slot_bytes = BUFFER_BYTES // (2 * size) // LINE * LINE
-        header = LINE * (size + 1)
-        total = header + 2 * size * self.slot_bytes
+        self.slot_bytes, header, total = _layout(size)
         buf = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
         # Sequence number of rank r at [r * LINE / 8]; the abort word after them.
         self.words = buf[:header].view(torch.int64).numpy()
@@ -69,11 +74,9 @@ class SharedMemoryAllReduce:
     def create(path: str, size: int) -> None:
         """Rank 0: the file, its blocks allocated now (a full /dev/shm fails here with
         ENOSPC, not later with SIGBUS at the first write)."""
-        slot = BUFFER_BYTES // (2 * size) // LINE * LINE
-        total = LINE * (size + 1) + 2 * size * slot
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, total)
+            os.posix_fallocate(fd, 0, _layout(size)[2])
         finally:
             os.close(fd)
 

@@ -103,7 +103,7 @@ class RankSpec:
 
 def process_group(rank: int, size: int, port: int, device: torch.device) -> Collectives:
     """The ranks' own collectives, met on ``port``: NCCL for CUDA tensors; for CPU tensors
-    the all-reduce through shared memory (``shared_memory.py``) and the gather over gloo."""
+    shared memory (``shared_memory.py``), with gloo where that cannot be set up."""
     import torch.distributed as dist
 
     from conveyor.runtime.engine.shared_memory import (
