@@ -21,7 +21,8 @@ every stage, so a run cut short still reports what it measured:
 4. ``offline``: ``conveyor bench offline --compare`` on a 1B-shaped Llama
    (random weights saved once, so Hugging Face ``generate`` loads the same).
 5. ``profile``: a warm engine's steps under cProfile on the 1B shape; the stats file
-   (``engine_step.pstats``) comes back with the results (``profile.py``).
+   (``engine_step.pstats``) comes back with the results (``profile.py``); then the same
+   run unprofiled with and without piecewise CUDA graphs for the steps that hold a prefill.
 6. ``tp``: tensor parallelism over two GPUs: greedy output at TP=2 against TP=1, and
    throughput and weights per rank at TP=1 and TP=2 for the 8B shape; on one GPU, an NCCL
    all-reduce captured in a CUDA graph against the same eagerly (``tensor_parallel.py``).
@@ -252,6 +253,10 @@ def summary(doc: dict) -> str:
         lines.append(
             f"profile: {p['output_tok_s']} tok/s, step p50 {p['step_p50_ms']} ms "
             f"({p['step_p50_ms_profiled']} ms profiled); seconds in {p['seconds_in']}"
+        )
+        lines.append(
+            f"profile: prefill steps eager {p['output_tok_s_prefill_steps_eager']} tok/s; "
+            f"piecewise graphs / eager: {p['piecewise_over_eager']:.2f}x"
         )
     tp = doc["stages"].get("tp", {})
     if "skipped" in tp:

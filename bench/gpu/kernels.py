@@ -63,8 +63,11 @@ def check_engine_greedy() -> float:
             max_running_requests=8,
             **kw,
         )
-        assert (llm.engine.runner.cuda_graphs is not None) == (name == "triton-graphs")
+        runner = llm.engine.runner
+        assert (runner.cuda_graphs is not None) == (name == "triton-graphs")
         ids[name] = [r.token_ids for r in llm.generate(prompts, params)]
+        if runner.piecewise_graphs is not None:  # the prompts' chunks ran in pieces
+            assert runner.piecewise_graphs.replays > 0, "no step ran the piecewise graphs"
     assert ids["triton-eager"] == ids["torch"], (
         f"triton eager {ids['triton-eager']} != torch {ids['torch']}"
     )

@@ -25,6 +25,7 @@ import torch
 
 from conveyor.runtime.engine import tensor_parallel
 from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
+from conveyor.runtime.engine.piecewise_graphs import PiecewiseCudaGraphs
 from conveyor.runtime.engine.platform import check_memory_for
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
@@ -177,10 +178,12 @@ class ModelRunner:
             use_fused_layers(self.model, self.backend.layer_kernels)
         if self.device.type == "cpu" and self.backend.name == "cpu":
             self._pack_linear_weights()
-        # CUDA graphs for decode steps (Triton attention on a GPU only). Under tensor
-        # parallelism every rank captures the same sizes in the same order, its NCCL
-        # all-reduces inside the graphs, and replays the same one each step.
+        # CUDA graphs (Triton attention on a GPU only): decode steps whole, steps that hold a
+        # prefill in pieces between the layers' attention. Under tensor parallelism every
+        # rank captures the same sizes in the same order, its NCCL all-reduces inside the
+        # graphs, and replays the same ones each step.
         self.cuda_graphs: DecodeCudaGraphs | None = None
+        self.piecewise_graphs: PiecewiseCudaGraphs | None = None
         if (
             self.device.type == "cuda"
             and self.backend.name == "triton"
@@ -192,6 +195,12 @@ class ModelRunner:
                 -(-s.max_position // self.block_size),
                 self.device,
             )
+            budget = min(settings.token_budget("cuda"), s.max_position)
+            pieces = settings.piecewise_cuda_graph_max_tokens
+            if pieces != 0:
+                self.piecewise_graphs = PiecewiseCudaGraphs(
+                    self.model, min(budget, pieces or budget), self.device, self.dtype
+                )
 
     def _pack_linear_weights(self) -> None:
         """Decode-sized matmuls on oneDNN-packed weights (``layers/linear.py``)."""
@@ -260,9 +269,11 @@ class ModelRunner:
             self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta)[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        if self.cuda_graphs is not None:  # the graphs' pool comes out of the KV cache's share
+        if self.cuda_graphs is not None:  # the graphs' pools come out of the KV cache's share
             assert self.kv_cache is not None
             peak += self.cuda_graphs.measure(self.kv_cache)
+        if self.piecewise_graphs is not None:
+            peak += self.piecewise_graphs.measure()
         self.kv_cache = None
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.settings.mem_fraction_static - peak)
@@ -285,6 +296,8 @@ class ModelRunner:
         self.kv_cache = zeros(shape, self.dtype, self.device)
         if self.cuda_graphs is not None and capture_graphs:  # the graphs hold the cache's address
             self.cuda_graphs.capture(self.kv_cache)
+        if self.piecewise_graphs is not None and capture_graphs:
+            self.piecewise_graphs.capture()
 
     # -- one step -------------------------------------------------------------------------
 
@@ -333,6 +346,8 @@ class ModelRunner:
             layout.num_decodes, len(input_ids)
         ):
             hidden: torch.Tensor = self.cuda_graphs.run(input_ids, positions, meta)
+        elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(len(input_ids)):
+            hidden = self.piecewise_graphs.run(input_ids, positions, self.kv_cache, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
         return hidden

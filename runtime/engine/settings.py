@@ -90,7 +90,12 @@ class EngineSettings:
     (triton on CUDA, cpu on CPU when its kernels are built, else torch)."""
 
     enforce_eager: bool = False
-    """GPU only: never capture CUDA graphs for decode."""
+    """GPU only: never capture CUDA graphs."""
+
+    piecewise_cuda_graph_max_tokens: int | None = None
+    """GPU only: steps that hold a prefill, up to this many tokens, replay CUDA graphs between
+    the layers' attention (``piecewise_graphs.py``); 0 turns them off. None: the step's token
+    budget, so every step does."""
 
     num_threads: int | None = None
     """CPU threads for torch, shared out evenly among the tensor-parallel ranks; defaults to
@@ -116,6 +121,14 @@ class EngineSettings:
         if self.chunked_prefill_size is not None:
             _check_positive("chunked_prefill_size", self.chunked_prefill_size)
         _check_positive("block_size", self.block_size)
+        if self.piecewise_cuda_graph_max_tokens is not None and (
+            not isinstance(self.piecewise_cuda_graph_max_tokens, int)
+            or self.piecewise_cuda_graph_max_tokens < 0
+        ):
+            raise ValueError(
+                "piecewise_cuda_graph_max_tokens must be 0 (off) or a positive integer, "
+                f"got {self.piecewise_cuda_graph_max_tokens!r}"
+            )
         if self.max_model_len is not None:
             _check_positive("max_model_len", self.max_model_len)
         if self.max_total_tokens is not None:
@@ -237,6 +250,13 @@ class EngineSettings:
             help="GPU: never capture CUDA graphs",
         )
         g.add_argument(
+            "--piecewise-cuda-graph-max-tokens",
+            type=int,
+            default=None,
+            help="GPU: steps holding a prefill of up to this many tokens run as CUDA graphs "
+            "between the layers' attention; 0 turns that off (default: the step token budget)",
+        )
+        g.add_argument(
             "--num-threads",
             type=int,
             default=None,
@@ -272,6 +292,7 @@ class EngineSettings:
             scheduler=args.scheduler,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
+            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             num_threads=args.num_threads,
             tensor_parallel_size=args.tensor_parallel_size,
         )

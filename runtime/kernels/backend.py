@@ -55,10 +55,12 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D), contiguous
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D), contiguous
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(

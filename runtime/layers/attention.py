@@ -50,8 +50,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
+        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D),
+        written into ``out`` (T, Hq, D) where given."""
         ...
 
 
@@ -90,9 +92,11 @@ class TorchAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)

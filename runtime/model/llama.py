@@ -87,6 +87,12 @@ class LlamaAttention(nn.Module):
         self.tp = s.tp if s.tp.size > 1 else None  # o_proj is row-parallel: sum its partials
 
     def forward(self, positions, x, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
+        q, k, v = self.project(positions, x, rotary)
+        return self.output(self.attend(q, k, v, kv_cache, meta))
+
+    def project(self, positions, x, rotary: RotaryEmbedding):
+        """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), rotated: all that depends on
+        the step's tokens alone (a piecewise CUDA graph holds it, ``piecewise_graphs.py``)."""
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, Hq, D)
@@ -94,8 +100,15 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # (T, Hq, D)
+        return rotary(positions, q, k) + (v,)
+
+    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, out=None):
+        """The step's K/V into the cache, and attention over each sequence's context: the
+        part that depends on the batch's sequences -> (T, Hq, D), into ``out`` if given."""
+        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, out)
+
+    def output(self, o):
+        """(T, Hq, D) -> (T, hidden), summed over the ranks' heads."""
         out = self.o_proj(o.flatten(1))  # (T, hidden), this rank's heads' part
         return out if self.tp is None else self.tp.all_reduce(out)
 
@@ -122,13 +135,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
     def forward(self, positions, x, residual, rotary, kv_cache, meta):
+        q, k, v, residual = self.before_attention(positions, x, residual, rotary)
+        o = self.self_attn.attend(q, k, v, kv_cache, meta)
+        return self.after_attention(o, residual)
+
+    def before_attention(self, positions, x, residual, rotary):
+        """The input norm (with the residual add) and the projections -> (q, k, v, residual)."""
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, rotary, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return (*self.self_attn.project(positions, x, rotary), residual)
+
+    def after_attention(self, o, residual):
+        """The attention's output projection, the residual add, norm and MLP -> (x, residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
         return self.mlp(x), residual
 
 
@@ -169,13 +191,38 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions (T,); kv_caches (L, 2, blocks, bs, Hkv, D) -> hidden (T, hidden)."""
-        x = self.embed_tokens(input_ids)  # (T, hidden)
         if self.fused_layers is not None:
-            x, residual = self.fused_layers(x, positions, kv_caches, meta)
-        else:
-            residual = None
-            for i, layer in enumerate(self.layers):
-                x, residual = layer(positions, x, residual, self.rotary, kv_caches[i], meta)
+            x, residual = self.fused_layers(
+                self.embed_tokens(input_ids), positions, kv_caches, meta
+            )
+            x, _ = self.norm(x, residual)
+            return x
+        # The same pieces a piecewise CUDA graph captures, with attention between them.
+        q, k, v, residual = self.begin(input_ids, positions)
+        for i in range(len(self.layers) - 1):
+            o = self.attend(i, q, k, v, kv_caches, meta)
+            q, k, v, residual = self.between(i + 1, o, residual, positions)
+        return self.finish(self.attend(len(self.layers) - 1, q, k, v, kv_caches, meta), residual)
+
+    # -- the forward pass in pieces: attention (``attend``) is what lies between them --------
+
+    def begin(self, input_ids, positions):
+        """The embedding and the first layer up to its attention -> (q, k, v, residual)."""
+        x = self.embed_tokens(input_ids)  # (T, hidden)
+        return self.layers[0].before_attention(positions, x, None, self.rotary)
+
+    def attend(self, i, q, k, v, kv_caches, meta, out=None):
+        """Layer ``i``'s attention over the paged cache -> (T, Hq, D)."""
+        return self.layers[i].self_attn.attend(q, k, v, kv_caches[i], meta, out)
+
+    def between(self, i, o, residual, positions):
+        """Layer ``i - 1`` after its attention, then layer ``i`` up to its own."""
+        x, residual = self.layers[i - 1].after_attention(o, residual)
+        return self.layers[i].before_attention(positions, x, residual, self.rotary)
+
+    def finish(self, o, residual):
+        """The last layer after its attention, and the final norm -> hidden (T, hidden)."""
+        x, residual = self.layers[-1].after_attention(o, residual)
         x, _ = self.norm(x, residual)
         return x
 

@@ -36,6 +36,10 @@ def test_sampling_params_say_what_is_wrong(kwargs, message):
         ({"block_size": 0}, "block_size must be a positive integer"),
         ({"mem_fraction_static": 1.5}, r"mem_fraction_static must be in \(0, 1\)"),
         ({"dtype": "int8"}, "dtype must be one of"),
+        (
+            {"piecewise_cuda_graph_max_tokens": -1},
+            "piecewise_cuda_graph_max_tokens must be 0 .off. or a positive integer",
+        ),
     ],
 )
 def test_engine_settings_say_what_is_wrong(kwargs, message):

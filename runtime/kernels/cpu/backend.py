@@ -37,11 +37,13 @@ class CpuAttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
         ops = self.ops
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype)
         nd = meta.num_decode_tokens
         if nd:
             ops.paged_decode_attention(
