@@ -226,6 +226,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, EngineSettings, Wor
     parser.add_argument(
         "--profile", action="store_true", help="cProfile the continuous run's steps"
     )
+    parser.add_argument(
+        "--warmup-runs",
+        type=int,
+        default=1,
+        help="unmeasured passes of the workload in each mode before any is measured: on a GPU "
+        "Triton compiles a kernel the first time it meets a shape, and the mode measured first "
+        "would pay for it (default 1)",
+    )
     parser.add_argument("--json", dest="json_path", help="write results to this JSON file")
     EngineSettings.add_cli_args(parser)
     parser.set_defaults(max_running_requests=32)
@@ -239,6 +247,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, EngineSettings, Wor
         args.output_len_max,
         args.workload_seed,
     )
+    if args.warmup_runs < 0:
+        parser.error("--warmup-runs must be 0 or more")
     if workload.prompt_len_min < 1 or workload.prompt_len_max < workload.prompt_len_min:
         parser.error("need 1 <= --prompt-len-min <= --prompt-len-max")
     return args, settings, workload
@@ -263,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{engine.runner.device}, {engine.state.num_threads} threads"
     )
     print(engine.kv_cache_summary())
+    for mode in modes:
+        for i in range(args.warmup_runs):
+            print(f"warming up {mode} ({i + 1}/{args.warmup_runs}) ...", file=sys.stderr)
+            run_engine(engine, requests, mode)
     results: list[ModeResult] = []
     profile_text = None
     for mode in modes:
