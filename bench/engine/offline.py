@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {
             "workload": asdict(workload),
             "settings": asdict(settings),
+            "warmup_runs": args.warmup_runs,
             "modes": [{k: v for k, v in asdict(r).items() if k != "step_times"} for r in results],
             "ideal_static_ratio": ideal.get("static"),
             "ideal_none_ratio": ideal.get("none"),

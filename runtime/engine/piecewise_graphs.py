@@ -32,14 +32,13 @@ if TYPE_CHECKING:
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
     """16, 24, 32, 48, 64, 96, ...: powers of two and the halfway points between them (a
-    step is padded by under half), up to the first that holds ``max_tokens``."""
+    step is padded by under half), below ``max_tokens``, then ``max_tokens`` itself (no
+    step is longer: a bigger bucket would only take memory from the KV cache)."""
     sizes, size = [], smallest
-    while True:
-        for s in (size, size * 3 // 2):
-            sizes.append(s)
-            if s >= max_tokens:
-                return sizes
+    while size < max_tokens:
+        sizes += [s for s in (size, size * 3 // 2) if s < max_tokens]
         size *= 2
+    return [*sizes, max(max_tokens, 1)]
 
 
 class Graph(Protocol):

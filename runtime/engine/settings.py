@@ -123,6 +123,7 @@ class EngineSettings:
         _check_positive("block_size", self.block_size)
         if self.piecewise_cuda_graph_max_tokens is not None and (
             not isinstance(self.piecewise_cuda_graph_max_tokens, int)
+            or isinstance(self.piecewise_cuda_graph_max_tokens, bool)
             or self.piecewise_cuda_graph_max_tokens < 0
         ):
             raise ValueError(

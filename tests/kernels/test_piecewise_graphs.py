@@ -53,10 +53,11 @@ def _mixed_batch(decode_lens: list[int], chunks: list[tuple[int, int]], bs: int)
 
 def test_token_buckets_pad_by_under_half_and_hold_the_budget():
     assert token_buckets(64) == [16, 24, 32, 48, 64]
-    assert token_buckets(2048)[-1] == 2048 and token_buckets(2049)[-1] == 3072
+    assert token_buckets(2048)[-1] == 2048 and token_buckets(2049)[-2:] == [2048, 2049]
+    assert token_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
     sizes = token_buckets(4096)
-    assert all(b < 1.5 * a + 1 for a, b in itertools.pairwise(sizes))
-    assert token_buckets(3) == [16]
+    assert all(a < b <= 1.5 * a for a, b in itertools.pairwise(sizes))
+    assert token_buckets(3) == [3]
 
 
 @torch.inference_mode()
