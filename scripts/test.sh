@@ -10,13 +10,16 @@
 #   3. lint: ruff, then mypy and import-linter (scripts/typecheck.sh),
 #   4. unit and integration tests (tests/),
 #   5. the Go build and vLLM for CPU's install (started after phase 2) are waited
-#      for, then the end-to-end tests (e2e/) run on one cluster for the whole session,
+#      for, then the end-to-end tests (e2e/) run on one cluster for the whole session:
+#      as root, on real nodes (kubelets and containerd running the project's image; the
+#      image and the nodes' seed are built in the background from phase 2 on, `conveyor image
+#      build --seed`: ~4 min cold, seconds warm, and the node tools right after the cluster's),
+#      then on the node agent the modules that need it (vLLM's, which has no image here;
+#      hand-made pods on the agent's pod networks; the agent's own workings). Without root,
+#      or with CONVEYOR_REAL_NODES=0, the whole suite runs on the node agent,
 #   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`),
-#   7. an LLMService on real nodes (e2e/test_real_nodes.py): kubelets and containerd running
-#      the project's image. As root, the image and the nodes' seed are built in the background
-#      from phase 3 on (`conveyor image build --seed`: ~4 min cold, seconds warm), and the node
-#      tools (kubelet) after the cluster's (niced, beside phase 5). CONVEYOR_REAL_NODES=0 skips
-#      both builds (phase 7 then skips in seconds, as it does without root).
+#   7. an LLMService on real nodes from the project's image, on a cluster of its own
+#      (e2e/test_real_nodes.py; skips in seconds without root).
 # pytest's "no tests collected" (exit 5) fails the run: a suite that runs
 # nothing must not pass. CONVEYOR_E2E=0 skips phases 1 and 5 (no cluster).
 set -uo pipefail
@@ -39,10 +42,19 @@ summary() {
 
 build_pid=""
 run_e2e="${CONVEYOR_E2E:-1}"
+real_nodes=0
+if [[ "$run_e2e" != 0 && "${CONVEYOR_REAL_NODES:-1}" != 0 && $(id -u) -eq 0 ]]; then
+    real_nodes=1
+fi
 if [[ "$run_e2e" != 0 && -x cluster/build-tools.sh && -z "${KUBECONFIG:-}" ]]; then
     say "phase 1: building the cluster's tools in the background (log: $logs/build-tools.log)"
     t_build=$SECONDS
-    cluster/build-tools.sh > "$logs/build-tools.log" 2>&1 &
+    # The real nodes' binaries (kubelet) reuse what the cluster's build left in Go's cache.
+    ( cluster/build-tools.sh || exit 1
+      if [[ $real_nodes -eq 1 ]]; then
+          t0=$SECONDS; cluster/build-tools.sh --set node || exit 1
+          echo $(( SECONDS - t0 )) > "$logs/build-node.seconds"
+      fi ) > "$logs/build-tools.log" 2>&1 &
     build_pid=$!
 fi
 
@@ -53,9 +65,7 @@ if ! scripts/bootstrap.sh; then
 fi
 phase_done "python install" $t
 
-real_nodes=0
-if [[ "$run_e2e" != 0 && "${CONVEYOR_REAL_NODES:-1}" != 0 && $(id -u) -eq 0 ]]; then
-    real_nodes=1
+if [[ $real_nodes -eq 1 ]]; then
     say "building the project's image and the real nodes' seed in the background (log: $logs/image-build.log)"
     # Each background build writes how long it took itself: waited for later, its wall time
     # from the start would include the phases in between.
@@ -115,12 +125,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         phases+=("$(printf '%-28s %5ds' "go build (wall, overlapped)" "$(( SECONDS - t_build ))")")
     fi
     if [[ $real_nodes -eq 1 ]]; then
-        # The real nodes' binaries reuse what the cluster's build left in Go's cache; niced,
-        # so that the e2e tests beside it keep the cores they ask for.
-        say "building the node tools in the background (log: $logs/build-node.log)"
-        ( t0=$SECONDS; nice -n 10 cluster/build-tools.sh --set node; rc=$?
-          echo $(( SECONDS - t0 )) > "$logs/build-node.seconds"; exit $rc ) > "$logs/build-node.log" 2>&1 &
-        node_pid=$!
+        phases+=("$(printf '%-28s %5ss' "node tools (overlapped)" "$(cat "$logs/build-node.seconds" 2>/dev/null || echo '?')")")
     fi
     if [[ -n "$vllm_pid" ]]; then
         t=$SECONDS
@@ -134,19 +139,9 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         phase_done "vllm install (waited)" $t
         phases+=("$(printf '%-28s %5ds' "vllm install (wall, overlapped)" "$(( SECONDS - t_vllm ))")")
     fi
-    say "phase 5b: end-to-end tests on the one-machine cluster"
-    run_pytest "e2e tests" e2e --ignore=e2e/walkthrough --ignore=e2e/test_real_nodes.py \
-        -p no:cacheprovider --durations=12 "$@"
-    rc_e2e=$?
-    say "phase 6: the README walk-through, as written, on a cluster of its own"
-    run_pytest "README walk-through" e2e/walkthrough -p no:cacheprovider "$@"
-    rc_walk=$?
-    [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_walk
-    # Real nodes (kubelet + containerd, pods from the project's image) on a cluster of their
-    # own, from what the background builds made (without root it skips in seconds).
     rc_real=0
     if [[ $real_nodes -eq 1 ]]; then
-        say "phase 7a: waiting for the image, the seed and the node tools"
+        say "phase 5a: waiting for the project's image and the real nodes' seed"
         t=$SECONDS
         if ! wait "$image_pid"; then
             tail -n 30 "$logs/image-build.log"
@@ -155,16 +150,41 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         fi
         tail -n 5 "$logs/image-build.log"
         phases+=("$(printf '%-28s %5ss' "image + seed (overlapped)" "$(cat "$logs/image-build.seconds" 2>/dev/null || echo '?')")")
-        if ! wait "$node_pid"; then
-            tail -n 30 "$logs/build-node.log"
-            echo "building the node tools failed (log: $logs/build-node.log)"
-            rc_real=1
-        fi
-        phases+=("$(printf '%-28s %5ss' "node tools (overlapped)" "$(cat "$logs/build-node.seconds" 2>/dev/null || echo '?')")")
-        phase_done "real-node builds (waited)" $t
+        phase_done "image + seed (waited)" $t
     fi
+    if [[ $real_nodes -eq 1 && -z "${KUBECONFIG:-}" ]]; then
+        rc_e2e=$rc_real
+        if [[ $rc_real -eq 0 ]]; then
+            say "phase 5b: end-to-end tests on real nodes (kubelets, containerd, the project's image)"
+            # Built above, so a reason to skip real nodes is a failure here.
+            CONVEYOR_E2E_NODE_RUNTIME=kubelet CONVEYOR_REAL_NODES_REQUIRED=1 run_pytest \
+                "e2e tests on real nodes" e2e --ignore=e2e/walkthrough \
+                --ignore=e2e/test_real_nodes.py -p no:cacheprovider -rs --durations=12 "$@"
+            rc_e2e=$?
+        fi
+        say "phase 5c: the e2e modules that need the node agent, on the node agent"
+        # vLLM's (there is no vLLM image here: its 6 GB environment and seed beside the
+        # project's do not fit this disk), hand-made pods on the agent's pod networks, and
+        # the agent's own workings: each of them skips on real nodes, saying which.
+        run_pytest "e2e tests on the node agent" e2e/test_engines.py e2e/test_agent_lifecycle.py \
+            e2e/test_cluster_no_path_out.py e2e/test_cluster_pod_network.py \
+            e2e/test_cluster_rbac.py -p no:cacheprovider -rs --durations=6 "$@"
+        rc_agent=$?
+        [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_agent
+    else
+        say "phase 5b: end-to-end tests on the one-machine cluster (node agent)"
+        run_pytest "e2e tests" e2e --ignore=e2e/walkthrough --ignore=e2e/test_real_nodes.py \
+            -p no:cacheprovider --durations=12 "$@"
+        rc_e2e=$?
+    fi
+    say "phase 6: the README walk-through, as written, on a cluster of its own"
+    run_pytest "README walk-through" e2e/walkthrough -p no:cacheprovider "$@"
+    rc_walk=$?
+    [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_walk
+    # Real nodes (kubelet + containerd, pods from the project's image) on a cluster of their
+    # own, from what the background builds made (without root it skips in seconds).
     if [[ $rc_real -eq 0 ]]; then
-        say "phase 7: an LLMService on real nodes, from the project's image"
+        say "phase 7: an LLMService on real nodes, from the project's image, on a cluster of its own"
         # Built above, so a reason to skip is a failure here.
         CONVEYOR_REAL_NODES_REQUIRED=$real_nodes run_pytest "e2e on real nodes" \
             e2e/test_real_nodes.py -p no:cacheprovider -rs "$@"
