@@ -347,6 +347,7 @@ class ModelRunner:
         ):
             hidden: torch.Tensor = self.cuda_graphs.run(input_ids, positions, meta)
         elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(len(input_ids)):
+            assert self.kv_cache is not None  # captured once the cache is allocated
             hidden = self.piecewise_graphs.run(input_ids, positions, self.kv_cache, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)

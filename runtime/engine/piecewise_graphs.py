@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -52,7 +52,7 @@ class Graph(Protocol):
 class CudaGraph:
     """One piece as a CUDA graph; every piece's graph shares one memory pool."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool: Any) -> None:  # torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
@@ -103,7 +103,9 @@ class PiecewiseCudaGraphs:
 
     # -- the pieces, on the first ``t`` rows of the buffers ---------------------------------
 
-    def _keep(self, t: int, q, k, v, residual) -> None:
+    def _keep(
+        self, t: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor
+    ) -> None:
         self.q[:t].copy_(q)
         self.k[:t].copy_(k)
         self.v[:t].copy_(v)

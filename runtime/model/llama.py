@@ -9,6 +9,7 @@ the LM head to the embeddings.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 from torch import nn
@@ -23,6 +24,9 @@ from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""A layer up to its attention: q (T, Hq, D), k and v (T, Hkv, D), and the residual (T, hidden)."""
 
 
 class DecoderShape:
@@ -90,7 +94,9 @@ class LlamaAttention(nn.Module):
         q, k, v = self.project(positions, x, rotary)
         return self.output(self.attend(q, k, v, kv_cache, meta))
 
-    def project(self, positions, x, rotary: RotaryEmbedding):
+    def project(
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), rotated: all that depends on
         the step's tokens alone (a piecewise CUDA graph holds it, ``piecewise_graphs.py``)."""
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
@@ -102,12 +108,20 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return rotary(positions, q, k) + (v,)
 
-    def attend(self, q, k, v, kv_cache, meta: AttentionMetadata, out=None):
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The step's K/V into the cache, and attention over each sequence's context: the
         part that depends on the batch's sequences -> (T, Hq, D), into ``out`` if given."""
         return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, out)
 
-    def output(self, o):
+    def output(self, o: torch.Tensor) -> torch.Tensor:
         """(T, Hq, D) -> (T, hidden), summed over the ranks' heads."""
         out = self.o_proj(o.flatten(1))  # (T, hidden), this rank's heads' part
         return out if self.tp is None else self.tp.all_reduce(out)
@@ -139,7 +153,13 @@ class LlamaDecoderLayer(nn.Module):
         o = self.self_attn.attend(q, k, v, kv_cache, meta)
         return self.after_attention(o, residual)
 
-    def before_attention(self, positions, x, residual, rotary):
+    def before_attention(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+    ) -> Projected:
         """The input norm (with the residual add) and the projections -> (q, k, v, residual)."""
         if residual is None:
             residual = x
@@ -148,7 +168,9 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         return (*self.self_attn.project(positions, x, rotary), residual)
 
-    def after_attention(self, o, residual):
+    def after_attention(
+        self, o: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's output projection, the residual add, norm and MLP -> (x, residual)."""
         x, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
         return self.mlp(x), residual
@@ -206,25 +228,39 @@ class LlamaForCausalLM(nn.Module):
 
     # -- the forward pass in pieces: attention (``attend``) is what lies between them --------
 
-    def begin(self, input_ids, positions):
+    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Projected:
         """The embedding and the first layer up to its attention -> (q, k, v, residual)."""
         x = self.embed_tokens(input_ids)  # (T, hidden)
-        return self.layers[0].before_attention(positions, x, None, self.rotary)
+        return self.layer(0).before_attention(positions, x, None, self.rotary)
 
-    def attend(self, i, q, k, v, kv_caches, meta, out=None):
+    def attend(
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_caches: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Layer ``i``'s attention over the paged cache -> (T, Hq, D)."""
-        return self.layers[i].self_attn.attend(q, k, v, kv_caches[i], meta, out)
+        return self.layer(i).self_attn.attend(q, k, v, kv_caches[i], meta, out)
 
-    def between(self, i, o, residual, positions):
+    def between(
+        self, i: int, o: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor
+    ) -> Projected:
         """Layer ``i - 1`` after its attention, then layer ``i`` up to its own."""
-        x, residual = self.layers[i - 1].after_attention(o, residual)
-        return self.layers[i].before_attention(positions, x, residual, self.rotary)
+        x, residual = self.layer(i - 1).after_attention(o, residual)
+        return self.layer(i).before_attention(positions, x, residual, self.rotary)
 
-    def finish(self, o, residual):
+    def finish(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer after its attention, and the final norm -> hidden (T, hidden)."""
-        x, residual = self.layers[-1].after_attention(o, residual)
+        x, residual = self.layer(len(self.layers) - 1).after_attention(o, residual)
         x, _ = self.norm(x, residual)
         return x
+
+    def layer(self, i: int) -> LlamaDecoderLayer:
+        return cast(LlamaDecoderLayer, self.layers[i])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(N, hidden) -> (N, vocab) float32 logits; under tensor parallelism every rank
