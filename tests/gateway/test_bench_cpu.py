@@ -24,10 +24,12 @@ def test_the_workload_is_the_routing_parts_chats() -> None:
 
 
 def test_the_bench_prints_cpu_per_request(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--requests", "24", "--rounds", "1", "--users", "4", "--token-interval-ms", "0"]
+    # Enough requests that the proxy's CPU spans many of /proc's 10 ms clock ticks: 24 of
+    # them (about 1 ms each) once read as 0 ticks on a quick machine.
+    argv = ["--requests", "240", "--rounds", "1", "--users", "8", "--token-interval-ms", "0"]
     assert cpu.main(argv) == 0
     out = capsys.readouterr().out
-    assert "proxy CPU ms/req (user + system), median over 1 rounds of 24 requests" in out
+    assert "proxy CPU ms/req (user + system), median over 1 rounds of 240 requests" in out
     row = next(line for line in out.splitlines() if line.strip().startswith("conveyor "))
     streamed, plain = (float(v) for v in row.split()[1:3])
     assert streamed > 0 and plain > 0
