@@ -197,7 +197,19 @@ async def _run_load(stack: dict) -> None:
         await asyncio.gather(*(one(100 + i, stream=False, max_tokens=48) for i in range(96)))
         # a replica killed under load: retries before the first byte, an ejection
         doomed = pods[f"{LLMSERVICE}-doomed"]
-        load = asyncio.gather(*(one(200 + i, stream=True, max_tokens=32) for i in range(24)))
+        killed = asyncio.Event()
+
+        async def under_load() -> None:
+            # Waves until the replica is killed and ejected: one wave can reach the doomed
+            # replica and finish between two polls (a fresh-clone run saw none of 24 there).
+            wave = 0
+            while not killed.is_set():
+                await asyncio.gather(
+                    *(one(200 + 24 * wave + i, stream=True, max_tokens=32) for i in range(24))
+                )
+                wave += 1
+
+        load = asyncio.create_task(under_load())
         async with httpx.AsyncClient() as poll:
 
             async def serving_and_admitted() -> bool:
@@ -233,6 +245,7 @@ async def _run_load(stack: dict) -> None:
             deadline = time.monotonic() + 60
             while not await ejected():
                 assert time.monotonic() < deadline, "the gateway never ejected the killed replica"
+            killed.set()
         await load
         await asyncio.gather(*(one(300 + i, stream=i % 2 == 0) for i in range(8)))
 
