@@ -75,6 +75,9 @@ class DecoderShape:
 
 
 class LlamaAttention(nn.Module):
+    """Called in three parts (``project``, ``attend``, ``output``): piecewise CUDA graphs
+    capture the parts around ``attend``."""
+
     def __init__(self, s: DecoderShape, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
@@ -89,10 +92,6 @@ class LlamaAttention(nn.Module):
         self.scale = s.head_dim**-0.5
         self.backend = backend
         self.tp = s.tp if s.tp.size > 1 else None  # o_proj is row-parallel: sum its partials
-
-    def forward(self, positions, x, rotary: RotaryEmbedding, kv_cache, meta: AttentionMetadata):
-        q, k, v = self.project(positions, x, rotary)
-        return self.output(self.attend(q, k, v, kv_cache, meta))
 
     def project(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
@@ -141,17 +140,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Called in halves around its attention (``before_attention``, ``after_attention``)."""
+
     def __init__(self, s: DecoderShape, backend: AttentionBackend):
         super().__init__()
         self.self_attn = LlamaAttention(s, backend)
         self.mlp = LlamaMLP(s)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-
-    def forward(self, positions, x, residual, rotary, kv_cache, meta):
-        q, k, v, residual = self.before_attention(positions, x, residual, rotary)
-        o = self.self_attn.attend(q, k, v, kv_cache, meta)
-        return self.after_attention(o, residual)
 
     def before_attention(
         self,
