@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -129,9 +130,25 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
         t0 = time.monotonic()
         layout = NodeLayout("seed", key, work)
         base = _newest_seed(cache, version)
-        if base is not None:
-            clone_root(base / "containerd", layout.containerd_root)
-        _import_into(layout, archives)
+        try:
+            if base is not None:
+                clone_root(base / "containerd", layout.containerd_root)
+            _import_into(layout, archives)
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+            if base is None:
+                raise
+            # Growing from the last seed is an optimisation: whatever went wrong in it (a
+            # clone that disagrees with its databases, say), an import from nothing is the
+            # same seed, minutes slower.
+            print(
+                f"[seed] growing from {base.name} failed ({exc}); importing from nothing",
+                file=sys.stderr,
+                flush=True,
+            )
+            _stop_orphan(work)
+            shutil.rmtree(work, ignore_errors=True)
+            base = None
+            _import_into(layout, archives)
         record = {
             "archives": [str(a) for a in archives],
             "import_s": round(time.monotonic() - t0, 1),
@@ -237,6 +254,16 @@ def _stop_orphan(work: Path) -> None:
             os.waitpid(pid, 0)
 
 
+def _ctr(argv: list[str]) -> str:
+    """Run a ``ctr`` command; its stdout. A failure raises with what ``ctr`` said (a bare
+    CalledProcessError says only the exit status)."""
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        said = (proc.stderr or proc.stdout).strip()
+        raise RuntimeError(f"{' '.join(argv[3:])} failed (exit {proc.returncode}): {said}")
+    return proc.stdout
+
+
 def _answers(socket: Path) -> bool:
     if not socket.exists():
         return False
@@ -250,29 +277,24 @@ def _collect_garbage(socket: Path, keep: set[str]) -> None:
     containerd's garbage collection and wait for it, so that their blobs and snapshots go.
     ``images rm --sync`` of a throwaway tag is how ``ctr`` asks for a collection now."""
     ctr = ["ctr", "-a", str(socket), "-n", CRI_NAMESPACE, "images"]
-    listed = subprocess.run([*ctr, "ls"], capture_output=True, text=True, check=True).stdout
+    listed = _ctr([*ctr, "ls"])
     rows = [line.split() for line in listed.splitlines()[1:] if line.strip()]
     stale = [row[0] for row in rows if row[2] not in keep]  # REF TYPE DIGEST ...
     throwaway = "conveyor.local/seed-gc:collect"
-    subprocess.run(
-        [*ctr, "tag", "--force", PAUSE_IMAGE, throwaway], capture_output=True, check=True
-    )
-    subprocess.run([*ctr, "rm", "--sync", *stale, throwaway], capture_output=True, check=True)
+    _ctr([*ctr, "tag", "--force", PAUSE_IMAGE, throwaway])
+    _ctr([*ctr, "rm", "--sync", *stale, throwaway])
 
 
 def _check_unpacked(socket: Path) -> None:
     """Every image's layers are unpacked into the overlayfs snapshotter (else each node would
     unpack at its first container, which is the cost the seed is for)."""
     ctr = ["ctr", "-a", str(socket), "-n", CRI_NAMESPACE]
-    names = subprocess.run([*ctr, "images", "ls", "-q"], capture_output=True, text=True, check=True)
-    for name in names.stdout.split():
-        out = subprocess.run(
-            [*ctr, "images", "check", f"name=={name}"], capture_output=True, text=True, check=True
-        )
+    for name in _ctr([*ctr, "images", "ls", "-q"]).split():
+        out = _ctr([*ctr, "images", "check", f"name=={name}"])
         # REF TYPE DIGEST STATUS SIZE UNPACKED, the last column "true" or "false"
-        rows = out.stdout.strip().splitlines()[1:]
+        rows = out.strip().splitlines()[1:]
         if not rows or any(row.split()[-1] != "true" for row in rows):
-            raise RuntimeError(f"{name} is not unpacked in the seed: {out.stdout.strip()}")
+            raise RuntimeError(f"{name} is not unpacked in the seed: {out.strip()}")
 
 
 def clone_root(seed: Path, root: Path) -> None:

@@ -33,11 +33,17 @@ t_start=$SECONDS
 phases=()
 say() { printf '\n[test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 phase_done() { phases+=("$(printf '%-28s %5ds' "$1" "$(( SECONDS - $2 ))")"); }
+failures=()  # what failed and why, printed last: CI shows only the output's tail
+failed() { failures+=("$@"); }
 summary() {
     echo
     echo "== phase times =="
     printf '  %s\n' "${phases[@]}"
     printf '  %-28s %5ds\n' "total" "$(( SECONDS - t_start ))"
+    if [[ ${#failures[@]} -gt 0 ]]; then
+        echo "== what failed =="
+        printf '  %s\n' "${failures[@]}"
+    fi
 }
 
 build_pid=""
@@ -87,19 +93,28 @@ fi
 
 say "phase 3: lint (ruff, then types and layering: scripts/typecheck.sh)"
 t=$SECONDS
-"$venv/bin/ruff" check . || { phase_done "lint" $t; summary; exit 1; }
-CONVEYOR_VENV="$venv" scripts/typecheck.sh || { phase_done "lint" $t; summary; exit 1; }
+"$venv/bin/ruff" check . || { phase_done "lint" $t; failed "lint: ruff (above)"; summary; exit 1; }
+CONVEYOR_VENV="$venv" scripts/typecheck.sh \
+    || { phase_done "lint" $t; failed "lint: scripts/typecheck.sh (above)"; summary; exit 1; }
 phase_done "lint" $t
 
 run_pytest() {  # name, then pytest args; exit 5 (no tests) is a failure
     local name=$1; shift
     local t=$SECONDS
-    "$venv/bin/pytest" "$@"
-    local rc=$?
+    local log="$logs/pytest-${name//[^a-zA-Z0-9]/-}.log"
+    "$venv/bin/pytest" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
     phase_done "$name" $t
     if [[ $rc -eq 5 ]]; then
         echo "pytest collected no tests for '$name': that is a failure, not a pass"
+        failed "$name: pytest collected no tests"
         return 1
+    fi
+    if [[ $rc -ne 0 ]]; then
+        failed "$name (pytest exit $rc; $log):"
+        local line
+        while IFS= read -r line; do failed "  $line"; done \
+            < <(grep -E '^(FAILED|ERROR) ' "$log" | cut -c1-300 | head -n 12)
     fi
     return $rc
 }
@@ -146,6 +161,9 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         if ! wait "$image_pid"; then
             tail -n 30 "$logs/image-build.log"
             echo "building the image or the real nodes' seed failed (log: $logs/image-build.log)"
+            failed "building the image or the real nodes' seed ($logs/image-build.log), its tail:"
+            while IFS= read -r line; do failed "  ${line:0:300}"; done \
+                < <(tail -n 12 "$logs/image-build.log")
             rc_real=1
         fi
         tail -n 5 "$logs/image-build.log"

@@ -119,3 +119,34 @@ def test_a_new_seed_grows_from_the_newest_seed_of_the_same_containerd(tmp_path: 
     (tmp_path / "building.partial").mkdir()
     assert _newest_seed(tmp_path, "containerd 1.6.20") == tmp_path / "newer"
     assert _newest_seed(tmp_path, "containerd 1.7") is None
+
+
+def test_a_seed_that_fails_to_grow_from_the_last_is_imported_from_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Growing from the last seed only saves time: when the clone or the import on it fails,
+    the same seed is made from an empty root, and the first failure is said, not raised."""
+    from conveyor.cluster import node_seed
+
+    cache = tmp_path / "cache"
+    for db in BOLT_DATABASES:
+        (cache / "last" / "containerd" / db).parent.mkdir(parents=True)
+        (cache / "last" / "containerd" / db).write_text("bolt")
+    (cache / "last" / SEED_DONE).write_text('{"containerd": "containerd 1.6.20", "import_s": 3}')
+    archive = _archive(tmp_path / "a.tar", b'{"manifests": [{"digest": "sha256:a"}]}')
+    monkeypatch.setattr(node_seed, "containerd_version", lambda: "containerd 1.6.20")
+    imports: list[bool] = []
+
+    def import_into(layout: node_seed.NodeLayout, archives: object) -> None:
+        grown = layout.containerd_root.exists()  # cloned from the last seed
+        imports.append(grown)
+        if grown:
+            raise RuntimeError("ctr images import: content digest sha256:a: not found")
+        layout.containerd_root.mkdir(parents=True)
+
+    monkeypatch.setattr(node_seed, "_import_into", import_into)
+    seed = node_seed.seed_root([archive], cache=cache)
+    assert imports == [True, False]
+    assert not seed.cached and seed.root.is_dir()
+    done = seed.root.parent / SEED_DONE
+    assert '"based_on": null' in done.read_text()
