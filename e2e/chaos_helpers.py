@@ -26,6 +26,7 @@ from real_nodes_helpers import containerd_task_pid
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.api import ApiClient, ApiError, wait_for
+from conveyor.operator.names import GATEWAY_NAME
 
 RETRYABLE_STATUS = {408, 409, 429, 500, 502, 503, 504}
 """Statuses the OpenAI SDK resends (with connection errors)."""
@@ -181,7 +182,7 @@ class Traffic:
             else:
                 figures.failed_before_first_byte += 1
             if o.error and len(figures.errors) < 5:
-                figures.errors.append(o.error)
+                figures.errors.append(f"{o.error} (ended +{o.finished_at - t0:.1f}s)")
         return figures
 
     def wait_answers(self, count: int, since: float, timeout_s: float = 120) -> None:
@@ -194,17 +195,32 @@ class Traffic:
         )
 
 
+@dataclass(frozen=True)
+class Sample:
+    t: float
+    phase: str
+    """The LLMService's phase, or "unreachable"."""
+    unready: int
+    """Runtime pods not Ready (-1: unreachable)."""
+    gateway_endpoints: int
+    """Ready endpoints of the gateway's Service, as its EndpointSlices say (-1: unreachable):
+    what kube-proxy routes the Service's address to."""
+    gateway_slices: str = ""
+    """The names of those EndpointSlices (a slice deleted and made anew shows here)."""
+
+
 class PhaseWatch:
-    """Polls the LLMService's phase (and its pods' Ready conditions) on its own thread, with a
-    short timeout per call, so that it keeps a timeline through a frozen apiserver."""
+    """Polls the LLMService's phase, its pods' Ready conditions and the gateway Service's ready
+    endpoints on its own thread, with a short timeout per call, so that it keeps a timeline
+    through a frozen apiserver."""
 
     def __init__(self, api: ApiClient, namespace: str, name: str) -> None:
         self.api = ApiClient(api.credentials, timeout_s=2.0)
         self.path = f"/apis/conveyor.dev/v1alpha1/namespaces/{namespace}/llmservices/{name}"
         self.pods = f"/api/v1/namespaces/{namespace}/pods"
+        self.slices = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
         self.selector = f"conveyor.dev/llmservice={name}"
-        self.samples: list[tuple[float, str, int]] = []
-        """(time, phase or "unreachable", runtime pods not Ready)."""
+        self.samples: list[Sample] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="phase-watch", daemon=True)
 
@@ -218,33 +234,59 @@ class PhaseWatch:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            t = time.monotonic()
             try:
                 phase = (self.api.get(self.path).get("status") or {}).get("phase") or "None"
                 pods = self.api.get(self.pods, labelSelector=self.selector)["items"]
                 unready = sum(1 for p in pods if not pod_ready(p))
             except (ApiError, OSError):
                 phase, unready = "unreachable", -1
-            self.samples.append((time.monotonic(), phase, unready))
+            try:
+                slices = self.api.get(
+                    self.slices, labelSelector=f"kubernetes.io/service-name={GATEWAY_NAME}"
+                )["items"]
+                endpoints = sum(
+                    1
+                    for s in slices
+                    for e in s.get("endpoints") or []
+                    if (e.get("conditions") or {}).get("ready")
+                )
+                names = ",".join(sorted(sl["metadata"]["name"] for sl in slices))
+            except (ApiError, OSError):
+                endpoints, names = -1, ""
+            self.samples.append(Sample(t, phase, unready, endpoints, names))
             self._stop.wait(0.25)
 
     def phases(self, since: float) -> list[str]:
         """The phases seen since ``since``, each run of equal ones once."""
         seen: list[str] = []
-        for t, phase, _ in self.samples:
-            if t >= since and (not seen or seen[-1] != phase):
-                seen.append(phase)
+        for s in self.samples:
+            if s.t >= since and (not seen or seen[-1] != s.phase):
+                seen.append(s.phase)
         return seen
+
+    def gateway_timeline(self, since: float) -> str:
+        """The gateway Service's ready endpoints since ``since``, each change once, as
+        ``+SECONDS:COUNT[SLICES]`` (-1: the apiserver did not answer)."""
+        seen: list[str] = []
+        last: tuple[int, str] | None = None
+        for s in self.samples:
+            now = (s.gateway_endpoints, s.gateway_slices)
+            if s.t >= since and now != last:
+                seen.append(f"+{s.t - since:.1f}s:{s.gateway_endpoints}[{s.gateway_slices}]")
+                last = now
+        return " ".join(seen)
 
     def recovery(self, fault_start: float, fault_end: float) -> str:
         """When the phase was Ready for good, in words: "stayed Ready" when it never left Ready
         after ``fault_start``, else seconds after the fault began and after it ended."""
         last_bad = None
-        for t, phase, _ in self.samples:
-            if t >= fault_start and phase != "Ready":
-                last_bad = t
+        for s in self.samples:
+            if s.t >= fault_start and s.phase != "Ready":
+                last_bad = s.t
         if last_bad is None:
             return "stayed Ready"
-        after = [t for t, phase, _ in self.samples if t > last_bad and phase == "Ready"]
+        after = [s.t for s in self.samples if s.t > last_bad and s.phase == "Ready"]
         assert after, f"the LLMService is not Ready again (phases {self.phases(fault_start)})"
         return (
             f"Ready again {after[0] - fault_start:.1f} s after the fault began, "
@@ -253,7 +295,7 @@ class PhaseWatch:
 
     def pods_unready_seen(self, since: float) -> int:
         """The most runtime pods seen not Ready at once since ``since``."""
-        return max((u for t, _, u in self.samples if t >= since), default=0)
+        return max((s.unready for s in self.samples if s.t >= since), default=0)
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:

@@ -215,8 +215,8 @@ class Run:
         print(
             f"\n[figures] {fault}: during ({self.fault_end - self.fault_start:.1f} s) "
             f"{during.line()}; after {after.line()}; gateway retries {gateway_retries:.0f}; "
-            f"LLMService {recovery} (phases {' > '.join(self.watch.phases(self.fault_start))})"
-            f"{extra}",
+            f"LLMService {recovery} (phases {' > '.join(self.watch.phases(self.fault_start))}); "
+            f"gateway endpoints {self.watch.gateway_timeline(self.fault_start)}{extra}",
             file=sys.stderr,
         )
         return during, after
@@ -236,7 +236,10 @@ def under_traffic(stack: Stack) -> Iterator[Run]:
         yield run
     failed = traffic.since(run.fault_start)
     assert failed.failed_before_first_byte == 0, (
-        f"{failed.failed_before_first_byte} requests failed before their first byte: {failed.errors}"
+        f"{failed.failed_before_first_byte} requests failed before their first byte: "
+        f"{failed.errors}; times from the fault's start, the fault ended at "
+        f"+{run.fault_end - run.fault_start:.1f}s; the gateway Service's ready endpoints: "
+        f"{watch.gateway_timeline(run.fault_start)}"
     )
     assert stack.llmservice()["status"]["phase"] == "Ready"
 
