@@ -11,6 +11,7 @@ wait by a deadline.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -195,6 +196,14 @@ class Traffic:
         )
 
 
+GATEWAY_PODS = "app.kubernetes.io/component=gateway"
+UNANSWERED = (ApiError, OSError, http.client.HTTPException, KeyError, TypeError)
+"""What a poll of an apiserver that is down or recovering can raise (an error status, a refused
+or reset connection, a reply cut short, a body that is not the object): the poll reads
+"unreachable" and goes on, where an escaped error would end the watch's thread, and its
+timeline with it."""
+
+
 @dataclass(frozen=True)
 class Sample:
     t: float
@@ -207,6 +216,8 @@ class Sample:
     what kube-proxy routes the Service's address to."""
     gateway_slices: str = ""
     """The names of those EndpointSlices (a slice deleted and made anew shows here)."""
+    gateway_pods_ready: int = -1
+    """Gateway pods whose Ready condition is True in the API (what the slices are made from)."""
 
 
 class PhaseWatch:
@@ -239,7 +250,7 @@ class PhaseWatch:
                 phase = (self.api.get(self.path).get("status") or {}).get("phase") or "None"
                 pods = self.api.get(self.pods, labelSelector=self.selector)["items"]
                 unready = sum(1 for p in pods if not pod_ready(p))
-            except (ApiError, OSError):
+            except UNANSWERED:
                 phase, unready = "unreachable", -1
             try:
                 slices = self.api.get(
@@ -252,10 +263,21 @@ class PhaseWatch:
                     if (e.get("conditions") or {}).get("ready")
                 )
                 names = ",".join(sorted(sl["metadata"]["name"] for sl in slices))
-            except (ApiError, OSError):
-                endpoints, names = -1, ""
-            self.samples.append(Sample(t, phase, unready, endpoints, names))
+                gateways = self.api.get(self.pods, labelSelector=GATEWAY_PODS)["items"]
+                gateways_ready = sum(1 for p in gateways if pod_ready(p))
+            except UNANSWERED:
+                endpoints, names, gateways_ready = -1, "", -1
+            self.samples.append(Sample(t, phase, unready, endpoints, names, gateways_ready))
             self._stop.wait(0.25)
+
+    def wait_sample(self, since: float, timeout_s: float = 30) -> None:
+        """Wait until a poll that began at ``since`` or later has been recorded."""
+        wait_for(
+            "the phase watch's next sample",
+            lambda: any(s.t >= since for s in self.samples[-4:]),
+            timeout_s=timeout_s,
+            interval_s=0.05,
+        )
 
     def phases(self, since: float) -> list[str]:
         """The phases seen since ``since``, each run of equal ones once."""
@@ -267,13 +289,17 @@ class PhaseWatch:
 
     def gateway_timeline(self, since: float) -> str:
         """The gateway Service's ready endpoints since ``since``, each change once, as
-        ``+SECONDS:COUNT[SLICES]`` (-1: the apiserver did not answer)."""
+        ``+SECONDS:ENDPOINTS/PODS[SLICES]``: ready endpoints in the slices, gateway pods Ready
+        in the API, the slices' names (-1: the apiserver did not answer)."""
         seen: list[str] = []
-        last: tuple[int, str] | None = None
+        last: tuple[int, int, str] | None = None
         for s in self.samples:
-            now = (s.gateway_endpoints, s.gateway_slices)
+            now = (s.gateway_endpoints, s.gateway_pods_ready, s.gateway_slices)
             if s.t >= since and now != last:
-                seen.append(f"+{s.t - since:.1f}s:{s.gateway_endpoints}[{s.gateway_slices}]")
+                seen.append(
+                    f"+{s.t - since:.1f}s:{s.gateway_endpoints}/{s.gateway_pods_ready}"
+                    f"[{s.gateway_slices}]"
+                )
                 last = now
         return " ".join(seen)
 
