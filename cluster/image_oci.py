@@ -34,6 +34,27 @@ class ImageBuildError(RuntimeError):
     """The build cannot go on; the message says what to do."""
 
 
+ARCHIVE_SLACK = 64 << 20
+"""Room kept beyond an archive's blobs: its tar headers and whatever else writes meanwhile."""
+
+
+def _make_room(archive: Path, size: int) -> None:
+    """Make sure ``size`` bytes can be written beside ``archive``: when they cannot, the old
+    archive goes first (the new one replaces it anyway, and nothing else reads it: the real
+    nodes' seed holds its own copy); when they still cannot, say so."""
+    need = size + ARCHIVE_SLACK
+    if shutil.disk_usage(archive.parent).free < need and archive.exists():
+        archive.unlink()
+    free = shutil.disk_usage(archive.parent).free
+    if free < need:
+        raise ImageBuildError(
+            f"not enough disk space for the image's archive: it needs {need / 1e9:.1f} GB and "
+            f"{free / 1e9:.1f} GB are free on {archive.parent}; free some (the real nodes' "
+            "seeds in ~/.cache/conveyor/node-seed can go: the next build makes one again) or "
+            "write it elsewhere with --output"
+        )
+
+
 class ToolRunner:
     """Runs the build's tools, each one's output into a log under ``logs``."""
 
@@ -160,6 +181,8 @@ class OciLayout:
             return  # this very image (its manifest's digest names all of it)
         archive.parent.mkdir(parents=True, exist_ok=True)
         partial = archive.with_name(archive.name + ".partial")
+        partial.unlink(missing_ok=True)  # a write that died
+        _make_room(archive, sum(self._blob(d).stat().st_size for d in dict.fromkeys(digests)))
         # GNU tar of a directory of hardlinks to the blobs (beside them: one file system), so
         # nothing is copied twice.
         staging = self.path / "archive.staging"
@@ -170,11 +193,14 @@ class OciLayout:
             (staging / "index.json").write_text(json.dumps(index))
             for digest in dict.fromkeys(digests):
                 os.link(self._blob(digest), staging / "blobs" / Path(*digest.split(":", 1)))
-            subprocess.run(
+            tar = subprocess.run(
                 ["tar", "--create", "--file", str(partial), "--directory", str(staging),
                  "oci-layout", "index.json", "blobs"],
-                check=True, capture_output=True,
+                capture_output=True, text=True,
             )  # fmt: skip
+            if tar.returncode != 0:
+                partial.unlink(missing_ok=True)
+                raise ImageBuildError(f"writing {archive} failed: {tar.stderr.strip()}")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         partial.rename(archive)

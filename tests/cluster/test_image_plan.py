@@ -206,3 +206,31 @@ def test_the_cache_drops_what_no_build_can_use_and_the_blobs_only_it_held(tmp_pa
     stored = {p.read_bytes() for p in (tmp_path / "oci" / "blobs" / "sha256").iterdir()}
     assert b"os v1" not in stored and b"source 1" in stored and b"source 2" in stored
     assert layout.top_layer_size("src-2") == len("source 2")
+
+
+def test_the_old_archive_makes_room_for_the_new_one_and_a_full_disk_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Writing an archive needs its size free beside it: when the disk is short, the archive
+    it replaces goes first; when that is not enough either, the error gives both sizes."""
+    from conveyor.cluster import image_oci
+
+    archive = tmp_path / "conveyor.oci.tar"
+    archive.write_bytes(b"x" * 1000)
+    disk = {"free without the archive": 5000}
+
+    class Usage:
+        def __init__(self, _: object) -> None:
+            held = archive.stat().st_size if archive.exists() else 0
+            self.free = disk["free without the archive"] - held
+
+    monkeypatch.setattr(image_oci.shutil, "disk_usage", Usage)
+    monkeypatch.setattr(image_oci, "ARCHIVE_SLACK", 0)
+    image_oci._make_room(archive, 4000)
+    assert archive.exists()  # room enough: the old archive stays until the new replaces it
+    disk["free without the archive"] = 4500
+    image_oci._make_room(archive, 4000)
+    assert not archive.exists()  # its 1000 bytes made the difference
+    disk["free without the archive"] = 3500
+    with pytest.raises(image_oci.ImageBuildError, match=r"needs 0\.0 GB and 0\.0 GB are free"):
+        image_oci._make_room(archive, 4000)
