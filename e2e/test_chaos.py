@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from chaos_helpers import (
+    GATEWAY_PODS,
     Figures,
     PhaseWatch,
     Traffic,
@@ -102,7 +103,7 @@ class Stack:
         return self.pods(f"conveyor.dev/llmservice={MODEL}")
 
     def gateway_pods(self) -> list[dict[str, Any]]:
-        return self.pods("app.kubernetes.io/component=gateway")
+        return self.pods(GATEWAY_PODS)
 
     def operator_pods(self) -> list[dict[str, Any]]:
         return self.pods("app.kubernetes.io/component=operator")
