@@ -131,6 +131,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         if ! wait "$build_pid"; then
             tail -n 40 "$logs/build-tools.log"
             echo "building the cluster's tools failed"
+            failed "building the cluster's tools ($logs/build-tools.log): its tail is above"
             phase_done "go build (waited)" $t
             summary
             exit 1
@@ -147,6 +148,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         if ! wait "$vllm_pid"; then
             tail -n 20 "$logs/vllm-install.log"
             echo "installing vLLM for CPU failed"
+            failed "installing vLLM for CPU ($logs/vllm-install.log): its tail is above"
             phase_done "vllm install (waited)" $t
             summary
             exit 1
