@@ -71,6 +71,8 @@ from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings
 
 SCRAPE_S = 1.0
+STREAMS = 6
+"""Long streams at once in the queue test: three times vLLM's batch (2), so that it queues."""
 """Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""
 ALLOWED_EMPTY = (
     AllowedEmpty("Error ratio", "conveyor_gateway_requests_total", "no request fails here"),
@@ -231,12 +233,16 @@ def test_the_gateway_sees_what_vllms_own_gauges_say(
 
     stop = threading.Event()
     failures: list[str] = []
+    lines = [0] * STREAMS
+    """Lines each stream has read so far (-1: no answer yet), for the failure message."""
+    ended: list[int] = []
 
     def stream(i: int) -> None:
         body = {
             "model": NAME, "prompt": f"story {i}", "max_tokens": 4000, "stream": True,
             "ignore_eos": True,
         }  # fmt: skip
+        lines[i] = -1
         try:
             with (
                 httpx.Client(trust_env=False, timeout=120) as client,
@@ -245,31 +251,54 @@ def test_the_gateway_sees_what_vllms_own_gauges_say(
                 if response.status_code != 200:
                     failures.append(f"stream {i}: HTTP {response.status_code}")
                     return
+                lines[i] = 0
                 for _ in response.iter_lines():
+                    lines[i] += 1
                     if stop.is_set():
                         return  # closing the stream aborts the request in vLLM
+            ended.append(i)
         except httpx.HTTPError as exc:
             if not stop.is_set():
                 failures.append(f"stream {i}: {type(exc).__name__}: {exc}")
 
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(5)]
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(STREAMS)]
     for t in threads:
         t.start()
+    seen_last: list[tuple[float, dict[str, float], dict[str, float]]] = []
+    """What each side last showed, so that a timeout says which of them missed the queue."""
+    started = time.monotonic()
     try:
 
         def both_see_the_queue() -> tuple[dict[str, float], dict[str, float]] | None:
             assert not failures, failures
             engine, seen = vllm_view(), gateway_view()
+            seen_last[:] = [(time.monotonic() - started, engine, seen)]
             if engine["waiting"] >= 1 and seen.get("waiting", 0) >= 1:
                 return engine, seen
             return None
 
-        engine, seen = wait_for(
-            "vLLM's queue in its gauges and in the gateway's view",
-            both_see_the_queue,
-            timeout_s=120,
-            interval_s=0.2,
-        )
+        try:
+            engine, seen = wait_for(
+                "vLLM's queue in its gauges and in the gateway's view",
+                both_see_the_queue,
+                timeout_s=120,
+                interval_s=0.2,
+            )
+        except TimeoutError as exc:
+            gateway_log = kube.kubectl(
+                "-n", namespace, "logs", "-l", "app.kubernetes.io/component=gateway",
+                "--tail=15", "--prefix", check=False,
+            )  # fmt: skip
+            raise AssertionError(
+                (
+                    f"{exc}; at +{seen_last[0][0]:.1f} s vLLM's gauges said {seen_last[0][1]}, "
+                    f"the gateway's view {seen_last[0][2]}; lines read per stream {lines}, "
+                    f"streams ended {ended}"
+                    if seen_last
+                    else f"{exc}; neither vLLM's /metrics nor the gateway's ever answered"
+                )
+                + f"\nthe gateways' logs:\n{gateway_log.stdout}{gateway_log.stderr}"
+            ) from exc
         assert engine["running"] == 2 and seen["running"] == 2  # vLLM's batch, as set
         assert engine["kv_cache_usage"] > 0 and seen["kv_cache_usage"] > 0
         # the queue held until Prometheus has recorded it for a while (the dashboard test)

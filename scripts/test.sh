@@ -112,6 +112,8 @@ run_pytest() {  # name, then pytest args; exit 5 (no tests) is a failure
     fi
     if [[ $rc -ne 0 ]]; then
         failed "$name (pytest exit $rc; $log):"
+        # The short summary's lines: pyproject's -ra prints them (an -r of a phase's own, as
+        # -rs once did, replaces it and left this list empty).
         local line
         while IFS= read -r line; do failed "  $line"; done \
             < <(grep -E '^(FAILED|ERROR) ' "$log" | cut -c1-300 | head -n 12)
@@ -179,7 +181,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
             # Built above, so a reason to skip real nodes is a failure here.
             CONVEYOR_E2E_NODE_RUNTIME=kubelet CONVEYOR_REAL_NODES_REQUIRED=1 run_pytest \
                 "e2e tests on real nodes" e2e --ignore=e2e/walkthrough \
-                --ignore=e2e/test_real_nodes.py -p no:cacheprovider -rs --durations=12 "$@"
+                --ignore=e2e/test_real_nodes.py -p no:cacheprovider --durations=12 "$@"
             rc_e2e=$?
         fi
         say "phase 5c: the e2e modules that need the node agent, on the node agent"
@@ -188,7 +190,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         # the agent's own workings: each of them skips on real nodes, saying which.
         run_pytest "e2e tests on the node agent" e2e/test_engines.py e2e/test_agent_lifecycle.py \
             e2e/test_cluster_no_path_out.py e2e/test_cluster_pod_network.py \
-            e2e/test_cluster_rbac.py -p no:cacheprovider -rs --durations=6 "$@"
+            e2e/test_cluster_rbac.py -p no:cacheprovider --durations=6 "$@"
         rc_agent=$?
         [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_agent
     else
@@ -207,7 +209,7 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
         say "phase 7: an LLMService on real nodes, from the project's image, on a cluster of its own"
         # Built above, so a reason to skip is a failure here.
         CONVEYOR_REAL_NODES_REQUIRED=$real_nodes run_pytest "e2e on real nodes" \
-            e2e/test_real_nodes.py -p no:cacheprovider -rs "$@"
+            e2e/test_real_nodes.py -p no:cacheprovider "$@"
         rc_real=$?
     fi
     [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_real
