@@ -192,7 +192,7 @@ def _too_large(limit: int) -> ClientError:
 def _parse(raw: bytes) -> tuple[dict[str, Any], str]:
     try:
         body = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
         raise ClientError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ClientError(400, "request body must be a JSON object")
