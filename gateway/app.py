@@ -18,6 +18,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from conveyor.gateway.auth import ApiKeyAuth
@@ -224,6 +225,23 @@ class _ProxyRoute:
         await scope["app"].state.gateway.proxy(scope, receive, send)
 
 
+async def http_error(request: Request, exc: Exception) -> Response:
+    """A route or method the gateway does not have: an OpenAI error body, as the proxy's."""
+    assert isinstance(exc, StarletteHTTPException)
+    status = exc.status_code
+    message = str(exc.detail)
+    if status == 404:
+        message = f"no route {request.method} {request.url.path}; see GET /v1/models"
+    elif status == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    return Response(
+        error_json(status, message),
+        status_code=status,
+        media_type="application/json",
+        headers=exc.headers,
+    )
+
+
 def build_app(settings: GatewaySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -238,6 +256,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(
         title="conveyor gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    app.add_exception_handler(StarletteHTTPException, http_error)
     for path in PROXIED_PATHS:
         app.router.routes.append(Route(path, _ProxyRoute(), methods=["POST"]))
 
