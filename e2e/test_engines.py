@@ -71,9 +71,10 @@ from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings
 
 SCRAPE_S = 1.0
-STREAMS = 6
-"""Long streams at once in the queue test: three times vLLM's batch (2), so that it queues."""
 """Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""
+STREAMS = 6
+"""Clients streaming back to back in the queue test: three times vLLM's batch (2), so that
+about four requests wait at any moment."""
 ALLOWED_EMPTY = (
     AllowedEmpty("Error ratio", "conveyor_gateway_requests_total", "no request fails here"),
     # recorded from vLLM's series, so without metadata of their own: the test checks the
@@ -202,8 +203,8 @@ def test_vllm_llmservice_is_ready_and_answers_through_the_gateway(
 def test_the_gateway_sees_what_vllms_own_gauges_say(
     vllm_service: dict[str, Any], kube: KubeUnderTest
 ) -> None:
-    """Long streams beyond vLLM's batch (2): vLLM's waiting gauge and the gateway's view of
-    the replica both show the queue; when the streams end, both go back to 0."""
+    """Streams beyond vLLM's batch (2): vLLM's waiting gauge and the gateway's view of the
+    replica both show the queue; when the streams end, both go back to 0."""
     namespace = vllm_service["namespace"]
     (pod,) = runtime_pods(kube, namespace)
     backend = f"http://{pod['status']['podIP']}:8000"
@@ -233,30 +234,28 @@ def test_the_gateway_sees_what_vllms_own_gauges_say(
 
     stop = threading.Event()
     failures: list[str] = []
-    lines = [0] * STREAMS
-    """Lines each stream has read so far (-1: no answer yet), for the failure message."""
-    ended: list[int] = []
+    sent = [0] * STREAMS
+    """Requests each client has sent so far, for the failure message."""
 
     def stream(i: int) -> None:
+        """One client streaming completions back to back until told to stop: vLLM writes the
+        tiny model's 4,000 tokens in seconds, so single requests would drain the queue before
+        the checks below have seen it for long."""
         body = {
             "model": NAME, "prompt": f"story {i}", "max_tokens": 4000, "stream": True,
             "ignore_eos": True,
         }  # fmt: skip
-        lines[i] = -1
         try:
-            with (
-                httpx.Client(trust_env=False, timeout=120) as client,
-                client.stream("POST", f"{base}/completions", json=body) as response,
-            ):
-                if response.status_code != 200:
-                    failures.append(f"stream {i}: HTTP {response.status_code}")
-                    return
-                lines[i] = 0
-                for _ in response.iter_lines():
-                    lines[i] += 1
-                    if stop.is_set():
-                        return  # closing the stream aborts the request in vLLM
-            ended.append(i)
+            with httpx.Client(trust_env=False, timeout=120) as client:
+                while not stop.is_set():
+                    sent[i] += 1
+                    with client.stream("POST", f"{base}/completions", json=body) as response:
+                        if response.status_code != 200:
+                            failures.append(f"stream {i}: HTTP {response.status_code}")
+                            return
+                        for _ in response.iter_lines():
+                            if stop.is_set():
+                                return  # closing the stream aborts the request in vLLM
         except httpx.HTTPError as exc:
             if not stop.is_set():
                 failures.append(f"stream {i}: {type(exc).__name__}: {exc}")
@@ -292,8 +291,7 @@ def test_the_gateway_sees_what_vllms_own_gauges_say(
             raise AssertionError(
                 (
                     f"{exc}; at +{seen_last[0][0]:.1f} s vLLM's gauges said {seen_last[0][1]}, "
-                    f"the gateway's view {seen_last[0][2]}; lines read per stream {lines}, "
-                    f"streams ended {ended}"
+                    f"the gateway's view {seen_last[0][2]}; requests sent per client {sent}"
                     if seen_last
                     else f"{exc}; neither vLLM's /metrics nor the gateway's ever answered"
                 )
