@@ -6,6 +6,8 @@ Every message says what to change. Bad input never becomes a 500.
 
 from __future__ import annotations
 
+import re
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -72,13 +74,28 @@ def from_value_error(exc: ValueError, known_params: set[str] | None = None) -> A
     return bad_request(message, param=param)
 
 
+UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+"""How pydantic names a branch of a field of several types in an error's ``loc``: ``str``,
+``list[int]``, ``literal['none','auto']``, a model's class name. Not a request field."""
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[str]:
+    """The request fields of an error's ``loc``, without pydantic's union branch names."""
+    return [
+        str(p) for p in loc if p != "body" and not (isinstance(p, str) and UNION_BRANCH.match(p))
+    ]
+
+
 def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "the request body is not valid", None
-    e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    first = _field_path(errors[0].get("loc", ()))
+    # A field of several types fails once per type: report the branch that got furthest
+    # into the value (``content.0.type`` over ``content`` not being a string).
+    group = [e for e in errors if _field_path(e.get("loc", ()))[: len(first)] == first]
+    e = max(group, key=lambda e: len(e.get("loc", ())))
+    param = ".".join(_field_path(e.get("loc", ()))) or None
     if e.get("type") == "json_invalid":
         ctx = e.get("ctx") or {}
         return (
@@ -86,6 +103,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
             "send a JSON object with Content-Type: application/json"
         ), None
     if e.get("type") == "missing":
+        if param is None:
+            return "the request body is empty; send a JSON object", None
         return f"missing required field {param!r}", param
     if e.get("type") == "extra_forbidden":
         return f"unknown field {param!r}; remove it", param
@@ -95,7 +114,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         repr(got) if not isinstance(got, (dict, list)) or len(str(got)) < 80 else type(got).__name__
     )
     where = f"field {param!r}" if param else "the request body"
-    extra = f" ({len(errors) - 1} more problem(s) after this one)" if len(errors) > 1 else ""
+    others = len(errors) - len(group)
+    extra = f" ({others} more problem(s) after this one)" if others else ""
     return f"{where}: {msg}, got {got_text}{extra}", param
 
 
@@ -110,11 +130,20 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
     return exc.response()
 
 
+BODY_PARSE_ERROR = "There was an error parsing the body"
+"""FastAPI's detail when the body is not even JSON text it can decode."""
+
+
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     kind = (exc.status_code, error_type(exc.status_code))
     message = str(exc.detail)
-    if exc.status_code == 404:
+    if exc.status_code == 400 and message == BODY_PARSE_ERROR:
+        message = (
+            "the request body could not be read as JSON (not UTF-8, or nested too deep); "
+            "send a JSON object in UTF-8 with Content-Type: application/json"
+        )
+    elif exc.status_code == 404:
         message = f"no route {request.method} {request.url.path}; see GET /v1/models and POST /v1/chat/completions"
     elif exc.status_code == 405:
         message = f"method {request.method} is not allowed on {request.url.path}"

@@ -170,3 +170,43 @@ def test_seed_outside_64_bits_is_a_400_not_a_dead_engine(http: httpx.Client, see
     assert_error(http.post(COMPLETIONS, json=body), 400, "seed", "integer in")
     r = http.post(COMPLETIONS, json={**body, "seed": 2**63 - 1, "n": 2})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        (COMPLETIONS, {"prompt": "x", "stop": 5}, "stop", "string"),
+        (COMPLETIONS, {"prompt": None}, "prompt", "string"),
+        (COMPLETIONS, {"prompt": ["a", 1]}, "prompt.1", "string"),
+        (CHAT, {"messages": MESSAGES, "tool_choice": "always"}, "tool_choice", "'required'"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages.0.content.0.type",
+            "'text'",
+        ),
+    ],
+)
+def test_a_field_of_several_types_is_named_as_sent(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str, says: str
+) -> None:
+    """``param`` is the request's field, not pydantic's name for a branch of its type
+    (``stop.str``, ``tool_choice.literal[...]``); the message is the most specific branch's."""
+    err = assert_error(http.post(path, json=body), 400, param, says)
+    assert f"field {param!r}" in err["message"]
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        (b"", "empty"),
+        (b'{"prompt": "\xff\xfe hi"}', "UTF-8"),
+        (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON"),
+    ],
+)
+def test_a_body_that_is_not_a_json_object_says_what_to_send(
+    http: httpx.Client, content: bytes, says: str
+) -> None:
+    r = http.post(COMPLETIONS, content=content, headers={"content-type": "application/json"})
+    err = assert_error(r, 400, says=says)
+    assert "None" not in err["message"] and "There was an error" not in err["message"]
