@@ -87,6 +87,11 @@ class GenerateRequest(ABC, Generic[RequestT]):
         ctx, req = self.ctx, self.req
         check_model(ctx, req.model)
         check_engine(ctx)
+        if req.stream_options is not None and not req.stream:
+            raise bad_request(
+                "stream_options is only allowed with stream: true; set stream or remove it",
+                param="stream_options",
+            )
         self.check()
         structured = self.structured_output()
         async with aclosing(self.prompts()) as prompts:

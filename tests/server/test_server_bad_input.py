@@ -210,3 +210,13 @@ def test_a_body_that_is_not_a_json_object_says_what_to_send(
     r = http.post(COMPLETIONS, content=content, headers={"content-type": "application/json"})
     err = assert_error(r, 400, says=says)
     assert "None" not in err["message"] and "There was an error" not in err["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_stream_options_without_stream_is_a_400(http: httpx.Client, path: str) -> None:
+    """As OpenAI and vLLM answer it: the options would silently do nothing."""
+    body: dict[str, Any] = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    body |= {"max_tokens": 2, "stream_options": {"include_usage": True}}
+    assert_error(http.post(path, json=body), 400, "stream_options", "stream")
+    body["stream"] = False
+    assert_error(http.post(path, json=body), 400, "stream_options", "stream")
