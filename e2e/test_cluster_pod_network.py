@@ -1,7 +1,9 @@
 """The pod network: a server in a pod's network namespace, found through its Service.
 
-No node agent yet: the test makes the pod's network with the code the agent will call
-(``PodNetworks``) and reports the pod's status through the real API, as a kubelet does.
+On the node agent the test makes the pod's network with the code the agent calls
+(``PodNetworks``) and reports the pod's status through the real API, as a kubelet does. On
+real nodes a kubelet runs both pods from the project's image, on the CNI bridge plugin's
+network, and the same addresses are checked from the host and from inside the pods.
 """
 
 from __future__ import annotations
@@ -9,12 +11,34 @@ from __future__ import annotations
 import ipaddress
 import urllib.request
 
+import pytest
+from agent_helpers import create, pod, wait_phase, wait_ready
+from real_nodes_helpers import runs_on_real_nodes
+
 from conveyor.cluster import Cluster
 from conveyor.cluster.testing import KubeUnderTest, PodProcesses
 from conveyor.operator.names import IMAGE
 
 TIMEOUT_S = 90
 PORT = 8080
+SERVE = """
+import http.server, sys
+body = sys.argv[1].encode()
+class Echo(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("", int(sys.argv[2])), Echo).serve_forever()
+"""
+"""A pod's server on real nodes: answers every GET with its first argument."""
+FETCH = """
+import sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+print(opener.open(sys.argv[1], timeout=10).read().decode(), end="")
+"""
+"""Run inside a pod on real nodes: GET a URL and print the body."""
 
 
 def _get(url: str) -> str:
@@ -127,3 +151,55 @@ def test_pod_networks_get_distinct_addresses_from_the_slice(
         assert net.address in own_cluster.plan.pod_cidr
         assert net.gateway == own_cluster.plan.host_address
     assert {a.netns, b.netns} <= set(own_cluster.pod_networks.list_netns())
+
+
+def test_a_server_in_a_pod_on_a_real_node_is_reached_at_its_pod_ip_and_cluster_ip(
+    kube: KubeUnderTest, own_cluster: Cluster, namespace: str
+) -> None:
+    """The same, with pods a kubelet runs: the server's pod IP comes from the CNI bridge
+    plugin's range, its Service's endpoint follows its readiness probe, and its ClusterIP
+    answers from the host, from another pod and from the pod itself (hairpin)."""
+    if not runs_on_real_nodes(own_cluster):
+        pytest.skip("real nodes only; the node agent's pods: the test above")
+    api = kube.api
+    probe = {"httpGet": {"path": "/", "port": PORT}, "periodSeconds": 1}
+    create(api, namespace, pod(
+        "echo", ["python", "-c", SERVE, "hello from echo", str(PORT)],
+        ports=[{"name": "http", "containerPort": PORT}], readinessProbe=probe,
+    ))  # fmt: skip
+    create(api, namespace, pod("client", ["sleep", "600"]))
+    service = create(api, namespace, {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "echo"},
+        "spec": {"selector": {"app": "echo"}, "ports": [{"port": 80, "targetPort": "http"}]},
+    })  # fmt: skip
+    cluster_ip = service["spec"]["clusterIP"]
+    echo = wait_ready(api, namespace, "echo")
+    wait_phase(api, namespace, "client", "Running")
+    pod_ip = echo["status"]["podIP"]
+    assert ipaddress.ip_address(pod_ip) in own_cluster.plan.pod_cidr
+
+    def ready_addresses() -> list[str] | None:
+        slices = api.get(
+            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            labelSelector="kubernetes.io/service-name=echo",
+        )["items"]
+        endpoints = [e for s in slices for e in s.get("endpoints") or []]
+        return [a for e in endpoints if e["conditions"].get("ready") for a in e["addresses"]]
+
+    assert api.wait_for("echo in its Service's EndpointSlice", ready_addresses,
+                        timeout_s=TIMEOUT_S) == [pod_ip]  # fmt: skip
+    assert _get(f"http://{pod_ip}:{PORT}/") == "hello from echo"
+
+    def through_cluster_ip() -> str | None:
+        try:
+            return _get(f"http://{cluster_ip}:80/")
+        except OSError:
+            return None  # kube-proxy has not written the Service's rules yet
+
+    assert api.wait_for("the ClusterIP to answer", through_cluster_ip,
+                        timeout_s=TIMEOUT_S) == "hello from echo"  # fmt: skip
+    for name in ("client", "echo"):  # another pod, then the server's own pod (hairpin)
+        fetched = kube.kubectl(
+            "-n", namespace, "exec", name, "--", "python", "-c", FETCH, f"http://{cluster_ip}:80/"
+        )  # fmt: skip
+        assert fetched.stdout == "hello from echo", (name, fetched.stderr)
