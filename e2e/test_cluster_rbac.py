@@ -1,13 +1,10 @@
-"""RBAC with a ServiceAccount token from the TokenRequest API, from the host and from a pod;
-on real nodes, a pod's own ServiceAccount token, as the kubelet projects it."""
+"""RBAC with a ServiceAccount token from the TokenRequest API, from the host and from a pod."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from agent_helpers import create, pod, wait_phase
-from real_nodes_helpers import runs_on_real_nodes
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.api import ApiError
@@ -25,24 +22,6 @@ try:
     print(opener.open(request, timeout=10).status)
 except urllib.error.HTTPError as exc:
     print(exc.code)
-"""
-
-# Inside a pod on real nodes: what an in-cluster client library does (the kubelet's
-# KUBERNETES_SERVICE_* variables, the projected token, CA and namespace); one status per path,
-# each path given relative to the pod's own namespace.
-IN_CLUSTER_CLIENT = r"""
-import os, ssl, sys, urllib.error, urllib.request
-sa = "/var/run/secrets/kubernetes.io/serviceaccount"
-host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
-token, namespace = open(sa + "/token").read(), open(sa + "/namespace").read()
-context = ssl.create_default_context(cafile=sa + "/ca.crt")
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
-for path in sys.argv[1:]:
-    url = "https://%s:%s/api/v1/namespaces/%s/%s" % (host, port, namespace, path)
-    try:
-        print(opener.open(urllib.request.Request(url, headers={"Authorization": "Bearer " + token}), timeout=10).status)
-    except urllib.error.HTTPError as exc:
-        print(exc.code)
 """
 
 
@@ -154,26 +133,3 @@ def test_pod_reaches_the_apiserver_at_the_kubernetes_service(
 
     assert status_from_pod(f"/api/v1/namespaces/{namespace}/pods") == "200"
     assert status_from_pod(f"/api/v1/namespaces/{namespace}/secrets") == "403"
-
-
-def test_a_pod_on_a_real_node_is_allowed_what_its_service_account_is_granted(
-    kube: KubeUnderTest, own_cluster: Cluster, namespace: str
-) -> None:
-    """A pod a kubelet runs as the ``reader`` ServiceAccount: the kubelet projects its token,
-    the cluster CA and its namespace, and sets ``KUBERNETES_SERVICE_HOST``; with them the pod
-    lists its namespace's pods (its Role) and is refused its secrets."""
-    if not runs_on_real_nodes(own_cluster):
-        pytest.skip("real nodes only; the node agent's pods: the test above")
-    token = _grant_pod_reader(kube, namespace)
-    create(kube.api, namespace, pod("reader", ["sleep", "600"],
-                                    pod_spec={"serviceAccountName": "reader"}))  # fmt: skip
-    wait_phase(kube.api, namespace, "reader", "Running")
-    kube.api.wait_for(
-        "the RoleBinding to take effect",
-        lambda: kube.api.with_token(token).get(f"/api/v1/namespaces/{namespace}/pods"),
-        timeout_s=30,
-    )
-    statuses = kube.kubectl(
-        "-n", namespace, "exec", "reader", "--", "python", "-c", IN_CLUSTER_CLIENT, "pods", "secrets"
-    ).stdout.split()  # fmt: skip
-    assert statuses == ["200", "403"]
