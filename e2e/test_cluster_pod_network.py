@@ -70,6 +70,34 @@ def _pod(name: str, app: str) -> dict:
     }
 
 
+def _ready_endpoints(kube: KubeUnderTest, namespace: str) -> list[dict]:
+    """The echo Service's ready endpoints, once it has one."""
+
+    def ready() -> list[dict] | None:
+        slices = kube.api.get(
+            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
+            labelSelector="kubernetes.io/service-name=echo",
+        )["items"]
+        endpoints = [e for s in slices for e in s.get("endpoints") or []]
+        return [e for e in endpoints if e["conditions"].get("ready")] or None
+
+    return kube.api.wait_for(
+        "the echo pod in its Service's EndpointSlice", ready, timeout_s=TIMEOUT_S
+    )
+
+
+def _answer_at_cluster_ip(kube: KubeUnderTest, cluster_ip: str) -> str:
+    """What the ClusterIP answers from the host, once kube-proxy has written its rules."""
+
+    def answer() -> str | None:
+        try:
+            return _get(f"http://{cluster_ip}:80/")
+        except OSError:
+            return None  # kube-proxy has not written the Service's rules yet
+
+    return kube.api.wait_for("the ClusterIP to answer", answer, timeout_s=TIMEOUT_S)
+
+
 def _scheduled(kube: KubeUnderTest, namespace: str, name: str) -> dict:
     return kube.api.wait_for(
         f"pod {name} scheduled",
@@ -108,34 +136,13 @@ def test_server_in_a_pod_is_reached_at_its_pod_ip_and_cluster_ip(
         _scheduled(kube, namespace, name)
         pods.mark_running(namespace, name, net)
 
-    def endpoint_ready() -> list[dict] | None:
-        slices = api.get(
-            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            labelSelector="kubernetes.io/service-name=echo",
-        )["items"]
-        endpoints = [e for s in slices for e in s.get("endpoints") or []]
-        ready = [e for e in endpoints if e["conditions"].get("ready")]
-        return ready or None
-
-    endpoints = api.wait_for(
-        "the echo pod in its Service's EndpointSlice", endpoint_ready, timeout_s=TIMEOUT_S
-    )
+    endpoints = _ready_endpoints(kube, namespace)
     assert endpoints[0]["addresses"] == [str(echo_net.address)]
     assert endpoints[0]["targetRef"]["name"] == "echo"
 
     # From the host: the pod IP directly, then the ClusterIP through kube-proxy's rules.
     assert _get(f"http://{echo_net.address}:{PORT}/") == "hello from echo"
-
-    def through_cluster_ip() -> str | None:
-        try:
-            return _get(f"http://{cluster_ip}:80/")
-        except OSError:
-            return None  # kube-proxy has not written the Service's rules yet
-
-    assert (
-        api.wait_for("the ClusterIP to answer", through_cluster_ip, timeout_s=TIMEOUT_S)
-        == "hello from echo"
-    )
+    assert _answer_at_cluster_ip(kube, cluster_ip) == "hello from echo"
     # From another pod's network namespace, and from the pod itself (hairpin), at the ClusterIP.
     assert pods.fetch_from(client_net, f"http://{cluster_ip}:80/") == "hello from echo"
     assert pods.fetch_from(echo_net, f"http://{cluster_ip}:80/") == "hello from echo"
@@ -178,26 +185,10 @@ def test_a_server_in_a_pod_on_a_real_node_is_reached_at_its_pod_ip_and_cluster_i
     pod_ip = echo["status"]["podIP"]
     assert ipaddress.ip_address(pod_ip) in own_cluster.plan.pod_cidr
 
-    def ready_addresses() -> list[str] | None:
-        slices = api.get(
-            f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices",
-            labelSelector="kubernetes.io/service-name=echo",
-        )["items"]
-        endpoints = [e for s in slices for e in s.get("endpoints") or []]
-        return [a for e in endpoints if e["conditions"].get("ready") for a in e["addresses"]]
-
-    assert api.wait_for("echo in its Service's EndpointSlice", ready_addresses,
-                        timeout_s=TIMEOUT_S) == [pod_ip]  # fmt: skip
+    endpoints = _ready_endpoints(kube, namespace)
+    assert [a for e in endpoints for a in e["addresses"]] == [pod_ip]
     assert _get(f"http://{pod_ip}:{PORT}/") == "hello from echo"
-
-    def through_cluster_ip() -> str | None:
-        try:
-            return _get(f"http://{cluster_ip}:80/")
-        except OSError:
-            return None  # kube-proxy has not written the Service's rules yet
-
-    assert api.wait_for("the ClusterIP to answer", through_cluster_ip,
-                        timeout_s=TIMEOUT_S) == "hello from echo"  # fmt: skip
+    assert _answer_at_cluster_ip(kube, cluster_ip) == "hello from echo"
     for name in ("client", "echo"):  # another pod, then the server's own pod (hairpin)
         fetched = kube.kubectl(
             "-n", namespace, "exec", name, "--", "python", "-c", FETCH, f"http://{cluster_ip}:80/"

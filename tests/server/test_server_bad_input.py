@@ -3,6 +3,7 @@ never a stuck engine."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -220,3 +221,21 @@ def test_stream_options_without_stream_is_a_400(http: httpx.Client, path: str) -
     assert_error(http.post(path, json=body), 400, "stream_options", "stream")
     body["stream"] = False
     assert_error(http.post(path, json=body), 400, "stream_options", "stream")
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_text_too_long_for_any_tokenisation_is_refused_before_tokenising(
+    http: httpx.Client, path: str
+) -> None:
+    """30 MB of text cannot fit 4k tokens, whatever its tokens: refused at once, where
+    tokenising it first held a tokenizer thread (of two) for half a minute."""
+    text = "a" * 30_000_000
+    body: dict[str, Any] = {"prompt": text} if path == COMPLETIONS else {"messages": []}
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": text}]
+    started = time.monotonic()
+    r = http.post(path, json=body | {"max_tokens": 1})
+    elapsed = time.monotonic() - started
+    err = assert_error(r, 400, "prompt" if path == COMPLETIONS else "messages", "context length")
+    assert err["code"] == "context_length_exceeded"
+    assert elapsed < 10, f"{elapsed:.1f} s: the prompt was tokenised"
