@@ -8,6 +8,7 @@ thread behind a narrow client (submit, stream outputs, abort); the offline
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +29,10 @@ from conveyor.runtime.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import xgrammar
+
+NORMALIZER_MARGIN = 4
+"""A tokenizer's normalizer may fold characters before matching tokens (NFC composes up to
+three into one); a prompt refused unread must not fit under any tokenisation."""
 
 log = logging.getLogger("conveyor.runtime")
 
@@ -125,12 +130,33 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``prompt``; ValueError for text that is not valid Unicode."""
+    def encode_prompt(
+        self,
+        prompt: str | list[int],
+        add_special_tokens: bool = True,
+        *,
+        max_tokens: int | None = None,
+    ) -> list[int]:
+        """Token ids of ``prompt``; ValueError for text that is not valid Unicode and, given
+        ``max_tokens``, for text too long to be that many tokens however it tokenises, found
+        without tokenising it (megabytes of text would hold a tokenizer thread for seconds)."""
         if isinstance(prompt, str):
             _require_unicode(prompt)
+            if max_tokens is not None and len(prompt) > max_tokens * self.max_chars_per_token:
+                raise ValueError(
+                    f"prompt is {len(prompt)} characters, more than this model's context length "
+                    f"of {max_tokens} tokens can hold; shorten the prompt"
+                )
             return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
         return list(prompt)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """More characters of text than any one token stands for: its longest vocabulary entry
+        (a byte-level entry has a character per byte, a SentencePiece one a character per
+        character), times ``NORMALIZER_MARGIN``."""
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return longest * NORMALIZER_MARGIN
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Refuse what can never run, before it enters the batch. Reads constants only."""

@@ -26,10 +26,12 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     tool_prompt: ToolPrompt | None = None,
     add_special_tokens: bool = False,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """Chat template, then token ids (the template brings its own special tokens, so
     ``add_special_tokens`` is off unless asked for). With a ``tool_prompt``, tools that the
-    template would drop are written into the conversation in that model family's format."""
+    template would drop are written into the conversation in that model family's format.
+    ``max_tokens``: refuse a conversation too long for it unread (``encode_prompt``)."""
     tokenizer = engine.tokenizer
     if tokenizer.chat_template is None:
         raise bad_request(
@@ -55,7 +57,7 @@ def render_chat(
         raise bad_request(
             f"the chat template rejected these messages: {exc}", param="messages"
         ) from exc
-    return engine.encode_prompt(text, add_special_tokens=add_special_tokens)
+    return engine.encode_prompt(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
 
 
 def _as_dict(m: ChatMessage) -> dict[str, Any]:

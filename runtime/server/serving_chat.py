@@ -83,6 +83,7 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
                 template_kwargs=req.chat_template_kwargs,
                 tools=tools.template_tools() if tools is not None else None,
                 tool_prompt=tools.tool_prompt if tools is not None else None,
+                max_tokens=engine.max_model_len,
             ),
             "messages",
         )

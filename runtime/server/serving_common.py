@@ -85,14 +85,16 @@ def check_queue(ctx: ServerContext, num_new: int) -> None:
 
 async def tokenize(ctx: ServerContext, fn: Callable[[], list[int]], param: str) -> list[int]:
     """Run ``fn`` (tokenising one prompt) on the tokenizer pool, timed; the ``ValueError``
-    of text no tokenizer can take (``encode_prompt``) is a 400 naming ``param``."""
+    of text no tokenizer can take, or too long to fit (``encode_prompt``), is a 400 naming
+    ``param``."""
 
     def timed() -> list[int]:
         start = time.perf_counter()
         try:
             return fn()
         except ValueError as exc:
-            raise bad_request(str(exc), param=param) from None
+            code = "context_length_exceeded" if "context length" in str(exc) else None
+            raise bad_request(str(exc), param=param, code=code) from None
         finally:
             ctx.metrics.tokenize.observe(time.perf_counter() - start)
 

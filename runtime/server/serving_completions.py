@@ -58,7 +58,10 @@ class Completion(GenerateRequest[CompletionRequest]):
         self._prompts = _prompts(self.req.prompt)
         for prompt in self._prompts:
             if isinstance(prompt, str):
-                yield await tokenize(self.ctx, partial(self.engine.encode_prompt, prompt), "prompt")
+                encode = partial(
+                    self.engine.encode_prompt, prompt, max_tokens=self.engine.max_model_len
+                )
+                yield await tokenize(self.ctx, encode, "prompt")
             else:
                 yield list(prompt)
 
