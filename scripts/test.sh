@@ -17,7 +17,8 @@
 #      then on the node agent the modules that need it (vLLM's, which has no image here;
 #      hand-made pods on the agent's pod networks; the agent's own workings). Without root,
 #      or with CONVEYOR_REAL_NODES=0, the whole suite runs on the node agent,
-#   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`),
+#   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`), on
+#      real nodes where phase 5 ran there,
 #   7. an LLMService on real nodes from the project's image, on a cluster of its own
 #      (e2e/test_real_nodes.py; skips in seconds without root).
 # pytest's "no tests collected" (exit 5) fails the run: a suite that runs
@@ -199,8 +200,13 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
             -p no:cacheprovider --durations=12 "$@"
         rc_e2e=$?
     fi
-    say "phase 6: the README walk-through, as written, on a cluster of its own"
-    run_pytest "README walk-through" e2e/walkthrough -p no:cacheprovider "$@"
+    # On real nodes where they run here (`conveyor up` reads CONVEYOR_NODE_RUNTIME, which the
+    # walk-through sets from CONVEYOR_E2E_NODE_RUNTIME), else on the node agent.
+    walk_runtime=agent
+    [[ $real_nodes -eq 1 && -z "${KUBECONFIG:-}" && $rc_real -eq 0 ]] && walk_runtime=kubelet
+    say "phase 6: the README walk-through, as written, on a cluster of its own (node runtime $walk_runtime)"
+    CONVEYOR_E2E_NODE_RUNTIME=$walk_runtime run_pytest "README walk-through" e2e/walkthrough \
+        -p no:cacheprovider "$@"
     rc_walk=$?
     [[ $rc_e2e -eq 0 ]] && rc_e2e=$rc_walk
     # Real nodes (kubelet + containerd, pods from the project's image) on a cluster of their
