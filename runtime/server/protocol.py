@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
 
@@ -55,6 +55,20 @@ class GenerateRequestBody(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """``"n": null``, ``"stream": null``, ...: OpenAI's schema allows null for every
+        optional field and means its default by it; a required field keeps its null (400)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or (k in fields and fields[k].is_required())
+        }
 
     def to_sampling_params(
         self,

@@ -239,3 +239,23 @@ def test_text_too_long_for_any_tokenisation_is_refused_before_tokenising(
     err = assert_error(r, 400, "prompt" if path == COMPLETIONS else "messages", "context length")
     assert err["code"] == "context_length_exceeded"
     assert elapsed < 10, f"{elapsed:.1f} s: the prompt was tokenised"
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        *[
+            (COMPLETIONS, f)
+            for f in ("n", "stream", "echo", "min_tokens", "ignore_eos", "skip_special_tokens")
+        ],
+        *[(CHAT, f) for f in ("n", "stream", "logprobs", "parallel_tool_calls", "max_tokens")],
+    ],
+)
+def test_null_means_the_default(http: httpx.Client, path: str, field: str) -> None:
+    """OpenAI's schema has ``"n": null``, ``"stream": null``, ... mean the default, and
+    clients that write every field send them (as vLLM accepts them)."""
+    body: dict[str, Any] = {"prompt": "x"} if path == COMPLETIONS else {"messages": MESSAGES}
+    body |= {"max_tokens": 2, field: None}
+    r = http.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
