@@ -110,6 +110,11 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"unknown field {param!r}; remove it", param
     msg = e.get("msg", "invalid value")
     got = e.get("input")
+    if param is None and isinstance(got, bytes):  # not read as JSON: another content type
+        return (
+            "the request body was not read as JSON; send a JSON object with the header "
+            "Content-Type: application/json"
+        ), None
     got_text = (
         repr(got) if not isinstance(got, (dict, list)) or len(str(got)) < 80 else type(got).__name__
     )

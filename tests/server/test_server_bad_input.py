@@ -259,3 +259,16 @@ def test_null_means_the_default(http: httpx.Client, path: str, field: str) -> No
     r = http.post(path, json=body)
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain"])
+def test_json_sent_as_another_content_type_says_which_to_send(
+    http: httpx.Client, content_type: str
+) -> None:
+    """``curl -d`` sends a form's content type: the 400 names the header to set."""
+    r = http.post(
+        COMPLETIONS,
+        content=b'{"prompt": "x", "max_tokens": 1}',
+        headers={"content-type": content_type},
+    )
+    assert_error(r, 400, says="Content-Type: application/json")
