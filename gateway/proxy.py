@@ -197,7 +197,14 @@ def _parse(raw: bytes) -> tuple[dict[str, Any], str]:
     if not isinstance(body, dict):
         raise ClientError(400, "request body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):
+        raise ClientError(
+            400,
+            f"'model' must be a string naming the model (GET /v1/models lists them), "
+            f"got {type(model).__name__}",
+            param="model",
+        )
+    if not model:
         raise ClientError(
             400,
             "'model' is required: name the model to use (GET /v1/models lists them)",

@@ -43,3 +43,20 @@ def test_unknown_routes_and_methods_answer_in_openai_error_shape(
     r = client.request(method, path, json={})
     assert_openai_error(r.json(), status, r.status_code)
     assert path in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{}", "is required"),
+        (b'{"model": null}', "is required"),
+        (b'{"model": ""}', "is required"),
+        (b'{"model": 5}', "must be a string"),
+        (b'{"model": ["m"]}', "must be a string"),
+    ],
+)
+def test_a_missing_or_mistyped_model_says_which(body: bytes, says: str) -> None:
+    with pytest.raises(ClientError) as info:
+        _parse(body)
+    assert info.value.status == 400 and info.value.param == "model"
+    assert says in str(info.value)
