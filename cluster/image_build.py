@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from conveyor.cluster.image_oci import (
-    CANONICAL_REPOSITORY,
+    CANONICAL_REGISTRY,
     ImageBuildError,
     OciLayout,
     ToolRunner,
@@ -89,9 +89,10 @@ def images_cache() -> Path:
     return Path(root) / "images"
 
 
-def default_archive(version: str, cache: Path | None = None) -> Path:
-    """Where ``conveyor image build`` writes the image of ``version`` unless told otherwise."""
-    return (cache or images_cache()) / f"conveyor-{version}.oci.tar"
+def default_archive(version: str, cache: Path | None = None, repository: str = "conveyor") -> Path:
+    """Where ``conveyor image build`` writes the image ``repository:version`` unless told
+    otherwise."""
+    return (cache or images_cache()) / f"{repository}-{version}.oci.tar"
 
 
 def missing_tools() -> dict[str, str]:
@@ -140,8 +141,9 @@ class ImageBuilder:
             )
         started = time.monotonic()
         version = project_version(self.settings.repo)
-        name = f"conveyor:{version}"
-        archive = output or default_archive(version, self.cache)
+        repository = self.settings.repository
+        name = f"{repository}:{version}"
+        archive = output or default_archive(version, self.cache, repository)
         for d in (self.dirs, self.logs, self.pip_cache):
             d.mkdir(parents=True, exist_ok=True)
         with self._locked():
@@ -337,10 +339,11 @@ class ImageBuilder:
 
     def _finish(self, top: Layer, version: str, archive: Path) -> None:
         """The Dockerfile's configuration on the top layer, then the archive."""
-        tag = f"conveyor-{version}"
+        tag = f"{self.settings.repository}-{version}"
         self.oci.configure(top.tag, tag, dockerfile_config(self.settings.repo / "Dockerfile"))
         started = time.monotonic()
-        self.oci.write_archive(tag, archive, f"{CANONICAL_REPOSITORY}:{version}")
+        ref = f"{CANONICAL_REGISTRY}/{self.settings.repository}:{version}"
+        self.oci.write_archive(tag, archive, ref)
         self.say(f"archive: {archive} in {time.monotonic() - started:.1f} s")
 
     def _prune_other_bases(self, base: Layer) -> None:

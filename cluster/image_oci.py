@@ -20,9 +20,10 @@ from pathlib import Path
 
 from conveyor.cluster.image_plan import ImageConfig
 
-CANONICAL_REPOSITORY = "docker.io/library/conveyor"
-"""The archive's reference: what a pod's ``image: conveyor:TAG`` means to the kubelet and
-containerd (``ctr images import`` names the image after it; a short name would not match)."""
+CANONICAL_REGISTRY = "docker.io/library"
+"""Where the archive's reference puts the image: what a pod's ``image: conveyor:TAG`` means
+to the kubelet and containerd (``ctr images import`` names the image after it; a short name
+would not match)."""
 _REF = "org.opencontainers.image.ref.name"
 INDEX = "application/vnd.oci.image.index.v1+json"
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -53,6 +53,13 @@ class ImageSettings:
     arch: str = "amd64"
     """Debian architecture of the base."""
 
+    @property
+    def repository(self) -> str:
+        """The image's name: ``conveyor`` with the runtime, else ``conveyor-control`` (the
+        gateway and operator without torch), as the README's ``docker build`` lines name
+        them, so that building one never overwrites the other's archive."""
+        return "conveyor" if "runtime" in self.extras else "conveyor-control"
+
 
 @dataclass(frozen=True)
 class Layer:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.cluster import image_cli
+from conveyor.cluster.image_build import default_archive
 from conveyor.cluster.image_oci import OciLayout
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
@@ -77,6 +78,20 @@ def test_the_extras_and_the_base_recipe_key_their_layers(repo: Path) -> None:
     _append(repo / STEPS_SCRIPT, "\n# a new step\n")
     changed = _keys(repo)
     assert all(changed[k] != full[k] for k in full)
+
+
+def test_the_torchless_image_has_its_own_name_and_archive(tmp_path: Path) -> None:
+    """As the README's ``docker build`` lines name them: building the gateway and operator
+    alone must not overwrite the full image's archive, which the real nodes load."""
+    full = ImageSettings(repo=REPO)
+    control = ImageSettings(repo=REPO, extras=("gateway", "operator"))
+    assert (full.repository, control.repository) == ("conveyor", "conveyor-control")
+    assert (
+        default_archive("1.2.3", tmp_path, full.repository) == tmp_path / "conveyor-1.2.3.oci.tar"
+    )
+    assert default_archive("1.2.3", tmp_path, control.repository) == (
+        tmp_path / "conveyor-control-1.2.3.oci.tar"
+    )
 
 
 def test_build_litter_does_not_change_the_source_key(repo: Path) -> None:
