@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ def render_chat(
         raise bad_request(
             "this model's tokenizer has no chat template; use /v1/completions", param="messages"
         )
+    _check_template_kwargs(tokenizer, template_kwargs)
     conversation = [_as_dict(m) for m in messages]
 
     def render(conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
@@ -58,6 +60,22 @@ def render_chat(
             f"the chat template rejected these messages: {exc}", param="messages"
         ) from exc
     return engine.encode_prompt(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
+
+
+def _check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:
+    """``chat_template_kwargs`` set the template's own variables (``enable_thinking``), never
+    the rendering's arguments: ``chat_template`` would run a template of the client's in the
+    server (the sandbox stops imports, not a loop of 10^10 steps), ``tokenize`` or
+    ``return_dict`` would change what comes back."""
+    reserved = {"messages", *inspect.signature(tokenizer.apply_chat_template).parameters}
+    reserved.discard("documents")  # a template variable too (RAG templates read it)
+    refused = sorted(set(template_kwargs or {}) & reserved)
+    if refused:
+        raise bad_request(
+            f"chat_template_kwargs sets the chat template's own variables (such as "
+            f"enable_thinking), not {', '.join(refused)}; remove them",
+            param="chat_template_kwargs",
+        )
 
 
 def _as_dict(m: ChatMessage) -> dict[str, Any]:

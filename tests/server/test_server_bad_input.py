@@ -272,3 +272,28 @@ def test_json_sent_as_another_content_type_says_which_to_send(
         headers={"content-type": content_type},
     )
     assert_error(r, 400, says="Content-Type: application/json")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {
+            "chat_template": "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}"
+        },
+        {"chat_template": "{% for i in range(10**9) %}x{% endfor %}"},
+        {"tokenize": True},
+        {"return_dict": True},
+        {"messages": []},
+    ],
+)
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_chat_template_kwargs_set_only_the_templates_variables(
+    http: httpx.Client, path: str, kwargs: dict[str, Any]
+) -> None:
+    """A template of the client's own would run in the server (a loop of 10^10 steps, or
+    a 500 for one the sandbox stops); the arguments of the rendering are the server's."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "chat_template_kwargs": kwargs}
+    err = assert_error(http.post(path, json=body, timeout=10), 400, "chat_template_kwargs")
+    assert next(iter(kwargs)) in err["message"]
+    ok = body | {"chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post(path, json=ok).status_code == 200
