@@ -145,7 +145,8 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
     message = str(exc.detail)
     if exc.status_code == 400 and message == BODY_PARSE_ERROR:
         message = (
-            "the request body could not be read as JSON (not UTF-8, or nested too deep); "
+            "the request body could not be read as JSON (not UTF-8, nested too deep, or a "
+            "number of thousands of digits); "
             "send a JSON object in UTF-8 with Content-Type: application/json"
         )
     elif exc.status_code == 404:

@@ -203,6 +203,7 @@ def test_a_field_of_several_types_is_named_as_sent(
         (b"", "empty"),
         (b'{"prompt": "\xff\xfe hi"}', "UTF-8"),
         (b'{"prompt": "hi", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON"),
+        (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "digits"),
     ],
 )
 def test_a_body_that_is_not_a_json_object_says_what_to_send(
