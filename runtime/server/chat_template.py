@@ -100,8 +100,9 @@ def _as_dict(m: ChatMessage) -> dict[str, Any]:
 
 
 def _arguments(call: FunctionCall) -> Any:
-    """Templates write ``arguments | tojson``, so they get the object, not its JSON text."""
+    """Templates write ``arguments | tojson``, so they get the object, not its JSON text;
+    text the parser refuses (not JSON, nested too deep, a number too long) stays text."""
     try:
         return json.loads(call.arguments)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return call.arguments

@@ -298,3 +298,23 @@ def test_chat_template_kwargs_set_only_the_templates_variables(
     assert next(iter(kwargs)) in err["message"]
     ok = body | {"chat_template_kwargs": {"enable_thinking": False}}
     assert http.post(path, json=ok).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "arguments", ["[" * 100_000 + "]" * 100_000, "1" * 5000, '{"a": NaN}', "{not json"]
+)
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+def test_tool_call_arguments_the_parser_refuses_reach_the_template_as_text(
+    http: httpx.Client, path: str, arguments: str
+) -> None:
+    """An earlier assistant turn's ``arguments`` are JSON text the client wrote; what
+    ``json.loads`` cannot take (nested too deep, a number too long) is passed on as text,
+    as invalid JSON already was, not a 500."""
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    messages = [
+        *MESSAGES,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "1", "content": "r"},
+    ]
+    r = http.post(path, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
