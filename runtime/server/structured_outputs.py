@@ -126,7 +126,7 @@ def _schema(schema: Any, param: str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
+        except (ValueError, RecursionError) as exc:  # nested too deep, a number too long
             raise bad_request(
                 f"{param}: the JSON schema is not valid JSON ({exc})", param=param
             ) from None

@@ -318,3 +318,13 @@ def test_tool_call_arguments_the_parser_refuses_reach_the_template_as_text(
     ]
     r = http.post(path, json={"messages": messages, "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "schema_text", ["[" * 100_000 + "]" * 100_000, '{"maxLength": 1' + "0" * 5000 + "}"]
+)
+def test_a_schema_text_the_parser_refuses_is_a_400(http: httpx.Client, schema_text: str) -> None:
+    """``guided_json`` as JSON text: nested too deep or a number too long for ``json.loads``
+    is the client's to fix, like any other invalid JSON there."""
+    body = {"prompt": "x", "max_tokens": 2, "guided_json": schema_text}
+    assert_error(http.post(COMPLETIONS, json=body), 400, "guided_json", "not valid JSON")
