@@ -149,7 +149,7 @@ class ToolCalling:
         if self.mode == "named":
             try:
                 json.loads(text)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
                 return None
             return None, [_call(self.name or "", text)]
         if self.mode == "required":
@@ -158,7 +158,7 @@ class ToolCalling:
                     _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                     for c in json.loads(text)
                 ]
-            except (json.JSONDecodeError, KeyError, TypeError):
+            except (ValueError, RecursionError, KeyError, TypeError):
                 return None
         if self.mode == "auto":
             return _parse_hermes(text)
@@ -223,7 +223,7 @@ def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
     for body in _HERMES_CALL.findall(text, at):
         try:
             parsed = json.loads(body)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             return None
         for c in parsed if isinstance(parsed, list) else [parsed]:
             if not isinstance(c, dict) or not isinstance(c.get("name"), str):

@@ -167,3 +167,16 @@ def test_tool_history_becomes_text_in_the_familys_format() -> None:
         )
         assert found is not None
         assert json.loads(found[1][0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_output_nested_too_deep_for_the_json_parser_is_no_call() -> None:
+    """A recursive parameters schema (or a regex) lets the model nest past ``json.loads``'
+    recursion limit within the context: no call, not a 500 once the answer is written."""
+    deep = "[" * 100_000 + "]" * 100_000
+    named = ToolCalling([TOOL], "named", name="f")
+    for calling, text in [
+        (AUTO, f"<tool_call>{deep}</tool_call>"),
+        (named, deep),
+        (ToolCalling([TOOL], "required"), deep),
+    ]:
+        assert calling.extract(text) is None
