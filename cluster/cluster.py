@@ -72,6 +72,18 @@ from conveyor.cluster.tools import CLUSTER_BINARIES, Tools, build_tools, pinned_
 TIMINGS_FILE = "timings.json"
 
 
+def rotate_logs(logs: Path) -> None:
+    """Move an earlier cluster's logs aside (to ``logs.previous``, replacing what was there),
+    so that this cluster's failure reports show only its own components: a cluster of the
+    same name on real nodes leaves containerd and kubelet logs that one on the node agent
+    never writes."""
+    if logs.is_dir():
+        previous = logs.with_name(logs.name + ".previous")
+        shutil.rmtree(previous, ignore_errors=True)
+        logs.rename(previous)
+    logs.mkdir()
+
+
 def free_port(host: str) -> int:
     """A TCP port free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -144,7 +156,8 @@ class Cluster:
 
     @property
     def logs_dir(self) -> Path:
-        """One log file per component (appended to at each start)."""
+        """One log file per component (appended to at each start of it; the cluster's last
+        run's are in ``logs.previous``)."""
         return self.work_dir / "logs"
 
     @property
@@ -207,7 +220,7 @@ class Cluster:
                 elif p.exists():
                     p.unlink()
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.logs_dir.mkdir(exist_ok=True)
+        rotate_logs(self.logs_dir)
         self.state = ClusterState(
             s.name,
             s.bridge,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.cluster.cluster import rotate_logs
 from conveyor.cluster.process import (
     ManagedProcess,
     ProcessRecord,
@@ -150,3 +151,16 @@ def test_restart_kills_a_component_and_starts_the_same_command_line(tmp_path: Pa
     finally:
         for proc in (first, cluster.processes["component"]):
             proc.stop(grace_s=1)
+
+
+def test_a_new_cluster_moves_the_last_ones_logs_aside(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    rotate_logs(logs)  # the first cluster: nothing to move
+    assert logs.is_dir() and not (tmp_path / "logs.previous").exists()
+    (logs / "kubelet-gpu-node-0.log").write_text("real nodes\n")
+    rotate_logs(logs)
+    assert list(logs.iterdir()) == []
+    assert (tmp_path / "logs.previous" / "kubelet-gpu-node-0.log").read_text() == "real nodes\n"
+    (logs / "node-agent.log").write_text("agent\n")
+    rotate_logs(logs)  # only the last run's are kept
+    assert sorted(p.name for p in (tmp_path / "logs.previous").iterdir()) == ["node-agent.log"]
