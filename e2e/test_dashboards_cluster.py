@@ -171,6 +171,7 @@ async def one(
     *,
     stream: bool,
     max_tokens: int = 24,
+    extra_body: dict[str, Any] | None = None,
 ) -> None:
     """One request; its outcome tallied (errors are what some phases are for)."""
     try:
@@ -182,7 +183,9 @@ async def one(
             async for _ in chunks:
                 pass
         else:
-            await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens)
+            await client.completions.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, extra_body=extra_body
+            )
     except openai.APIStatusError as exc:
         tally.outcomes[str(exc.status_code)] += 1
     except openai.APIError as exc:
@@ -245,11 +248,22 @@ async def drive(run: Run) -> None:
 
         await held
         await wait("the tiny-KV replica admitted", lambda: gw.admitted(TINY_KV), DEADLINE_S)
-        # Long concurrent generations on 256 tokens of KV cache: preemptions.
+        # Long concurrent generations on 256 tokens of KV cache: preemptions. Each writes all
+        # of its 120 tokens (no early end of text), so that however the gateway spaces them
+        # they overlap, and any two overflow the cache: 6 x 60 tokens, which could end early,
+        # once left a run on real nodes without a preemption.
         await asyncio.gather(
             *(
-                one(client, tally, TINY_KV, f"long {i} " * 4, stream=False, max_tokens=60)
-                for i in range(6)
+                one(
+                    client,
+                    tally,
+                    TINY_KV,
+                    f"long {i} " * 4,
+                    stream=False,
+                    max_tokens=120,
+                    extra_body={"ignore_eos": True},
+                )
+                for i in range(8)
             )
         )
         # A burst over the tiny-KV replica's queue bound (2 waiting): 429s.
