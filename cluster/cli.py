@@ -13,7 +13,7 @@ from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.figures import figures, format_figures
 from conveyor.cluster.kubelet_node import missing_host_tools
 from conveyor.cluster.leftovers import find_leftovers
-from conveyor.cluster.real_nodes import node_image_archive
+from conveyor.cluster.real_nodes import node_image_path
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.state import ClusterState, read_state
 from conveyor.cluster.teardown import ClusterAlreadyRunning
@@ -60,9 +60,10 @@ def _parser() -> argparse.ArgumentParser:
         "--node-image",
         action="append",
         default=[],
-        metavar="ARCHIVE",
-        help="an OCI archive each real node's containerd gets (--node-runtime kubelet; "
-        "repeatable), or 'conveyor': the project's image as `conveyor image build` left it; "
+        metavar="IMAGE",
+        help="an image each real node's containerd gets (--node-runtime kubelet; repeatable): "
+        "an OCI layout directory or archive, or 'conveyor': the project's image as `conveyor "
+        "image build` left it; "
         "imported once into a cached seed that every node clones; pods use it with "
         "imagePullPolicy: Never",
     )
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
     settings = ClusterSettings(name=args.name, state_root=args.state_root)
     if args.command == "up":
         try:
-            node_images = tuple(str(node_image_archive(p)) for p in args.node_image)
+            node_images = tuple(str(node_image_path(p)) for p in args.node_image)
         except FileNotFoundError as exc:
             print(f"conveyor cluster up: {exc}", file=sys.stderr)
             return 2

@@ -6,7 +6,8 @@ their step of cluster/image-steps.sh in a chroot on an overlay of the layers bel
 upper directory is the new layer. Every mount lives in a private mount namespace
 (``unshare --mount``), so a build that dies leaves none behind. Each layer's tar is added,
 uncompressed, to an OCI layout in the cache (tag = the layer's key; ``image_oci``), then the
-configuration the Dockerfile states, and the OCI archive that ``ctr images import`` loads.
+configuration the Dockerfile states, and the image itself: an OCI layout directory whose blobs
+are hardlinks to the cache's, which the real nodes' seed imports.
 
 The cache, ``$CONVEYOR_CACHE/images`` (``~/.cache/conveyor/images``), holds the layout, the
 base's root file system and the deps' upper directory (the lower layers of the next build),
@@ -38,11 +39,12 @@ from conveyor.cluster.image_oci import (
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
     STEPS_SCRIPT,
+    VLLM_INSTALLER,
+    VLLM_STEP,
     ImageSettings,
     Layer,
     dockerfile_config,
     plan_layers,
-    project_version,
     source_paths,
 )
 
@@ -78,7 +80,8 @@ class LayerReport:
 @dataclass(frozen=True)
 class BuildResult:
     name: str
-    archive: Path
+    image: Path
+    """The OCI layout directory (or archive, for a ``.tar`` output) written."""
     layers: list[LayerReport]
     seconds: float
 
@@ -89,10 +92,16 @@ def images_cache() -> Path:
     return Path(root) / "images"
 
 
-def default_archive(version: str, cache: Path | None = None, repository: str = "conveyor") -> Path:
+def default_image(version: str, cache: Path | None = None, repository: str = "conveyor") -> Path:
     """Where ``conveyor image build`` writes the image ``repository:version`` unless told
-    otherwise."""
-    return (cache or images_cache()) / f"{repository}-{version}.oci.tar"
+    otherwise: an OCI layout directory whose blobs are hardlinks to the cache's."""
+    return (cache or images_cache()) / f"{repository}-{version}.oci"
+
+
+def _legacy_archive(image: Path) -> Path:
+    """Where builds before ``default_image`` wrote the same image as an OCI archive (a full
+    copy, gigabytes): removed when the directory is written."""
+    return image.with_name(image.name + ".tar")
 
 
 def missing_tools() -> dict[str, str]:
@@ -101,7 +110,7 @@ def missing_tools() -> dict[str, str]:
 
 
 class ImageBuilder:
-    """Builds one image from ``settings`` into the cache and writes its OCI archive."""
+    """Builds one image from ``settings`` into the cache and writes it out (``build``)."""
 
     def __init__(
         self,
@@ -123,7 +132,8 @@ class ImageBuilder:
         self.oci = OciLayout(cache / "oci")
 
     def build(self, output: Path | None = None) -> BuildResult:
-        """Build what the cache lacks and write the archive (default: beside the cache)."""
+        """Build what the cache lacks and write the image: an OCI layout directory (default:
+        ``default_image``, beside the cache) or, to a ``.tar`` ``output``, an OCI archive."""
         missing = missing_tools()
         if missing:
             raise ImageBuildError(
@@ -135,32 +145,36 @@ class ImageBuilder:
             raise ImageBuildError(
                 "building the image needs root (debootstrap, mounts, chroot): run it as root"
             )
-        if not (self.settings.repo / "Dockerfile").is_file():
+        if not self.settings.dockerfile.is_file():
             raise ImageBuildError(
-                f"{self.settings.repo} is not a Conveyor checkout (no Dockerfile): pass --repo"
+                f"{self.settings.repo} is not a Conveyor checkout (no "
+                f"{self.settings.dockerfile.name}): pass --repo"
             )
         started = time.monotonic()
-        version = project_version(self.settings.repo)
+        version = self.settings.version()
         repository = self.settings.repository
         name = f"{repository}:{version}"
-        archive = output or default_archive(version, self.cache, repository)
+        image = output or default_image(version, self.cache, repository)
         for d in (self.dirs, self.logs, self.pip_cache):
             d.mkdir(parents=True, exist_ok=True)
         with self._locked():
             self.oci.ensure()
-            reports = [self._layer(layer) for layer in plan_layers(self.settings)]
+            layers = plan_layers(self.settings)
+            reports = [self._layer(layer, top=layer is layers[-1]) for layer in layers]
             top = reports[-1].layer
-            self._finish(top, version, archive)
-            self.oci.prune_siblings(keep=top.tag, prefix="src-")
+            self._finish(top, version, image)
+            self.oci.prune_siblings(keep=top.tag, prefix=f"{top.kind}-")
             self._prune_other_bases(reports[0].layer)
             self.oci.collect_garbage()  # what a rebuilt tag (--no-cache) no longer holds
-        return BuildResult(name, archive, reports, time.monotonic() - started)
+        return BuildResult(name, image, reports, time.monotonic() - started)
 
     # -- one layer ---------------------------------------------------------------------------
 
-    def _layer(self, layer: Layer) -> LayerReport:
+    def _layer(self, layer: Layer, *, top: bool) -> LayerReport:
+        """``layer`` from the cache, or built and packed. The ``top`` layer's directory is
+        dropped once packed: nothing is built on it, and only its blob is kept."""
         sizes = self._sizes()
-        if not self.no_cache and self._cached(layer) and layer.tag in sizes:
+        if not self.no_cache and self._cached(layer, top=top) and layer.tag in sizes:
             self.say(f"{layer.kind}: cached ({layer.tag})")
             return LayerReport(layer, True, 0.0, *sizes[layer.tag])
         self.say(f"{layer.kind}: building ({layer.tag})")
@@ -171,8 +185,8 @@ class ImageBuilder:
             upper = self._build_on_overlay(layer)
         self.say(f"{layer.kind}: built in {time.monotonic() - started:.1f} s; packing")
         tar_bytes = self._append(layer, upper)
-        if layer.kind == "src":
-            shutil.rmtree(upper.parent)  # nothing is built on it: only its blob is kept
+        if top:
+            shutil.rmtree(upper.parent)
         blob_bytes = self.oci.top_layer_size(layer.tag)
         sizes[layer.tag] = (tar_bytes, blob_bytes)
         self._sizes_file.write_text(json.dumps(sizes))
@@ -180,11 +194,11 @@ class ImageBuilder:
         self.say(f"{layer.kind}: done in {seconds:.1f} s, {tar_bytes / 1e6:.0f} MB")
         return LayerReport(layer, False, seconds, tar_bytes, blob_bytes)
 
-    def _cached(self, layer: Layer) -> bool:
+    def _cached(self, layer: Layer, *, top: bool) -> bool:
         """Its tag is in the layout and, for a layer others build on, its directory is kept."""
         if layer.tag not in self.oci.tags():
             return False
-        return layer.kind == "src" or (self.dirs / layer.tag).is_dir()
+        return top or (self.dirs / layer.tag).is_dir()
 
     def _build_base(self, layer: Layer) -> Path:
         final = self.dirs / layer.tag
@@ -238,7 +252,12 @@ class ImageBuilder:
         shutil.rmtree(work, ignore_errors=True)
         upper = work / "upper"
         build = upper / "opt/conveyor/build"
-        if layer.kind == "deps":
+        command = None
+        if layer.kind == "vllm":
+            build.mkdir(parents=True)
+            shutil.copy(self.settings.repo / VLLM_INSTALLER, build / "vllm_env.py")
+            command = VLLM_STEP
+        elif layer.kind == "deps":
             build.mkdir(parents=True)
             for rel in DEPS_INPUTS:
                 shutil.copy(self.settings.repo / rel, build / Path(rel).name)
@@ -247,8 +266,16 @@ class ImageBuilder:
                 dest = build / "src" / path.relative_to(self.settings.repo)
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, dest)
-        self._chroot_step(lowers=self._lowers(layer.parent), upper=upper, step=layer.kind)
-        _check_no_whiteouts(upper)
+        try:
+            self._chroot_step(
+                lowers=self._lowers(layer.parent), upper=upper, step=layer.kind, command=command
+            )
+            _check_no_whiteouts(upper, self._lowers(layer.parent))
+        except BaseException:
+            # Half a layer is of no use to the next build (which starts it anew), and vLLM's
+            # or the deps' is gigabytes; the step's log says what happened.
+            shutil.rmtree(work, ignore_errors=True)
+            raise
         work.rename(final)
         return final / "upper"
 
@@ -261,9 +288,12 @@ class ImageBuilder:
             at = at.parent
         return out
 
-    def _chroot_step(self, *, lowers: list[Path], upper: Path, step: str) -> None:
-        """Run one step of image-steps.sh as root in a chroot: on ``upper`` itself (no lowers),
-        or on an overlay whose writes land in ``upper``; mounts die with the namespace."""
+    def _chroot_step(
+        self, *, lowers: list[Path], upper: Path, step: str, command: str | None = None
+    ) -> None:
+        """Run one step of image-steps.sh (or the shell ``command`` for it) as root in a
+        chroot: on ``upper`` itself (no lowers), or on an overlay whose writes land in
+        ``upper``; mounts die with the namespace."""
         work = upper.parent / "overlay-work"
         merged = upper.parent / "merged"
         lines = ["set -eu"]
@@ -303,7 +333,8 @@ class ImageBuilder:
             )
             env["PIP_CERT"] = "/mnt/ca.crt"
         env_args = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-        lines.append(f"chroot {r} /usr/bin/env -i {env_args} bash {IN_IMAGE_STEPS} {step}")
+        run = shlex.quote(command) if command else shlex.quote(f"bash {IN_IMAGE_STEPS} {step}")
+        lines.append(f"chroot {r} /usr/bin/env -i {env_args} bash -c {run}")
         script = "\n".join(lines)
         self._run(
             ["unshare", "--mount", "--propagation", "private", "bash", "-c", script], log=step
@@ -337,14 +368,16 @@ class ImageBuilder:
             tar.unlink(missing_ok=True)  # moved into the layout unless append failed
         return size
 
-    def _finish(self, top: Layer, version: str, archive: Path) -> None:
-        """The Dockerfile's configuration on the top layer, then the archive."""
+    def _finish(self, top: Layer, version: str, image: Path) -> None:
+        """The Dockerfile's configuration on the top layer, then the image written out."""
         tag = f"{self.settings.repository}-{version}"
-        self.oci.configure(top.tag, tag, dockerfile_config(self.settings.repo / "Dockerfile"))
+        self.oci.configure(top.tag, tag, dockerfile_config(self.settings.dockerfile))
         started = time.monotonic()
         ref = f"{CANONICAL_REGISTRY}/{self.settings.repository}:{version}"
-        self.oci.write_archive(tag, archive, ref)
-        self.say(f"archive: {archive} in {time.monotonic() - started:.1f} s")
+        self.oci.export(tag, image, ref)
+        if image == default_image(version, self.cache, self.settings.repository):
+            _legacy_archive(image).unlink(missing_ok=True)
+        self.say(f"image: {image} in {time.monotonic() - started:.1f} s")
 
     def _prune_other_bases(self, base: Layer) -> None:
         """Drop what was built on an earlier base, tags and kept directories (gigabytes)."""
@@ -375,9 +408,12 @@ class ImageBuilder:
             yield
 
 
-def _check_no_whiteouts(upper: Path) -> None:
+def _check_no_whiteouts(upper: Path, lowers: list[Path]) -> None:
     """A step that deletes what a lower layer holds leaves overlay whiteouts, which an OCI
-    layer spells differently; the steps never do, and a build that starts to is stopped."""
+    layer spells differently; the steps never do, and a build that starts to is stopped. A
+    directory marked opaque hides a lower one of the same path, if there is one: the kernel
+    also marks directories new to every lower layer (apt's package folders), which hide
+    nothing and are fine."""
     for root, dirs, files in os.walk(upper):
         for name in files:
             st = os.lstat(os.path.join(root, name))
@@ -387,9 +423,11 @@ def _check_no_whiteouts(upper: Path) -> None:
                     "image-steps.sh must only add files"
                 )
         for name in dirs:
+            path = os.path.join(root, name)
             try:
-                opaque = os.getxattr(os.path.join(root, name), "trusted.overlay.opaque")
+                opaque = os.getxattr(path, "trusted.overlay.opaque")
             except OSError:
                 continue
-            if opaque == b"y":
-                raise ImageBuildError(f"{os.path.join(root, name)}: a step replaced a directory")
+            below = Path(path).relative_to(upper)
+            if opaque == b"y" and any((lower / below).is_dir() for lower in lowers):
+                raise ImageBuildError(f"{path}: a step replaced a directory of a lower layer")

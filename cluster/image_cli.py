@@ -1,4 +1,4 @@
-"""``conveyor image build``: the project's image as an OCI archive, without a container engine.
+"""``conveyor image build``: the project's image as an OCI layout, without a container engine.
 
 For a real cluster, build the Dockerfile with Docker or BuildKit and push it to your registry
 (README.md, "Building the image"); this command builds the same layers here, on a Debian base.
@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from conveyor.cluster.image_build import ImageBuilder, images_cache
-from conveyor.cluster.image_oci import ImageBuildError
-from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
+from conveyor.cluster.image_oci import ImageBuildError, image_bytes
+from conveyor.cluster.image_plan import ENGINES, ImageSettings, host_debian_mirror
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,13 +23,24 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser(
         "build",
-        help="build the image (only the layers whose inputs changed) and write its OCI archive",
+        help="build the image (only the layers whose inputs changed) and write it out as an "
+        "OCI layout directory",
     )
     build.add_argument(
         "--output",
         type=Path,
         default=None,
-        help="where to write the OCI archive (default: $CONVEYOR_CACHE/images/conveyor-VERSION.oci.tar)",
+        help="where to write the image: an OCI layout directory (default: "
+        "$CONVEYOR_CACHE/images/conveyor-VERSION.oci, its blobs hardlinks to the cache's) or, "
+        "for a path ending in .tar, an OCI archive (a full copy, to move elsewhere)",
+    )
+    build.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="conveyor",
+        help="whose image: the project's (conveyor, default) or vLLM for CPU's (vllm: "
+        "Dockerfile.vllm-cpu, named vllm-cpu:VERSION, for LLMServices with engine vllm on the "
+        "real nodes; about 6 GB)",
     )
     build.add_argument(
         "--extras",
@@ -61,10 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--seed",
         action="store_true",
-        help="then import the image, with the pause image, into the real nodes' seed (the "
-        "containerd root that `conveyor cluster up --node-runtime kubelet` clones into each "
-        "node): a minute or two the first time, seconds after a source edit; needs containerd "
-        "and the node tools' Go module (cluster/build-tools.sh --set node)",
+        help="then import every image real nodes get (the project's, and vLLM for CPU's when "
+        "built), with the pause image, into the real nodes' seed (the containerd root that "
+        "`conveyor cluster up --node-runtime kubelet` clones into each node): a minute or two "
+        "the first time, seconds after a source edit; needs containerd and the node tools' Go "
+        "module (cluster/build-tools.sh --set node)",
     )
     build.add_argument(
         "--no-cache",
@@ -86,7 +98,15 @@ def main(argv: list[str]) -> int:
         extras=tuple(e.strip() for e in args.extras.split(",") if e.strip()),
         suite=args.base,
         mirror=args.mirror or host_debian_mirror() or ImageSettings.mirror,
+        engine=args.engine,
     )
+    if args.seed and args.output is not None:
+        print(
+            "conveyor image build: --seed imports the images at their default paths; "
+            "drop --output (or seed with `conveyor cluster up --node-image PATH`)",
+            file=sys.stderr,
+        )
+        return 2
     builder = ImageBuilder(
         settings, cache=args.cache or images_cache(), no_cache=args.no_cache, progress=_say
     )
@@ -101,16 +121,19 @@ def main(argv: list[str]) -> int:
             f"{'cached' if r.cached else f'{r.seconds:7.1f} s'}  "
             f"{r.tar_bytes / 1e6:8.0f} MB unpacked  {r.blob_bytes / 1e6:8.0f} MB stored"
         )
-    size = result.archive.stat().st_size
-    print(f"image {result.name}: {result.archive} ({size / 1e6:.0f} MB) in {result.seconds:.1f} s")
+    size = image_bytes(result.image)
+    print(f"image {result.name}: {result.image} ({size / 1e6:.0f} MB) in {result.seconds:.1f} s")
     if not args.seed:
-        print(f"load it: ctr -n k8s.io images import {result.archive}")
+        kind = "oci-archive" if result.image.is_file() else "oci"
+        print(f"push it: skopeo copy {kind}:{result.image} docker://REGISTRY/{result.name}")
         return 0
-    from conveyor.cluster.real_nodes import node_seed  # real nodes' code only when asked
+    # real nodes' code only when asked
+    from conveyor.cluster.real_nodes import default_node_images, node_seed
 
-    _say("seed: importing the image into the real nodes' seed")
+    images = default_node_images(args.cache)
+    _say(f"seed: importing {', '.join(i.name for i in images)} into the real nodes' seed")
     try:
-        seed = node_seed([result.archive])
+        seed = node_seed(images)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
         print(f"conveyor image build --seed: {exc}", file=sys.stderr)
         return 1

@@ -165,10 +165,12 @@ class OciLayout:
         """Bytes of ``tag``'s last layer as stored."""
         return int(self._manifest(tag)["layers"][-1]["size"])
 
-    def write_archive(self, tag: str, archive: Path, ref: str) -> None:
-        """``tag`` as an OCI archive (a tar of a layout holding only it) whose image is named
-        ``ref``: a full reference, which ``ctr images import`` names it. Written here: skopeo
-        would gzip every plain layer on the way."""
+    def export(self, tag: str, dest: Path, ref: str) -> None:
+        """``tag`` as an image named ``ref`` (a full reference, which ``ctr images import``
+        names it): an OCI layout directory holding only it, its blobs hardlinks to the cache's
+        (no byte copied), or, when ``dest`` ends in ``.tar``, an OCI archive (a tar of that
+        layout: a full copy, for moving the image elsewhere). Written here: skopeo would gzip
+        every plain layer on the way."""
         entry = next(m for m in self._index() if m.get("annotations", {}).get(_REF) == tag)
         manifest = self._manifest(tag)
         digests = [entry["digest"], manifest["config"]["digest"]]
@@ -178,33 +180,37 @@ class OciLayout:
             "mediaType": INDEX,
             "manifests": [{**entry, "annotations": {_REF: ref}}],
         }
-        if archive_index(archive) == json.dumps(index).encode():
+        if image_index(dest) == json.dumps(index).encode():
             return  # this very image (its manifest's digest names all of it)
-        archive.parent.mkdir(parents=True, exist_ok=True)
-        partial = archive.with_name(archive.name + ".partial")
-        partial.unlink(missing_ok=True)  # a write that died
-        _make_room(archive, sum(self._blob(d).stat().st_size for d in dict.fromkeys(digests)))
-        # GNU tar of a directory of hardlinks to the blobs (beside them: one file system), so
-        # nothing is copied twice.
-        staging = self.path / "archive.staging"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        archive = dest.name.endswith(".tar")
+        partial = dest.with_name(dest.name + ".partial")
+        _remove(partial)  # a write that died
+        # A directory of hardlinks to the blobs (beside them: one file system): the layout
+        # itself, or what GNU tar packs, so that nothing is copied twice.
+        staging = self.path / "archive.staging" if archive else partial
         shutil.rmtree(staging, ignore_errors=True)
         (staging / "blobs" / "sha256").mkdir(parents=True)
         try:
             shutil.copy(self.path / "oci-layout", staging / "oci-layout")
-            (staging / "index.json").write_text(json.dumps(index))
             for digest in dict.fromkeys(digests):
                 os.link(self._blob(digest), staging / "blobs" / Path(*digest.split(":", 1)))
-            tar = subprocess.run(
-                ["tar", "--create", "--file", str(partial), "--directory", str(staging),
-                 "oci-layout", "index.json", "blobs"],
-                capture_output=True, text=True,
-            )  # fmt: skip
-            if tar.returncode != 0:
-                partial.unlink(missing_ok=True)
-                raise ImageBuildError(f"writing {archive} failed: {tar.stderr.strip()}")
+            (staging / "index.json").write_text(json.dumps(index))  # last: the layout is whole
+            if archive:
+                _make_room(dest, sum(self._blob(d).stat().st_size for d in dict.fromkeys(digests)))
+                tar = subprocess.run(
+                    ["tar", "--create", "--file", str(partial), "--directory", str(staging),
+                     "oci-layout", "index.json", "blobs"],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if tar.returncode != 0:
+                    partial.unlink(missing_ok=True)
+                    raise ImageBuildError(f"writing {dest} failed: {tar.stderr.strip()}")
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        partial.rename(archive)
+            if archive:
+                shutil.rmtree(staging, ignore_errors=True)
+        _remove(dest)
+        partial.rename(dest)
 
     def prune_siblings(self, keep: str, prefix: str) -> None:
         """Drop the ``prefix`` tags other than ``keep`` that sit on the same lower layers
@@ -295,15 +301,36 @@ class OciLayout:
         partial.replace(self.path / "index.json")
 
 
-def archive_index(archive: Path) -> bytes | None:
-    """The ``index.json`` of an OCI archive (it names the image's manifest by digest), or None
-    when there is no such archive."""
+def image_index(archive: Path) -> bytes | None:
+    """The ``index.json`` of an OCI layout directory or archive (it names the image's manifest
+    by digest), or None when there is no such image."""
+    if archive.is_dir():
+        try:
+            return (archive / "index.json").read_bytes()
+        except OSError:
+            return None
     try:
         with tarfile.open(archive) as tar:
             member = tar.extractfile("index.json")
             return member.read() if member is not None else None
     except (OSError, KeyError, tarfile.TarError):
         return None
+
+
+def image_bytes(image: Path) -> int:
+    """Bytes an image written by ``OciLayout.export`` holds: the archive's size, or the sum of
+    the layout's files (its blobs are shared with the cache, so this is not disk used)."""
+    if image.is_file():
+        return image.stat().st_size
+    return sum(f.stat().st_size for f in image.rglob("*") if f.is_file())
+
+
+def _remove(path: Path) -> None:
+    """``path`` gone, a file or a directory, if it was there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def oci_architecture() -> str:

@@ -8,6 +8,12 @@ Pure functions, no tool is run: the keys say which layers a build can take from 
         base's key, the extras, pyproject.toml, the built-in model's pins, the requirement reader
   src   the project itself; key: the deps' key and every file the project's wheel is built from
 
+vLLM for CPU's image (``engine="vllm"``, Dockerfile.vllm-cpu) is the same base and one layer:
+
+  vllm  libnuma and vLLM for CPU's virtual environment, installed as the benchmark peer
+        installs it; key: the base's key, the step and bench/peers/vllm_env.py (which pins
+        the release)
+
 Each key folds in its parent's, so a change rebuilds its own layer and those above it, never
 those below: a source edit rebuilds only ``src``, an edit of pyproject.toml ``deps`` and ``src``.
 The image's configuration (environment, user, entry point) is read from the Dockerfile, so the
@@ -29,6 +35,20 @@ RECIPE = 1
 """Bump when the build changes in a way the keys below do not see."""
 
 STEPS_SCRIPT = "cluster/image-steps.sh"
+VLLM_INSTALLER = "bench/peers/vllm_env.py"
+VLLM_DOCKERFILE = "Dockerfile.vllm-cpu"
+VLLM_VENV = "/opt/vllm/venv"
+VLLM_STEP = (
+    "apt-get update -qq"
+    " && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libnuma1"
+    " && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin"
+    f" && python3 /opt/conveyor/build/vllm_env.py install --venv {VLLM_VENV}"
+    " && rm -rf /opt/conveyor/build"
+)
+"""The vllm layer's one command, as Dockerfile.vllm-cpu's RUN line has it (a test checks):
+libnuma, which vLLM for CPU's kernels link, then vLLM for CPU's environment."""
+ENGINES = ("conveyor", "vllm")
+"""The images ``conveyor image build --engine`` makes."""
 DEPS_INPUTS = ("pyproject.toml", "runtime/model/packaged.py", "cluster/image_requirements.py")
 """What the deps step reads, in the Dockerfile's COPY order (all land in /opt/conveyor/build)."""
 
@@ -52,13 +72,29 @@ class ImageSettings:
     apt uses, falling back to this)."""
     arch: str = "amd64"
     """Debian architecture of the base."""
+    engine: str = "conveyor"
+    """Whose image: the project's (``conveyor``) or vLLM for CPU's (``vllm``; extras unused)."""
 
     @property
     def repository(self) -> str:
-        """The image's name: ``conveyor`` with the runtime, else ``conveyor-control`` (the
-        gateway and operator without torch), as the README's ``docker build`` lines name
-        them, so that building one never overwrites the other's archive."""
+        """The image's name: ``vllm-cpu`` for vLLM's; for the project's, ``conveyor`` with the
+        runtime, else ``conveyor-control`` (the gateway and operator without torch), as the
+        README's ``docker build`` lines name them, so that building one never overwrites
+        another."""
+        if self.engine == "vllm":
+            return "vllm-cpu"
         return "conveyor" if "runtime" in self.extras else "conveyor-control"
+
+    @property
+    def dockerfile(self) -> Path:
+        """The Dockerfile whose configuration (ENV, USER, ENTRYPOINT...) the image gets."""
+        return self.repo / (VLLM_DOCKERFILE if self.engine == "vllm" else "Dockerfile")
+
+    def version(self) -> str:
+        """The image's tag: vLLM's release, or the project's version."""
+        if self.engine == "vllm":
+            return _vllm_version(self.repo / VLLM_INSTALLER)
+        return project_version(self.repo)
 
 
 @dataclass(frozen=True)
@@ -118,6 +154,15 @@ def plan_layers(settings: ImageSettings) -> list[Layer]:
             ]
         ),
     )
+    if settings.engine == "vllm":
+        vllm = Layer(
+            "vllm",
+            _digest(
+                [base.key.encode(), VLLM_STEP.encode(), *_files_key(repo, [repo / VLLM_INSTALLER])]
+            ),
+            base,
+        )
+        return [base, vllm]
     deps = Layer(
         "deps",
         _digest(
@@ -128,6 +173,14 @@ def plan_layers(settings: ImageSettings) -> list[Layer]:
     )
     src = Layer("src", _digest([deps.key.encode(), *_files_key(repo, source_paths(repo))]), deps)
     return [base, deps, src]
+
+
+def _vllm_version(installer: Path) -> str:
+    """The vLLM release the installer pins (its ``VERSION = "..."`` line)."""
+    found = re.search(r'^VERSION = "([^"]+)"', installer.read_text(), re.MULTILINE)
+    if found is None:
+        raise ValueError(f"{installer} names no VERSION")
+    return found.group(1)
 
 
 def project_version(repo: Path) -> str:

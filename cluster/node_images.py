@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import shutil
 import subprocess
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from conveyor.cluster.image_oci import LAYER_TAR, OciLayout
@@ -75,7 +77,7 @@ def static_image(files: dict[str, Path], *, entrypoint: list[str], ref: str, cac
         env={}, user="", workdir="", ports=(), entrypoint=tuple(entrypoint), cmd=()
     )
     layout.configure("layer", "image", config, created_by="conveyor node_images")
-    layout.write_archive("image", archive, ref)
+    layout.export("image", archive, ref)
     subprocess.run(["rm", "-rf", str(work)], check=True)
     return archive
 
@@ -95,39 +97,108 @@ def pause_image(cache: Path) -> Path:
     return static_image({"/pause": binary}, entrypoint=["/pause"], ref=PAUSE_IMAGE, cache=cache)
 
 
-def import_image(ctr_address: Path, archive: Path, *, content: Path | None = None) -> None:
-    """Load ``archive`` into the CRI namespace of the containerd at ``ctr_address``.
+def import_image(ctr_address: Path, image: Path, *, content: Path | None = None) -> None:
+    """Load ``image`` (an OCI archive, or an OCI layout directory) into the CRI namespace of
+    the containerd at ``ctr_address``.
 
     ``content``: that containerd's blob directory (``.../blobs/sha256``). Blobs already there
     are left out of what ``ctr`` reads: it learns a blob's digest only by sending all of it
     to containerd, so a 6 GB layer that a cloned seed already holds would cost a minute and a
-    half for nothing. Unpacking then reads the blobs from the store."""
+    half for nothing. Unpacking then reads the blobs from the store. (containerd writes the
+    blobs it is sent as its own files; ``share_blobs`` makes them one with the layout's.)"""
     argv = ["ctr", "-a", str(ctr_address), "-n", "k8s.io", "images", "import", "--all-platforms"]
-    with tarfile.open(archive) as tar:
-        members = tar.getmembers()
-        skip = {
-            m.name for m in members
-            if content is not None and m.isfile() and m.name.startswith("blobs/sha256/")
-            and (content / m.name.rsplit("/", 1)[-1]).is_file()
-        }  # fmt: skip
-        if not skip:
-            proc = subprocess.run([*argv, str(archive)], capture_output=True, text=True)
-        else:
-            with tempfile.TemporaryFile() as err:  # a pipe could fill while stdin is written
-                with subprocess.Popen(
-                    [*argv, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err
-                ) as ctr:
-                    assert ctr.stdin is not None
-                    try:
-                        with tarfile.open(fileobj=ctr.stdin, mode="w|") as out:
-                            for m in members:
-                                if m.name not in skip:
-                                    out.addfile(m, tar.extractfile(m) if m.isfile() else None)
-                    except BrokenPipeError:
-                        pass  # ctr stopped reading: its exit status and stderr say why
-                    ctr.stdin.close()
-                err.seek(0)
-                stderr = err.read().decode(errors="replace")
-            proc = subprocess.CompletedProcess(ctr.args, ctr.returncode, "", stderr)
+    known = _stored(content) if content is not None else set()
+    if image.is_dir():
+        members = _layout_members(image)
+        send = [(name, path) for name, path in members if name.rsplit("/", 1)[-1] not in known]
+        proc = _stream_into(argv, lambda out: _add_files(out, send))
+    else:
+        with tarfile.open(image) as tar:
+            entries = tar.getmembers()
+            skip = {
+                m.name for m in entries
+                if m.isfile() and m.name.startswith("blobs/sha256/")
+                and m.name.rsplit("/", 1)[-1] in known
+            }  # fmt: skip
+            if not skip:
+                proc = subprocess.run([*argv, str(image)], capture_output=True, text=True)
+            else:
+                proc = _stream_into(
+                    argv,
+                    lambda out: [
+                        out.addfile(m, tar.extractfile(m) if m.isfile() else None)
+                        for m in entries
+                        if m.name not in skip
+                    ],
+                )
     if proc.returncode != 0:
-        raise RuntimeError(f"ctr images import {archive} failed: {proc.stderr.strip()}")
+        raise RuntimeError(f"ctr images import {image} failed: {proc.stderr.strip()}")
+
+
+def share_blobs(layout: Path, content: Path) -> int:
+    """Every blob of the OCI ``layout`` directory made one file with containerd's ``content``
+    store (``.../blobs/sha256``): hardlinked in where the store lacks it, and where the store
+    holds its own copy (an import from an archive), that copy replaced by the link. Blobs are
+    named by their digest and never written in place, so the two names are the same bytes.
+    The bytes a replaced copy held."""
+    freed = 0
+    content.mkdir(parents=True, exist_ok=True)
+    for blob in (layout / "blobs" / "sha256").iterdir():
+        there = content / blob.name
+        try:
+            st = there.stat()
+        except FileNotFoundError:
+            os.link(blob, there)
+            continue
+        if st.st_ino != blob.stat().st_ino:
+            link = there.with_name(f".{blob.name}.link")
+            link.unlink(missing_ok=True)
+            os.link(blob, link)
+            link.replace(there)
+            freed += st.st_size if st.st_nlink == 1 else 0
+    return freed
+
+
+def _stored(content: Path) -> set[str]:
+    try:
+        return {p.name for p in content.iterdir()}
+    except FileNotFoundError:
+        return set()
+
+
+def _layout_members(layout: Path) -> list[tuple[str, Path]]:
+    """The files of an OCI layout directory, named as in an archive of it."""
+    blobs = sorted((layout / "blobs" / "sha256").iterdir())
+    return [
+        ("oci-layout", layout / "oci-layout"),
+        ("index.json", layout / "index.json"),
+        *((f"blobs/sha256/{b.name}", b) for b in blobs),
+    ]
+
+
+def _add_files(out: tarfile.TarFile, files: list[tuple[str, Path]]) -> None:
+    for name, path in files:
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = path.stat().st_size, 0o444
+        with open(path, "rb") as f:
+            out.addfile(info, f)
+
+
+def _stream_into(
+    argv: list[str], write: Callable[[tarfile.TarFile], object]
+) -> subprocess.CompletedProcess[str]:
+    """Run ``ctr ... import -`` with the tar that ``write`` makes on its stdin."""
+    with tempfile.TemporaryFile() as err:  # a pipe could fill while stdin is written
+        with subprocess.Popen(
+            [*argv, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err
+        ) as ctr:
+            assert ctr.stdin is not None
+            try:
+                with tarfile.open(fileobj=ctr.stdin, mode="w|") as out:
+                    write(out)
+            except BrokenPipeError:
+                pass  # ctr stopped reading: its exit status and stderr say why
+            ctr.stdin.close()
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+    return subprocess.CompletedProcess(ctr.args, ctr.returncode, "", stderr)

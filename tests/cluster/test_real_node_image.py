@@ -1,6 +1,6 @@
 """The project's image on real nodes (node runtime ``kubelet``), every node cloned from one seed.
 
-Two CPU nodes get the project's image (``conveyor image build``'s archive) through the seed
+Two CPU nodes get the project's image (``conveyor image build``'s OCI layout) through the seed
 containerd root (``node_seed``): a pod running ``conveyor serve --model conveyor-tiny`` from the
 image (not the checkout) becomes Ready by the runtime's own ``/ready`` and answers
 ``/v1/completions`` from the host at its pod IP; a file of the image changed in a container on
@@ -9,7 +9,7 @@ the seed's files by hardlinks). Prints the seed's import (cold, when it was made
 clone and start -> Ready, and the runtime pod's create -> Ready.
 
 Runs where the node tools are built (``cluster/build-tools.sh --set node``), containerd and runc
-are installed and the project's image archive is there (``conveyor image build``; no test
+are installed and the project's image is there (``conveyor image build``; no test
 builds it, it is 3.5 GB), as root, with no other cluster running on the machine.
 """
 
@@ -23,7 +23,7 @@ import urllib.request
 import pytest
 
 from conveyor.cluster.cluster import Cluster
-from conveyor.cluster.image_build import default_archive
+from conveyor.cluster.image_build import default_image
 from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
 from conveyor.cluster.node_images import pause_image
 from conveyor.cluster.node_seed import seed_root
@@ -32,7 +32,7 @@ from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.testing import leftovers_of
 
 VERSION = importlib.metadata.version("conveyor")
-ARCHIVE = default_archive(VERSION)
+IMAGE_PATH = default_image(VERSION)
 IMAGE = f"docker.io/library/conveyor:{VERSION}"
 NAME = "realnode-image"
 MARK = "changed-on-cpu-node-0"
@@ -43,8 +43,8 @@ def _why_not() -> str | None:
         return missing
     if node_tools_built() is None:
         return "the node tools are not built: cluster/build-tools.sh --set node (about 90 s warm)"
-    if not ARCHIVE.exists():
-        return f"the project's image is not built ({ARCHIVE}): conveyor image build"
+    if not IMAGE_PATH.exists():
+        return f"the project's image is not built ({IMAGE_PATH}): conveyor image build"
     if (other := Cluster.attach()) is not None:
         return f"cluster {other.settings.name!r} runs on this machine (one cluster per machine)"
     return None
@@ -81,12 +81,12 @@ def _ready(pod: dict) -> bool:
 
 def test_the_project_image_serves_on_real_nodes_cloned_from_one_seed() -> None:
     settings = ClusterSettings(
-        name=NAME, node_runtime="kubelet", gpu_nodes=0, cpu_nodes=2, node_images=(str(ARCHIVE),)
+        name=NAME, node_runtime="kubelet", gpu_nodes=0, cpu_nodes=2, node_images=(str(IMAGE_PATH),)
     )
     cluster = Cluster(settings)
     try:
         cluster.start()
-        seed = seed_root((pause_image(image_cache()), ARCHIVE))  # cached by now
+        seed = seed_root((pause_image(image_cache()), IMAGE_PATH))  # cached by now
         t = cluster.timings
         print(f"\nseed import (cold, when it was made): {seed.import_s:.1f} s"
               f"{'' if t['seed_import_s'] else ' (cached for this run)'}")  # fmt: skip
