@@ -69,12 +69,15 @@ def _node_settings() -> dict[str, object]:
         raise pytest.UsageError(
             f"CONVEYOR_E2E_NODE_RUNTIME={NODE_RUNTIME!r}: use agent (the default) or kubelet"
         )
-    from real_nodes_helpers import ARCHIVE, why_no_real_nodes
+    from real_nodes_helpers import why_no_real_nodes
+
+    from conveyor.cluster.real_nodes import default_node_images
 
     if reason := why_no_real_nodes():
         # Asked for by name: a skip would pass a run that tested nothing.
         pytest.fail(f"CONVEYOR_E2E_NODE_RUNTIME=kubelet, but {reason}", pytrace=False)
-    return {"node_runtime": "kubelet", "node_images": (str(ARCHIVE),)}
+    # the project's image, and vLLM for CPU's when built (test_engines)
+    return {"node_runtime": "kubelet", "node_images": tuple(map(str, default_node_images()))}
 
 
 def _running_cluster() -> KubeUnderTest | None:

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cluster.cluster import Cluster
-from conveyor.cluster.image_build import default_archive
+from conveyor.cluster.image_build import default_image
 from conveyor.cluster.kubelet_config import CRI_NAMESPACE
 from conveyor.cluster.real_nodes import node_layouts
 from conveyor.cluster.testing import KubeUnderTest
 
 VERSION = importlib.metadata.version("conveyor")
-ARCHIVE = default_archive(VERSION)
+IMAGE_PATH = default_image(VERSION)
 """The project's image as ``conveyor image build`` leaves it (never built by a test: 3.5 GB)."""
 IMAGE = f"docker.io/library/conveyor:{VERSION}"
 """The name the nodes' containerd knows the project's image by."""
@@ -31,8 +31,8 @@ def why_no_real_nodes() -> str | None:
     checks come first, so that a machine without the tools (CI) skips at once."""
     from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
 
-    if not ARCHIVE.exists():
-        return f"the project's image is not built ({ARCHIVE}): conveyor image build"
+    if not IMAGE_PATH.exists():
+        return f"the project's image is not built ({IMAGE_PATH}): conveyor image build"
     if why := missing_host_tools():
         return why
 

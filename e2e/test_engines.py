@@ -1,5 +1,6 @@
-"""An LLMService on vLLM: the real vLLM (vLLM for CPU, which the node agent runs for vLLM's
-image) behind Conveyor's operator and gateway, on the one-machine cluster.
+"""An LLMService on vLLM: the real vLLM (vLLM for CPU: on real nodes its own image, built here
+by ``conveyor image build --engine vllm``; on the node agent, its cached environment run for
+vLLM's image) behind Conveyor's operator and gateway, on the one-machine cluster.
 
 One vLLM LLMService serves the module (vLLM takes a minute or more to start; its spec and
 probes are in ``vllm_helpers``): it becomes Ready on the built-in model (written into the cache
@@ -12,7 +13,8 @@ traffic without a failed request. The tests run in this order and each relies on
 before. (A spec asking vLLM for a setting it lacks is refused: ``test_operator``.)
 
 The operator runs as a local process (as in ``test_operator``). Skips, with the reason, where
-vLLM for CPU is not installed or pods do not really run here.
+vLLM for CPU's image (real nodes) or environment (the agent) is missing, or pods do not really
+run here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -62,6 +65,7 @@ from vllm_helpers import (
 )
 
 from conveyor.bench.peers import vllm_env
+from conveyor.cluster.image_build import default_image
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
 from conveyor.contracts.engine_load import VLLM, samples
@@ -69,7 +73,11 @@ from conveyor.observability import grafana, panel_check
 from conveyor.observability import names as n
 from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings
+from conveyor.operator.engines import VLLM_IMAGE
 
+VLLM_CPU_IMAGE = f"vllm-cpu:{vllm_env.VERSION}"
+"""vLLM for CPU's image as the real nodes know it (``conveyor image build --engine vllm``)."""
+VLLM_CPU_IMAGE_PATH = default_image(vllm_env.VERSION, repository="vllm-cpu")
 SCRAPE_S = 1.0
 """Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""
 STREAMS = 6
@@ -127,14 +135,23 @@ def module_namespace(kube: KubeUnderTest) -> Iterator[str]:
 def vllm_service(
     kube: KubeUnderTest, module_namespace: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """The module's vLLM LLMService, Ready: its status and the seconds from apply to Ready."""
-    if not vllm_env.is_installed():
+    """The module's vLLM LLMService, Ready: its status and the seconds from apply to Ready.
+
+    On real nodes its pods run vLLM for CPU's image (``conveyor image build --engine vllm``,
+    which the nodes' seed holds); on the node agent, vLLM's own image name, which the agent
+    runs from vLLM for CPU's cached environment."""
+    real_nodes = kube.cluster is not None and kube.cluster.settings.node_runtime == "kubelet"
+    if real_nodes and VLLM_CPU_IMAGE_PATH not in map(Path, kube.cluster.settings.node_images):
+        pytest.skip(
+            "the real nodes have no vLLM for CPU image: conveyor image build --engine vllm "
+            "(scripts/test.sh builds it)"
+        )
+    if not real_nodes and not vllm_env.is_installed():
         pytest.skip(
             "vLLM for CPU is not installed: python -m conveyor.bench.peers.vllm_env install "
             "(scripts/test.sh runs it)"
         )
-    if kube.cluster is not None and kube.cluster.settings.node_runtime == "kubelet":
-        pytest.skip("real nodes have no vLLM image yet: only the project's image is built here")
+    runtime = {**RUNTIME, "image": VLLM_CPU_IMAGE} if real_nodes else RUNTIME
     if reason := pods_run(kube, module_namespace):
         pytest.skip(reason)
     install_crd(kube)
@@ -157,7 +174,7 @@ def vllm_service(
             apply_yaml(
                 kube,
                 module_namespace,
-                llmservice(NAME, engine="vllm", resources=REPLICA, runtime=RUNTIME),
+                llmservice(NAME, engine="vllm", resources=REPLICA, runtime=runtime),
             )
             status = wait_for(
                 f"LLMService {NAME} on vLLM Ready",
@@ -173,6 +190,7 @@ def vllm_service(
                 "prometheus": prom.api(),
                 "start": run_start,
                 "operator": op,
+                "image": runtime.get("image") or VLLM_IMAGE,
             }
     finally:
         identity.close()
@@ -184,7 +202,7 @@ def test_vllm_llmservice_is_ready_and_answers_through_the_gateway(
     namespace = vllm_service["namespace"]
     (pod,) = runtime_pods(kube, namespace)
     images = {c["name"]: c["image"] for c in pod["spec"]["containers"]}
-    assert images["runtime"].startswith("vllm/vllm-openai:")
+    assert images["runtime"] == vllm_service["image"]
     models = NO_PROXY.get(f"http://{pod['status']['podIP']}:8000/v1/models").json()
     assert [(m["id"], m["owned_by"]) for m in models["data"]] == [(NAME, "vllm")]
     chat = client.chat.completions.create(

