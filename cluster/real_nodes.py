@@ -64,6 +64,11 @@ def node_image_path(arg: str, *, cache: Path | None = None) -> Path:
     return image
 
 
+VLLM_CPU_IMAGE = f"vllm-cpu:{vllm_env.VERSION}"
+"""vLLM for CPU's image as the real nodes' containerd knows it (``conveyor image build
+--engine vllm``): what an LLMService with ``engine: vllm`` names in ``spec.runtime.image``."""
+
+
 def default_node_images(cache: Path | None = None) -> list[Path]:
     """The images real nodes get unless told otherwise, those built here: the project's
     (``conveyor image build``), then vLLM for CPU's (``conveyor image build --engine vllm``),

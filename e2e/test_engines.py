@@ -66,6 +66,7 @@ from vllm_helpers import (
 
 from conveyor.bench.peers import vllm_env
 from conveyor.cluster.image_build import default_image
+from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
 from conveyor.contracts.engine_load import VLLM, samples
@@ -75,8 +76,6 @@ from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings
 from conveyor.operator.engines import VLLM_IMAGE
 
-VLLM_CPU_IMAGE = f"vllm-cpu:{vllm_env.VERSION}"
-"""vLLM for CPU's image as the real nodes know it (``conveyor image build --engine vllm``)."""
 VLLM_CPU_IMAGE_PATH = default_image(vllm_env.VERSION, repository="vllm-cpu")
 SCRAPE_S = 1.0
 """Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
 
 from conveyor.cluster import stack
+from conveyor.cluster.settings import ClusterSettings
 from conveyor.operator.crd import apply_defaults
 from conveyor.operator.engines import engine_problems
 from conveyor.operator.runtime_manifests import runtime_deployment
@@ -45,11 +48,31 @@ def test_engine_vllm_refuses_the_gguf_model_and_defaults_to_the_tiny_one(
     assert (seen[0].engine, seen[0].model) == ("vllm", stack.ENGINE_MODEL)
 
 
-def test_real_nodes_run_only_the_projects_own_engine() -> None:
-    settings = stack.StackSettings(engine="vllm", model=stack.ENGINE_MODEL, node_runtime="kubelet")
-    with pytest.raises(SystemExit) as exc:
-        stack.preflight(settings)
-    assert "--engine vllm has no image for real nodes" in str(exc.value.code)
+def test_on_real_nodes_the_example_on_vllm_names_vllm_for_cpu_s_image() -> None:
+    text = re.sub(r"builtin: \S+", f"builtin: {stack.ENGINE_MODEL}", stack.EXAMPLE.read_text())
+    example = stack.engine_example(yaml.safe_load(text), "vllm", real_nodes=True)
+    assert example["spec"]["runtime"]["image"] == "vllm-cpu:0.32.0"
+    obj = {"metadata": {"name": stack.EXAMPLE_NAME, "namespace": "d", "uid": "u"}}
+    spec = apply_defaults({**example, "metadata": {**example["metadata"], "namespace": "d"}})
+    pod = runtime_deployment({**obj, "spec": spec["spec"]}, OperatorSettings())
+    (runtime,) = [
+        c for c in pod["spec"]["template"]["spec"]["containers"] if c["name"] == "runtime"
+    ]
+    assert runtime["image"] == "vllm-cpu:0.32.0"
+
+
+def test_a_reused_real_node_cluster_without_vllm_s_image_is_refused_for_vllm(
+    tmp_path: Path,
+) -> None:
+    up = stack.Stack(stack.StackSettings(engine="vllm", node_runtime="kubelet"))
+    images = (str(tmp_path / "conveyor-0.1.0.oci"),)
+    cluster = ClusterSettings(node_runtime="kubelet", node_images=images)
+    with pytest.raises(RuntimeError, match="conveyor down"):
+        up._check_engine_image(cluster)
+    up._check_engine_image(
+        replace(cluster, node_images=(*images, str(tmp_path / "vllm-cpu-0.32.0.oci")))
+    )
+    stack.Stack(stack.StackSettings(node_runtime="kubelet"))._check_engine_image(cluster)
 
 
 def test_node_runtime_reaches_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
