@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from typing import TYPE_CHECKING, Any
@@ -67,15 +68,23 @@ def _check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | Non
     the rendering's arguments: ``chat_template`` would run a template of the client's in the
     server (the sandbox stops imports, not a loop of 10^10 steps), ``tokenize`` or
     ``return_dict`` would change what comes back."""
-    reserved = {"messages", *inspect.signature(tokenizer.apply_chat_template).parameters}
-    reserved.discard("documents")  # a template variable too (RAG templates read it)
-    refused = sorted(set(template_kwargs or {}) & reserved)
+    if not template_kwargs:
+        return
+    refused = sorted(set(template_kwargs) & _rendering_arguments(type(tokenizer)))
     if refused:
         raise bad_request(
             f"chat_template_kwargs sets the chat template's own variables (such as "
             f"enable_thinking), not {', '.join(refused)}; remove them",
             param="chat_template_kwargs",
         )
+
+
+@functools.cache
+def _rendering_arguments(tokenizer_class: type) -> frozenset[str]:
+    """The names ``apply_chat_template`` of a tokenizer class takes (read once per class)."""
+    names = {"messages", *inspect.signature(tokenizer_class.apply_chat_template).parameters}
+    names -= {"self", "documents"}  # documents: a template variable too (RAG templates read it)
+    return frozenset(names)
 
 
 def _as_dict(m: ChatMessage) -> dict[str, Any]:
