@@ -128,12 +128,12 @@ class EndpointSliceTracker:
         self._slices = {s["metadata"]["name"]: endpoint_urls(s, self._port_name) for s in slices}
 
     def apply(self, event_type: str, slice_: dict[str, Any]) -> None:
-        name = slice_["metadata"]["name"]
+        # BOOKMARK and anything newer carry no endpoints, and no name: a bookmark's metadata
+        # is its resourceVersion alone (reading the name first broke the watch every minute)
         if event_type == "DELETED":
-            self._slices.pop(name, None)
+            self._slices.pop(slice_["metadata"]["name"], None)
         elif event_type in ("ADDED", "MODIFIED"):
-            self._slices[name] = endpoint_urls(slice_, self._port_name)
-        # BOOKMARK and anything newer carry no endpoints
+            self._slices[slice_["metadata"]["name"]] = endpoint_urls(slice_, self._port_name)
 
     def urls(self) -> set[str]:
         return set().union(*self._slices.values()) if self._slices else set()

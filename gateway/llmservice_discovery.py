@@ -112,11 +112,11 @@ class LLMServiceWatcher:
             await self._set(name, pool_spec(self._namespace, item))
 
     async def _apply(self, event_type: str, item: dict[str, Any]) -> None:
-        name = item["metadata"]["name"]
+        # a BOOKMARK has no name (its metadata is its resourceVersion alone): nothing to apply
         if event_type == "DELETED":
-            await self._set(name, None)
+            await self._set(item["metadata"]["name"], None)
         elif event_type in ("ADDED", "MODIFIED"):
-            await self._set(name, pool_spec(self._namespace, item))
+            await self._set(item["metadata"]["name"], pool_spec(self._namespace, item))
 
     async def _set(self, name: str, spec: K8sPoolSpec | None) -> None:
         old = self._pools.get(name)

@@ -59,7 +59,8 @@ def test_tracker_follows_slices_being_added_changed_and_deleted() -> None:
     tracker.apply("ADDED", endpoint_slice("b", "10.0.0.2"))
     assert tracker.urls() == {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
     tracker.apply("MODIFIED", endpoint_slice("a", "10.0.0.1", ready=False))
-    tracker.apply("BOOKMARK", {"metadata": {"name": "", "resourceVersion": "9"}})
+    # as the apiserver sends it (allowWatchBookmarks): no name, only the resourceVersion
+    tracker.apply("BOOKMARK", {"kind": "EndpointSlice", "metadata": {"resourceVersion": "9"}})
     assert tracker.urls() == {"http://10.0.0.2:8000"}
     tracker.apply("DELETED", endpoint_slice("b"))
     assert tracker.urls() == set()

@@ -41,9 +41,11 @@ class FakeServices:
     def __init__(self, initial: list[dict[str, Any]]) -> None:
         self.initial = initial
         self.events: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self.lists = 0
 
     async def list(self, namespace: str) -> tuple[list[dict[str, Any]], str]:
         assert namespace == "ns"
+        self.lists += 1
         return self.initial, "1"
 
     async def watch(
@@ -122,6 +124,14 @@ async def test_pools_follow_llmservices_added_changed_and_deleted() -> None:
         await services.events.put(("DELETED", llmservice("embed", served="e5")))
         await until(lambda: registry.served_models() == ["chat-v2"], "a deleted LLMService")
         assert watcher.synced.is_set()  # never cleared by later changes
+
+        # A bookmark as the apiserver sends one (no name) passes without breaking the watch:
+        # the next event is applied from the same watch, with no second list.
+        bookmark = {"kind": "LLMService", "metadata": {"resourceVersion": "42"}}
+        await services.events.put(("BOOKMARK", bookmark))
+        await services.events.put(("ADDED", llmservice("embed", served="e5")))
+        await until(lambda: "e5" in registry.pools, "an LLMService added after a bookmark")
+        assert services.lists == 1
 
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
