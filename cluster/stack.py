@@ -21,6 +21,7 @@ node agent, vLLM for CPU runs from its own cached environment, installed first.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -38,9 +39,9 @@ from conveyor.bench.peers import vllm_env
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.image_build import ImageBuilder, images_cache
 from conveyor.cluster.image_oci import ImageBuildError
-from conveyor.cluster.image_plan import ImageSettings, host_debian_mirror
+from conveyor.cluster.image_plan import CONTROL_EXTRAS, ImageSettings, host_debian_mirror
 from conveyor.cluster.kubelet_node import missing_host_tools
-from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE, default_node_images
+from conveyor.cluster.real_nodes import CONTROL_IMAGE, VLLM_CPU_IMAGE, default_node_images
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
 from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
@@ -225,7 +226,13 @@ class Stack:
         if self.settings.node_runtime != "kubelet":
             return ()
         mirror = host_debian_mirror() or ImageSettings.mirror
-        builds = [("the project's image", ImageSettings(repo=ROOT, mirror=mirror))]
+        builds = [
+            ("the project's image", ImageSettings(repo=ROOT, mirror=mirror)),
+            (
+                "the gateway and operator's image (no torch)",
+                ImageSettings(repo=ROOT, mirror=mirror, extras=CONTROL_EXTRAS),
+            ),
+        ]
         if self.settings.engine == "vllm":
             builds.append(
                 ("vLLM for CPU's image", ImageSettings(repo=ROOT, mirror=mirror, engine="vllm"))
@@ -238,7 +245,7 @@ class Stack:
             except ImageBuildError as exc:
                 raise RuntimeError(f"building {what} failed: {exc}") from exc
         images = [r.image for r in built]
-        images += [p for p in default_node_images() if p not in images]  # vLLM's, if built
+        images += [p for p in default_node_images() if p not in images]  # any others built
         return tuple(map(str, images))
 
     def _check_engine_image(self, cluster: ClusterSettings) -> None:
@@ -269,6 +276,7 @@ class Stack:
             "--wait",
             "--timeout",
             "10m",
+            *chart_images(self.cluster.settings if self.cluster is not None else None),
         )
 
     def apply_example(self) -> None:
@@ -357,6 +365,23 @@ only Conveyor's engine reads)."""
 VLLM_RESOURCES = {"gpus": 1, "memory": "6Gi"}
 """vLLM for CPU's processes (API server, engine core, worker) with a 1 GiB KV cache; no CPU
 limit, so that its start-up uses every core."""
+
+
+def chart_images(cluster: ClusterSettings | None) -> list[str]:
+    """``helm --set`` flags for the images: on real nodes that hold the torch-less image, the
+    operator and gateway run from it and the runtime from the project's full image (as on a
+    real cluster); elsewhere the chart's one image (the node agent runs the checkout)."""
+    if cluster is None or cluster.node_runtime != "kubelet":
+        return []
+    if not any(Path(p).name.startswith(f"{CONTROL_IMAGE}-") for p in cluster.node_images):
+        return []  # a cluster started before the control image was given to the nodes
+    version = importlib.metadata.version("conveyor")
+    return [
+        "--set",
+        f"image.repository={CONTROL_IMAGE}",
+        "--set",
+        f"runtime.image=conveyor:{version}",
+    ]
 
 
 def engine_example(

@@ -92,3 +92,16 @@ def test_a_node_runtime_from_the_environment_is_checked(
         stack.main_up([])
     assert exc.value.code == 2
     assert "CONVEYOR_NODE_RUNTIME='docker' is not one of" in capsys.readouterr().err
+
+
+def test_on_real_nodes_the_operator_and_gateway_run_the_torchless_image(tmp_path: Path) -> None:
+    """As on a real cluster: the chart's image is conveyor-control, the runtime's the full one;
+    the node agent (and a cluster started without the control image) keep the chart's one."""
+    full, control = tmp_path / "conveyor-0.1.0.oci", tmp_path / "conveyor-control-0.1.0.oci"
+    real = ClusterSettings(node_runtime="kubelet", node_images=(str(full), str(control)))
+    flags = stack.chart_images(real)
+    assert flags[::2] == ["--set", "--set"]
+    assert flags[1] == "image.repository=conveyor-control"
+    assert re.fullmatch(r"runtime\.image=conveyor:\S+", flags[3])
+    assert stack.chart_images(replace(real, node_images=(str(full),))) == []
+    assert stack.chart_images(ClusterSettings()) == [] and stack.chart_images(None) == []
