@@ -13,8 +13,8 @@
 #      for, then the end-to-end tests (e2e/) run on one cluster for the whole session:
 #      as root, on real nodes (kubelets and containerd running the project's image and vLLM
 #      for CPU's; the images and the nodes' seed are built in the background from phase 2
-#      on, `conveyor image build --engine vllm` then `conveyor image build --seed`: ~6 min
-#      cold, seconds warm, and the node tools right after the cluster's), then on the node
+#      on, `conveyor image build --engine vllm`, `--extras gateway,operator`, then `--seed`:
+#      ~7 min cold, seconds warm, and the node tools right after the cluster's), then on the node
 #      agent the modules that test it (hand-made pods on the agent's pod networks; the
 #      agent's own workings). Without root, or with CONVEYOR_REAL_NODES=0, the whole suite
 #      runs on the node agent, which runs vLLM from its own environment (installed in the
@@ -75,11 +75,12 @@ fi
 phase_done "python install" $t
 
 if [[ $real_nodes -eq 1 ]]; then
-    say "building the images (the project's, vLLM for CPU's) and the real nodes' seed in the background (log: $logs/image-build.log)"
+    say "building the images (the project's, vLLM for CPU's, the torch-less control image) and the real nodes' seed in the background (log: $logs/image-build.log)"
     # Each background build writes how long it took itself: waited for later, its wall time
     # from the start would include the phases in between.
     ( t0=$SECONDS
       nice -n 5 "$venv/bin/conveyor" image build --engine vllm \
+          && nice -n 5 "$venv/bin/conveyor" image build --extras gateway,operator \
           && nice -n 5 "$venv/bin/conveyor" image build --seed; rc=$?
       echo $(( SECONDS - t0 )) > "$logs/image-build.seconds"; exit $rc ) > "$logs/image-build.log" 2>&1 &
     image_pid=$!
