@@ -136,19 +136,19 @@ def import_image(ctr_address: Path, image: Path, *, content: Path | None = None)
 
 
 def share_blobs(layout: Path, content: Path) -> int:
-    """Every blob of the OCI ``layout`` directory made one file with containerd's ``content``
-    store (``.../blobs/sha256``): hardlinked in where the store lacks it, and where the store
-    holds its own copy (an import from an archive), that copy replaced by the link. Blobs are
-    named by their digest and never written in place, so the two names are the same bytes.
-    The bytes a replaced copy held."""
+    """Each blob of the OCI ``layout`` directory that containerd's ``content`` store
+    (``.../blobs/sha256``) holds as its own copy (as an import writes it) made one file with
+    the layout's: the copy replaced by a hardlink. Blobs are named by their digest and never
+    written in place, so the two names are the same bytes. Blobs the store lacks stay out (it
+    knows nothing of them). The bytes a replaced copy held, if no other name holds them."""
     freed = 0
-    content.mkdir(parents=True, exist_ok=True)
+    if not content.is_dir() or content.stat().st_dev != layout.stat().st_dev:
+        return 0  # another file system ($CONVEYOR_CACHE elsewhere): no hardlink can join them
     for blob in (layout / "blobs" / "sha256").iterdir():
         there = content / blob.name
         try:
             st = there.stat()
         except FileNotFoundError:
-            os.link(blob, there)
             continue
         if st.st_ino != blob.stat().st_ino:
             link = there.with_name(f".{blob.name}.link")
