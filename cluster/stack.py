@@ -78,10 +78,11 @@ class StackSettings:
     engine: str = "conveyor"
     """The example LLMService's ``spec.engine``: ``conveyor``, or ``vllm`` (vLLM for CPU,
     installed into its own cached environment first)."""
-    node_runtime: str = "agent"
-    """What runs the pods of a cluster started here: ``agent`` (the node agent, pods as
-    processes of this checkout) or ``kubelet`` (real nodes: kubelet, containerd and runc,
-    pods from the project's image, built or brought up to date first)."""
+    node_runtime: str = "auto"
+    """What runs the pods of a cluster started here: ``kubelet`` (real nodes: kubelet,
+    containerd and runc, pods from the project's image, built or brought up to date first),
+    ``agent`` (the node agent, pods as processes of this checkout), or ``auto``: a running
+    cluster's, else real nodes where they can run here, else the agent (``resolve_runtime``)."""
 
 
 def say(message: str) -> None:
@@ -89,6 +90,25 @@ def say(message: str) -> None:
 
 
 # -- preflight ---------------------------------------------------------------------------
+
+
+def resolve_runtime(settings: StackSettings) -> StackSettings:
+    """``settings`` with ``node_runtime: auto`` made a choice, and the choice said: a running
+    cluster's runtime (up reuses it), else ``kubelet`` where real nodes can run here (root,
+    containerd, runc and the CNI plugins, which the set-up installs), else ``agent``."""
+    if settings.node_runtime != "auto":
+        return settings
+    if settings.kubeconfig is not None:
+        return replace(settings, node_runtime="agent")  # no cluster is started here
+    running = Cluster.attach()
+    if running is not None:
+        return replace(settings, node_runtime=running.settings.node_runtime)
+    why_not = missing_host_tools()
+    if why_not is None:
+        say("node runtime kubelet: real nodes (kubelet, containerd, runc) run the pods")
+        return replace(settings, node_runtime="kubelet")
+    say(f"node runtime agent: real nodes cannot run here ({why_not})")
+    return replace(settings, node_runtime="agent")
 
 
 def preflight(settings: StackSettings) -> None:
@@ -99,7 +119,8 @@ def preflight(settings: StackSettings) -> None:
             "a bridge and cgroups. Run it with sudo, or use --kubeconfig for an existing cluster."
         )
     running = Cluster.attach() if settings.kubeconfig is None else None
-    if running is not None and running.settings.node_runtime != settings.node_runtime:
+    asked = settings.node_runtime
+    if running is not None and asked != "auto" and running.settings.node_runtime != asked:
         raise SystemExit(
             f"cluster {running.settings.name!r} is already up on node runtime "
             f"{running.settings.node_runtime!r}; up would reuse it, and a running cluster's nodes "
@@ -475,10 +496,12 @@ def main_up(argv: list[str]) -> int:
     parser.add_argument(
         "--node-runtime",
         default=os.environ.get("CONVEYOR_NODE_RUNTIME") or d.node_runtime,
-        choices=NODE_RUNTIMES,
-        help="what runs the cluster's pods (default $CONVEYOR_NODE_RUNTIME, else agent): agent "
-        "(the node agent, pods as processes of this checkout) or kubelet (real nodes: the upstream kubelet, containerd and runc "
-        "run pods from the project's image, which is built first; root, Debian's containerd)",
+        choices=("auto", *NODE_RUNTIMES),
+        help="what runs the cluster's pods (default $CONVEYOR_NODE_RUNTIME, else auto): kubelet "
+        "(real nodes: the upstream kubelet, containerd and runc run pods from the project's "
+        "image, which is built first; root, Debian's containerd, which the set-up installs), "
+        "agent (the node agent, pods as processes of this checkout), or auto (a running "
+        "cluster's; else kubelet where real nodes can run here, else agent)",
     )
     parser.add_argument(
         "--kubeconfig",
@@ -490,8 +513,9 @@ def main_up(argv: list[str]) -> int:
         "--wait", type=float, default=d.wait_s, help="seconds to wait for the first answer"
     )
     args = parser.parse_args(argv)
-    if args.node_runtime not in NODE_RUNTIMES:  # a default from the environment is not checked
-        parser.error(f"CONVEYOR_NODE_RUNTIME={args.node_runtime!r} is not one of {NODE_RUNTIMES}")
+    choices = ("auto", *NODE_RUNTIMES)
+    if args.node_runtime not in choices:  # a default from the environment is not checked
+        parser.error(f"CONVEYOR_NODE_RUNTIME={args.node_runtime!r} is not one of {choices}")
     model = args.model or (d.model if args.engine == "conveyor" else ENGINE_MODEL)
     if args.engine != "conveyor" and model != ENGINE_MODEL:
         parser.error(
@@ -509,6 +533,7 @@ def main_up(argv: list[str]) -> int:
         wait_s=args.wait,
     )
     preflight(settings)
+    settings = resolve_runtime(settings)
     stack = Stack(settings)
     try:
         info = stack.up()

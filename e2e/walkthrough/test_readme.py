@@ -59,9 +59,10 @@ def test_readme_walkthrough(tmp_path):
         pytest.skip("the walk-through brings up the one-machine cluster, which needs root")
     script = tmp_path / "walkthrough.sh"
     script.write_text(walkthrough_script((ROOT / "README.md").read_text(), tmp_path))
-    # CONVEYOR_E2E_NODE_RUNTIME=kubelet: the same walk-through on real nodes (`conveyor up`
-    # reads CONVEYOR_NODE_RUNTIME), as the rest of the e2e suite runs there.
-    runtime = os.environ.get("CONVEYOR_E2E_NODE_RUNTIME") or "agent"
+    # CONVEYOR_E2E_NODE_RUNTIME (agent or kubelet) chooses the nodes, as for the rest of the
+    # e2e suite (`conveyor up` reads CONVEYOR_NODE_RUNTIME); unset, `conveyor up` chooses as
+    # the README says (real nodes where they can run here).
+    runtime = os.environ.get("CONVEYOR_E2E_NODE_RUNTIME") or "auto"
     proc = subprocess.run(
         ["bash", str(script)],
         capture_output=True,
