@@ -123,14 +123,13 @@ def import_image(ctr_address: Path, image: Path, *, content: Path | None = None)
             if not skip:
                 proc = subprocess.run([*argv, str(image)], capture_output=True, text=True)
             else:
-                proc = _stream_into(
-                    argv,
-                    lambda out: [
-                        out.addfile(m, tar.extractfile(m) if m.isfile() else None)
-                        for m in entries
-                        if m.name not in skip
-                    ],
-                )
+
+                def write(out: tarfile.TarFile) -> None:
+                    for m in entries:
+                        if m.name not in skip:
+                            out.addfile(m, tar.extractfile(m) if m.isfile() else None)
+
+                proc = _stream_into(argv, write)
     if proc.returncode != 0:
         raise RuntimeError(f"ctr images import {image} failed: {proc.stderr.strip()}")
 
@@ -185,7 +184,7 @@ def _add_files(out: tarfile.TarFile, files: list[tuple[str, Path]]) -> None:
 
 
 def _stream_into(
-    argv: list[str], write: Callable[[tarfile.TarFile], object]
+    argv: list[str], write: Callable[[tarfile.TarFile], None]
 ) -> subprocess.CompletedProcess[str]:
     """Run ``ctr ... import -`` with the tar that ``write`` makes on its stdin."""
     with tempfile.TemporaryFile() as err:  # a pipe could fill while stdin is written

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 from typing import TYPE_CHECKING, Any
@@ -70,7 +69,7 @@ def _check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | Non
     ``return_dict`` would change what comes back."""
     if not template_kwargs:
         return
-    refused = sorted(set(template_kwargs) & _rendering_arguments(type(tokenizer)))
+    refused = sorted(set(template_kwargs) & _rendering_arguments(tokenizer))
     if refused:
         raise bad_request(
             f"chat_template_kwargs sets the chat template's own variables (such as "
@@ -79,12 +78,17 @@ def _check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | Non
         )
 
 
-@functools.cache
-def _rendering_arguments(tokenizer_class: type) -> frozenset[str]:
-    """The names ``apply_chat_template`` of a tokenizer class takes (read once per class)."""
-    names = {"messages", *inspect.signature(tokenizer_class.apply_chat_template).parameters}
-    names -= {"self", "documents"}  # documents: a template variable too (RAG templates read it)
-    return frozenset(names)
+_RENDERING_ARGUMENTS: dict[type, frozenset[str]] = {}
+
+
+def _rendering_arguments(tokenizer: Any) -> frozenset[str]:
+    """The names the tokenizer's ``apply_chat_template`` takes (read once per class)."""
+    cls = type(tokenizer)
+    if cls not in _RENDERING_ARGUMENTS:
+        names = {"messages", *inspect.signature(cls.apply_chat_template).parameters}
+        names -= {"self", "documents"}  # documents: a template variable too (RAG templates)
+        _RENDERING_ARGUMENTS[cls] = frozenset(names)
+    return _RENDERING_ARGUMENTS[cls]
 
 
 def _as_dict(m: ChatMessage) -> dict[str, Any]:
