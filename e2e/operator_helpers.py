@@ -10,6 +10,7 @@ fails the test. Each test's operator watches only the test's namespace.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ import openai
 import yaml
 
 from conveyor.cluster.api import ApiClient, ApiError
+from conveyor.cluster.real_nodes import CONTROL_IMAGE
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.operator.crd import CRD_FILE
 from conveyor.operator.install import operator_rbac
@@ -215,6 +217,18 @@ class OperatorProcess:
         self._log.close()
 
 
+def gateway_image_flags(kube: KubeUnderTest) -> tuple[str, ...]:
+    """On real nodes that hold the torch-less image (``conveyor image build --extras
+    gateway,operator``), the gateways run from it, as ``conveyor up`` and a real cluster run
+    them; elsewhere from the operator's default, the project's one image."""
+    cluster = kube.cluster
+    if cluster is None or cluster.settings.node_runtime != "kubelet":
+        return ()
+    if not any(Path(p).name.startswith(f"{CONTROL_IMAGE}-") for p in cluster.settings.node_images):
+        return ()
+    return ("--gateway-image", f"{CONTROL_IMAGE}:{importlib.metadata.version('conveyor')}")
+
+
 @contextlib.contextmanager
 def operators(
     identity: OperatorIdentity, log_dir: Path
@@ -224,7 +238,7 @@ def operators(
 
     def start(name: str = "op-a", extra: tuple[str, ...] = ()) -> OperatorProcess:
         # Gateways of several test namespaces must fit the one CPU node (666m on 2 cores).
-        extra = ("--gateway-cpu", "200m", *extra)
+        extra = ("--gateway-cpu", "200m", *gateway_image_flags(identity.kube), *extra)
         process = OperatorProcess(identity, log_dir, name=name, extra=extra)
         started.append(process)
         return process

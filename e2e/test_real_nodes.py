@@ -38,7 +38,7 @@ from operator_helpers import (
     operators,
     wait_for,
 )
-from real_nodes_helpers import ARCHIVE, IMAGE, PodWatch, exit_codes, why_no_real_nodes
+from real_nodes_helpers import IMAGE, IMAGE_PATH, PodWatch, exit_codes, why_no_real_nodes
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.settings import ClusterSettings
@@ -70,7 +70,7 @@ def _cannot(why: str) -> None:
 def real_kube() -> Iterator[KubeUnderTest]:
     """The module's own cluster on real nodes; down at the end, and nothing of it left."""
     settings = ClusterSettings(
-        name=NAME, node_runtime="kubelet", gpu_nodes=1, cpu_nodes=1, node_images=(str(ARCHIVE),)
+        name=NAME, node_runtime="kubelet", gpu_nodes=1, cpu_nodes=1, node_images=(str(IMAGE_PATH),)
     )
     if _WHY_NOT is not None:
         _cannot(_WHY_NOT)
