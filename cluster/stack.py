@@ -21,7 +21,6 @@ node agent, vLLM for CPU runs from its own cached environment, installed first.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import re
@@ -37,12 +36,10 @@ import yaml
 
 from conveyor.bench.peers import vllm_env
 from conveyor.cluster.cluster import Cluster
-from conveyor.cluster.image_build import ImageBuilder, images_cache
-from conveyor.cluster.image_oci import ImageBuildError
-from conveyor.cluster.image_plan import CONTROL_EXTRAS, ImageSettings, host_debian_mirror
 from conveyor.cluster.kubelet_node import missing_host_tools
-from conveyor.cluster.real_nodes import CONTROL_IMAGE, VLLM_CPU_IMAGE, default_node_images
+from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE
 from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
+from conveyor.cluster.stack_images import build_node_images, chart_images, check_engine_image
 from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
 from conveyor.runtime.model.builtin import BUILTIN_MODELS
@@ -207,7 +204,7 @@ class Stack:
             self.cluster = Cluster.attach()
             if self.cluster is not None:
                 say(f"cluster {self.cluster.settings.name!r} is already up: reusing it")
-                self._check_engine_image(self.cluster.settings)
+                check_engine_image(self.cluster.settings, s.engine)
             else:
                 say(
                     f"starting the cluster ({s.gpu_nodes} GPU nodes, node runtime {s.node_runtime})"
@@ -241,45 +238,11 @@ class Stack:
         return info
 
     def node_images(self) -> tuple[str, ...]:
-        """Real nodes: the project's image, built (only the layers whose inputs changed, so
-        the pods run this checkout's code) before the cluster starts, and for ``--engine
-        vllm`` vLLM for CPU's (built once; cached by layer); the agent needs none."""
+        """Real nodes: the images they get, built first (``stack_images``); the agent needs
+        none."""
         if self.settings.node_runtime != "kubelet":
             return ()
-        mirror = host_debian_mirror() or ImageSettings.mirror
-        builds = [
-            ("the project's image", ImageSettings(repo=ROOT, mirror=mirror)),
-            (
-                "the gateway and operator's image (no torch)",
-                ImageSettings(repo=ROOT, mirror=mirror, extras=CONTROL_EXTRAS),
-            ),
-        ]
-        if self.settings.engine == "vllm":
-            builds.append(
-                ("vLLM for CPU's image", ImageSettings(repo=ROOT, mirror=mirror, engine="vllm"))
-            )
-        built = []
-        for what, settings in builds:
-            say(f"building {what} for the real nodes (cold: minutes; cached by layer)")
-            try:
-                built.append(ImageBuilder(settings, cache=images_cache(), progress=say).build())
-            except ImageBuildError as exc:
-                raise RuntimeError(f"building {what} failed: {exc}") from exc
-        images = [r.image for r in built]
-        images += [p for p in default_node_images() if p not in images]  # any others built
-        return tuple(map(str, images))
-
-    def _check_engine_image(self, cluster: ClusterSettings) -> None:
-        """A reused cluster on real nodes has the images it started with: vLLM's LLMService
-        needs vLLM for CPU's among them."""
-        if self.settings.engine != "vllm" or cluster.node_runtime != "kubelet":
-            return
-        if not any(Path(p).name.startswith("vllm-cpu-") for p in cluster.node_images):
-            raise RuntimeError(
-                f"cluster {cluster.name!r} runs real nodes without vLLM for CPU's image: run "
-                "`conveyor down`, then `conveyor up --engine vllm` again (it builds the image "
-                "and gives it to the new nodes)"
-            )
+        return build_node_images(self.settings.engine, say)
 
     def install_chart(self) -> None:
         s = self.settings
@@ -386,23 +349,6 @@ only Conveyor's engine reads)."""
 VLLM_RESOURCES = {"gpus": 1, "memory": "6Gi"}
 """vLLM for CPU's processes (API server, engine core, worker) with a 1 GiB KV cache; no CPU
 limit, so that its start-up uses every core."""
-
-
-def chart_images(cluster: ClusterSettings | None) -> list[str]:
-    """``helm --set`` flags for the images: on real nodes that hold the torch-less image, the
-    operator and gateway run from it and the runtime from the project's full image (as on a
-    real cluster); elsewhere the chart's one image (the node agent runs the checkout)."""
-    if cluster is None or cluster.node_runtime != "kubelet":
-        return []
-    if not any(Path(p).name.startswith(f"{CONTROL_IMAGE}-") for p in cluster.node_images):
-        return []  # a cluster started before the control image was given to the nodes
-    version = importlib.metadata.version("conveyor")
-    return [
-        "--set",
-        f"image.repository={CONTROL_IMAGE}",
-        "--set",
-        f"runtime.image=conveyor:{version}",
-    ]
 
 
 def engine_example(

@@ -28,6 +28,7 @@ import yaml
 
 from conveyor.cluster.api import ApiClient, ApiError
 from conveyor.cluster.real_nodes import CONTROL_IMAGE
+from conveyor.cluster.stack_images import holds_image
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.operator.crd import CRD_FILE
 from conveyor.operator.install import operator_rbac
@@ -221,10 +222,7 @@ def gateway_image_flags(kube: KubeUnderTest) -> tuple[str, ...]:
     """On real nodes that hold the torch-less image (``conveyor image build --extras
     gateway,operator``), the gateways run from it, as ``conveyor up`` and a real cluster run
     them; elsewhere from the operator's default, the project's one image."""
-    cluster = kube.cluster
-    if cluster is None or cluster.settings.node_runtime != "kubelet":
-        return ()
-    if not any(Path(p).name.startswith(f"{CONTROL_IMAGE}-") for p in cluster.settings.node_images):
+    if kube.cluster is None or not holds_image(kube.cluster.settings, CONTROL_IMAGE):
         return ()
     return ("--gateway-image", f"{CONTROL_IMAGE}:{importlib.metadata.version('conveyor')}")
 

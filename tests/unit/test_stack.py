@@ -52,6 +52,7 @@ def test_a_running_cluster_on_another_node_runtime_is_not_silently_reused(
     monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
     monkeypatch.setattr(stack.Tools, "missing", lambda self: [])
     preflight(StackSettings(node_runtime="agent"))  # the same runtime: reused, as always
+    preflight(StackSettings())  # auto: whatever runs is reused, never refused
 
 
 def test_auto_reuses_a_running_cluster_else_takes_real_nodes_where_they_can_run(
@@ -71,20 +72,6 @@ def test_auto_reuses_a_running_cluster_else_takes_real_nodes_where_they_can_run(
     assert "real nodes cannot run here (runc not installed: run X)" in capsys.readouterr().err
     assert resolve(StackSettings(node_runtime="kubelet")).node_runtime == "kubelet"  # as asked
     assert resolve(StackSettings(kubeconfig=tmp_path / "k")).node_runtime == "agent"
-
-
-def test_auto_is_not_refused_beside_a_running_cluster(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    class Running:
-        settings = stack.ClusterSettings(node_runtime="kubelet")
-
-    monkeypatch.setattr(stack.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(stack.Cluster, "attach", lambda: Running())
-    monkeypatch.setattr(stack, "missing_host_tools", lambda: None)
-    monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
-    monkeypatch.setattr(stack.Tools, "missing", lambda self: [])
-    preflight(StackSettings())
 
 
 def test_ctrl_c_during_up_undoes_what_that_run_started(monkeypatch: pytest.MonkeyPatch) -> None:

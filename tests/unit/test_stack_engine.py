@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conveyor.cluster import stack
+from conveyor.cluster import stack, stack_images
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.operator.crd import apply_defaults
 from conveyor.operator.engines import engine_problems
@@ -64,15 +64,13 @@ def test_on_real_nodes_the_example_on_vllm_names_vllm_for_cpu_s_image() -> None:
 def test_a_reused_real_node_cluster_without_vllm_s_image_is_refused_for_vllm(
     tmp_path: Path,
 ) -> None:
-    up = stack.Stack(stack.StackSettings(engine="vllm", node_runtime="kubelet"))
+    check = stack_images.check_engine_image
     images = (str(tmp_path / "conveyor-0.1.0.oci"),)
     cluster = ClusterSettings(node_runtime="kubelet", node_images=images)
     with pytest.raises(RuntimeError, match="conveyor down"):
-        up._check_engine_image(cluster)
-    up._check_engine_image(
-        replace(cluster, node_images=(*images, str(tmp_path / "vllm-cpu-0.32.0.oci")))
-    )
-    stack.Stack(stack.StackSettings(node_runtime="kubelet"))._check_engine_image(cluster)
+        check(cluster, "vllm")
+    check(replace(cluster, node_images=(*images, str(tmp_path / "vllm-cpu-0.32.0.oci"))), "vllm")
+    check(cluster, "conveyor")
 
 
 def test_node_runtime_reaches_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,9 +97,11 @@ def test_on_real_nodes_the_operator_and_gateway_run_the_torchless_image(tmp_path
     the node agent (and a cluster started without the control image) keep the chart's one."""
     full, control = tmp_path / "conveyor-0.1.0.oci", tmp_path / "conveyor-control-0.1.0.oci"
     real = ClusterSettings(node_runtime="kubelet", node_images=(str(full), str(control)))
-    flags = stack.chart_images(real)
+    flags = stack_images.chart_images(real)
     assert flags[::2] == ["--set", "--set"]
     assert flags[1] == "image.repository=conveyor-control"
     assert re.fullmatch(r"runtime\.image=conveyor:\S+", flags[3])
-    assert stack.chart_images(replace(real, node_images=(str(full),))) == []
-    assert stack.chart_images(ClusterSettings()) == [] and stack.chart_images(None) == []
+    assert stack_images.chart_images(replace(real, node_images=(str(full),))) == []
+    assert (
+        stack_images.chart_images(ClusterSettings()) == [] and stack_images.chart_images(None) == []
+    )
