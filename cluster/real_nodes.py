@@ -18,6 +18,7 @@ from conveyor.cluster.api import ApiClient
 from conveyor.cluster.certs import KeyPair
 from conveyor.cluster.components import Components
 from conveyor.cluster.image_build import default_image
+from conveyor.cluster.image_plan import VLLM_REPOSITORY
 from conveyor.cluster.kubelet_config import KubeletInputs, NodeLayout, cni_config, node_subnet
 from conveyor.cluster.kubelet_node import (
     KubeletNode,
@@ -67,7 +68,7 @@ def node_image_path(arg: str, *, cache: Path | None = None) -> Path:
 CONTROL_IMAGE = "conveyor-control"
 """The gateway and operator's image, without torch (``conveyor image build --extras
 gateway,operator``): what ``conveyor up`` runs them from on real nodes."""
-VLLM_CPU_IMAGE = f"vllm-cpu:{vllm_env.VERSION}"
+VLLM_CPU_IMAGE = f"{VLLM_REPOSITORY}:{vllm_env.VERSION}"
 """vLLM for CPU's image as the real nodes' containerd knows it (``conveyor image build
 --engine vllm``): what an LLMService with ``engine: vllm`` names in ``spec.runtime.image``."""
 
@@ -81,7 +82,7 @@ def default_node_images(cache: Path | None = None) -> list[Path]:
     images = [
         default_image(version, cache),
         default_image(version, cache, CONTROL_IMAGE),
-        default_image(vllm_env.VERSION, cache, "vllm-cpu"),
+        default_image(vllm_env.VERSION, cache, VLLM_REPOSITORY),
     ]
     return [image for image in images if (image / "index.json").is_file()]
 

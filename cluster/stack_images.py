@@ -14,7 +14,12 @@ from pathlib import Path
 
 from conveyor.cluster.image_build import ImageBuilder, images_cache
 from conveyor.cluster.image_oci import ImageBuildError
-from conveyor.cluster.image_plan import CONTROL_EXTRAS, ImageSettings, host_debian_mirror
+from conveyor.cluster.image_plan import (
+    CONTROL_EXTRAS,
+    VLLM_REPOSITORY,
+    ImageSettings,
+    host_debian_mirror,
+)
 from conveyor.cluster.real_nodes import CONTROL_IMAGE, default_node_images
 from conveyor.cluster.settings import ClusterSettings
 
@@ -59,7 +64,7 @@ def check_engine_image(cluster: ClusterSettings, engine: str) -> None:
     """A reused cluster on real nodes has the images it started with: vLLM's LLMService needs
     vLLM for CPU's among them."""
     real_nodes = cluster.node_runtime == "kubelet"
-    if engine == "vllm" and real_nodes and not holds_image(cluster, "vllm-cpu"):
+    if engine == "vllm" and real_nodes and not holds_image(cluster, VLLM_REPOSITORY):
         raise RuntimeError(
             f"cluster {cluster.name!r} runs real nodes without vLLM for CPU's image: run "
             "`conveyor down`, then `conveyor up --engine vllm` again (it builds the image "

@@ -26,7 +26,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -65,8 +64,9 @@ from vllm_helpers import (
 )
 
 from conveyor.bench.peers import vllm_env
-from conveyor.cluster.image_build import default_image
+from conveyor.cluster.image_plan import VLLM_REPOSITORY
 from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE
+from conveyor.cluster.stack_images import holds_image
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
 from conveyor.contracts.engine_load import VLLM, samples
@@ -76,7 +76,6 @@ from conveyor.observability.panel_check import AllowedEmpty
 from conveyor.observability.prometheus import Prometheus, PrometheusSettings
 from conveyor.operator.engines import VLLM_IMAGE
 
-VLLM_CPU_IMAGE_PATH = default_image(vllm_env.VERSION, repository="vllm-cpu")
 SCRAPE_S = 1.0
 """Prometheus' scrape and rule interval: short, so the module's few minutes are well seen."""
 STREAMS = 6
@@ -140,7 +139,7 @@ def vllm_service(
     which the nodes' seed holds); on the node agent, vLLM's own image name, which the agent
     runs from vLLM for CPU's cached environment."""
     real_nodes = kube.cluster is not None and kube.cluster.settings.node_runtime == "kubelet"
-    if real_nodes and VLLM_CPU_IMAGE_PATH not in map(Path, kube.cluster.settings.node_images):
+    if real_nodes and not holds_image(kube.cluster.settings, VLLM_REPOSITORY):
         pytest.skip(
             "the real nodes have no vLLM for CPU image: conveyor image build --engine vllm "
             "(scripts/test.sh builds it)"
