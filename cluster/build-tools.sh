@@ -58,14 +58,13 @@ main() {
         "kube-scheduler kubernetes k8s.io/kubernetes/cmd/kube-scheduler"
         "kube-proxy kubernetes k8s.io/kubernetes/cmd/kube-proxy"
         "kubectl kubernetes k8s.io/kubernetes/cmd/kubectl"
-        "kwok kwok sigs.k8s.io/kwok/cmd/kwok"
         "coredns coredns conveyor.dev/cluster/tools/coredns/cmd/coredns"
         "helm helm helm.sh/helm/v3/cmd/helm"
         "prometheus prometheus github.com/prometheus/prometheus/cmd/prometheus"
         "promtool prometheus github.com/prometheus/prometheus/cmd/promtool"
     )
 
-    modules=(etcd kubernetes kwok coredns helm prometheus)
+    modules=(etcd kubernetes coredns helm prometheus)
     lock="$cache_root/.build.lock"
     prefix=""
     case "$set" in
@@ -99,7 +98,7 @@ main() {
         -*) echo "usage: $0 [--set cluster|node] [--print-dir|--check|BINARY...]" >&2; exit 2 ;;
     esac
 
-    # Named binaries: build only those (the cluster needs eight of the eleven; helm and
+    # Named binaries: build only those (the cluster needs seven of the ten; helm and
     # Prometheus can follow later). None named: all of them.
     local wanted=("$@")
     if [[ ${#wanted[@]} -eq 0 ]]; then
@@ -150,10 +149,6 @@ main() {
                     printf -- '-X %s.gitVersion=%s -X %s.gitMajor=%s -X %s.gitMinor=%s -X %s.gitTreeState=clean ' \
                         "$pkg" "$v" "$pkg" "$major" "$pkg" "$minor" "$pkg"
                 done
-                ;;
-            kwok)
-                v="$(modver kwok sigs.k8s.io/kwok)"
-                printf -- '-X sigs.k8s.io/kwok/pkg/consts.Version=%s ' "${v#v}"
                 ;;
             helm)
                 v="$(modver helm helm.sh/helm/v3)"

@@ -1,4 +1,4 @@
-"""The cluster's own cgroup: every component joins it, the node agent's pods nest under it.
+"""The cluster's own cgroup: every component (the nodes' containerd and kubelets too) joins it.
 
 cgroup v1 (the ``memory`` and ``cpu`` hierarchies, as on the build machines) or v2 (one
 unified hierarchy). Stopping the cluster kills whatever is still inside and removes the

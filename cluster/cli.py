@@ -13,8 +13,8 @@ from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.figures import figures, format_figures
 from conveyor.cluster.kubelet_node import missing_host_tools
 from conveyor.cluster.leftovers import find_leftovers
-from conveyor.cluster.real_nodes import node_image_path
-from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
+from conveyor.cluster.real_nodes import default_node_images, node_image_path
+from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.state import ClusterState, read_state
 from conveyor.cluster.teardown import ClusterAlreadyRunning
 from conveyor.cluster.tools import build_tools
@@ -38,7 +38,9 @@ def _parser() -> argparse.ArgumentParser:
         "up", help="start the cluster and return once it is ready (it keeps running)"
     )
     common(up)
-    up.add_argument("--gpu-nodes", type=int, default=defaults.gpu_nodes, help="simulated GPU nodes")
+    up.add_argument(
+        "--gpu-nodes", type=int, default=defaults.gpu_nodes, help="GPU nodes (fake GPUs)"
+    )
     up.add_argument(
         "--gpus-per-node",
         type=int,
@@ -49,23 +51,15 @@ def _parser() -> argparse.ArgumentParser:
         "--cpu-nodes", type=int, default=defaults.cpu_nodes, help="untainted nodes without GPUs"
     )
     up.add_argument(
-        "--node-runtime",
-        choices=NODE_RUNTIMES,
-        default=defaults.node_runtime,
-        help="who runs the pods: 'agent' (default; kwok keeps simulated nodes, the node agent "
-        "runs pods as local processes) or 'kubelet' (opt-in; each node a real kubelet with its "
-        "own containerd and runc, pods run from images; builds the kubelet on first use)",
-    )
-    up.add_argument(
         "--node-image",
         action="append",
         default=[],
         metavar="IMAGE",
-        help="an image each real node's containerd gets (--node-runtime kubelet; repeatable): "
-        "an OCI layout directory or archive, or 'conveyor': the project's image as `conveyor "
-        "image build` left it; "
+        help="an image each node's containerd gets (repeatable): an OCI layout directory or "
+        "archive, or 'conveyor': the project's image as `conveyor image build` left it; "
         "imported once into a cached seed that every node clones; pods use it with "
-        "imagePullPolicy: Never",
+        "imagePullPolicy: Never. Default: every image `conveyor image build` has built here "
+        "(the project's, conveyor-control, vllm-cpu)",
     )
     up.add_argument(
         "--tools-dir",
@@ -100,12 +94,12 @@ def main(argv: list[str]) -> int:
     settings = ClusterSettings(name=args.name, state_root=args.state_root)
     if args.command == "up":
         try:
-            node_images = tuple(str(node_image_path(p)) for p in args.node_image)
+            images = [node_image_path(p) for p in args.node_image] or default_node_images()
         except FileNotFoundError as exc:
             print(f"conveyor cluster up: {exc}", file=sys.stderr)
             return 2
-        if args.node_runtime == "kubelet" and (missing := missing_host_tools()) is not None:
-            print(f"conveyor cluster up --node-runtime kubelet: {missing}", file=sys.stderr)
+        if (missing := missing_host_tools()) is not None:
+            print(f"conveyor cluster up: {missing}", file=sys.stderr)
             return 2
         settings = replace(
             settings,
@@ -113,8 +107,7 @@ def main(argv: list[str]) -> int:
             gpus_per_node=args.gpus_per_node,
             cpu_nodes=args.cpu_nodes,
             tools_dir=args.tools_dir,
-            node_runtime=args.node_runtime,
-            node_images=node_images,
+            node_images=tuple(map(str, images)),
         )
         cluster = Cluster(settings)
         try:

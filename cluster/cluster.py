@@ -2,11 +2,11 @@
 
 Order of ``start``: the pod network (guard route first), the cluster's cgroup, certificates,
 etcd, kube-apiserver on the bridge's host address, kube-controller-manager, kube-scheduler,
-CoreDNS (the cluster's names: ``dns``), the simulated nodes and kwok (nodes Ready before any
-pod), kube-proxy (ClusterIPs route),
-the node agent (pods run). ``stop`` ends them in reverse, SIGTERM then SIGKILL (the agent's
-SIGTERM stops every pod first), and removes every network namespace, link, route, rule,
-mount and cgroup the cluster made (``teardown``). What was done is written to ``state.json``
+CoreDNS (the cluster's names: ``dns``), the nodes (each a real kubelet with its own
+containerd: ``real_nodes``; Ready before any pod), kube-proxy (ClusterIPs route). ``stop``
+first stops the nodes in order while the apiserver runs (pods, kubelets, containers,
+containerd), then ends the rest in reverse, SIGTERM then SIGKILL, and removes every link,
+route, rule, mount and cgroup the cluster made (``teardown``). What was done is written to ``state.json``
 in the work directory as it happens (``state``), so ``conveyor cluster down`` (another
 process) can stop a cluster, and a later start can clean up after a crashed one, never
 touching a cluster whose processes still run. The components' command lines come from
@@ -23,11 +23,9 @@ import socket
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from conveyor.cluster.agent_process import AGENT_NAME, agent_argv, agent_ready
 from conveyor.cluster.api import ApiClient
 from conveyor.cluster.certs import Pki, generate_pki
 from conveyor.cluster.cgroups import ClusterCgroup
@@ -41,21 +39,13 @@ from conveyor.cluster.control_plane import (
     etcd_client_url,
     kube_proxy_args,
     kube_proxy_config,
-    kwok_args,
     scheduler_args,
 )
 from conveyor.cluster.dns import coredns_args, corefile, rbac_objects
 from conveyor.cluster.kubeconfigs import CLIENTS, write_kubeconfigs
-from conveyor.cluster.kwok_logs import install_crds
+from conveyor.cluster.kubelet_node import missing_host_tools
 from conveyor.cluster.network import HostNetwork, NetworkPlan, nft_tables, run
-from conveyor.cluster.nodes import (
-    MachineShare,
-    kwok_stages,
-    node_manifest,
-    node_names,
-    node_ready,
-)
-from conveyor.cluster.podnet import PodNetworks
+from conveyor.cluster.nodes import node_names
 from conveyor.cluster.process import ManagedProcess, ProcessRecord, tail
 from conveyor.cluster.real_nodes import start_real_nodes, stop_real_nodes
 from conveyor.cluster.settings import ClusterSettings
@@ -67,7 +57,7 @@ from conveyor.cluster.state import (
     write_state,
 )
 from conveyor.cluster.teardown import clean_leftovers, teardown
-from conveyor.cluster.tools import CLUSTER_BINARIES, Tools, build_tools, pinned_version
+from conveyor.cluster.tools import CLUSTER_BINARIES, Tools, build_tools
 
 TIMINGS_FILE = "timings.json"
 
@@ -75,8 +65,7 @@ TIMINGS_FILE = "timings.json"
 def rotate_logs(logs: Path) -> None:
     """Move an earlier cluster's logs aside (to ``logs.previous``, replacing what was there),
     so that this cluster's failure reports show only its own components: a cluster of the
-    same name on real nodes leaves containerd and kubelet logs that one on the node agent
-    never writes."""
+    same name leaves containerd and kubelet logs of nodes this one may not have."""
     if logs.is_dir():
         previous = logs.with_name(logs.name + ".previous")
         shutil.rmtree(previous, ignore_errors=True)
@@ -93,7 +82,7 @@ def free_port(host: str) -> int:
 
 
 def free_ports(host: str) -> Ports:
-    """A free port for each component: the apiserver's and kwok's on ``host``, the rest on loopback."""
+    """A free port for each component: the apiserver's on ``host``, the rest on loopback."""
     return Ports(
         etcd=free_port("127.0.0.1"),
         etcd_peer=free_port("127.0.0.1"),
@@ -102,7 +91,6 @@ def free_ports(host: str) -> Ports:
         scheduler=free_port("127.0.0.1"),
         proxy_healthz=free_port("127.0.0.1"),
         proxy_metrics=free_port("127.0.0.1"),
-        kwok=free_port(host),
         dns_health=free_port("127.0.0.1"),
         dns_ready=free_port("127.0.0.1"),
     )
@@ -116,7 +104,6 @@ class Cluster:
         s = self.settings
         self.work_dir = s.work_dir()
         self.plan = NetworkPlan.from_strings(s.pod_cidr, s.service_cidr, s.guard_cidr, s.bridge)
-        self.pod_networks = PodNetworks(self.plan)
         self.cgroup = ClusterCgroup(s.name)
         self.state: ClusterState | None = None
         self.components = Components(
@@ -199,6 +186,8 @@ class Cluster:
         )
         if missing := self.tools.missing(CLUSTER_BINARIES):
             raise FileNotFoundError(f"tools missing in {self.tools.directory}: {missing}")
+        if why_not := missing_host_tools():
+            raise RuntimeError(f"the cluster's nodes cannot run here: {why_not}")
         with machine_lock(self.settings.state_root):
             clean_leftovers(self.settings.state_root)
             t0 = time.monotonic()
@@ -273,14 +262,9 @@ class Cluster:
         self._run("kube-controller-manager", controller_manager_args(inputs))
         self._run("kube-scheduler", scheduler_args(inputs))
         self._start_dns(inputs, config_dir)
-        if s.node_runtime == "kubelet":
-            self._start_real_nodes()
-        else:
-            self._start_nodes(inputs, config_dir)
+        self._start_nodes()
         self.timings["start_to_nodes_ready_s"] = time.monotonic() - t0
         self._start_kube_proxy(inputs, config_dir)
-        if s.node_runtime == "agent":
-            self._start_node_agent()
         self.api.wait_for(
             "the default ServiceAccount",
             lambda: self.api.get("/api/v1/namespaces/default/serviceaccounts/default"),
@@ -310,8 +294,8 @@ class Cluster:
 
         self.components.wait("coredns", f"CoreDNS's {ready}", serving)
 
-    def _start_real_nodes(self) -> None:
-        """Real kubelets, each with its own containerd (``real_nodes.py``), in place of kwok."""
+    def _start_nodes(self) -> None:
+        """The nodes: real kubelets, each with its own containerd (``real_nodes.py``)."""
         assert self.pki is not None and self.state is not None
         self.timings |= start_real_nodes(
             self.settings,
@@ -321,14 +305,6 @@ class Cluster:
             components=self.components,
             api=self.api,
             free_port=free_port,
-        )
-
-    def _start_node_agent(self) -> None:
-        """The node agent (``agent.py``): runs the pods bound to the simulated nodes."""
-        record = self.components.start(AGENT_NAME, agent_argv(self.work_dir)).record
-        assert record is not None
-        self.components.wait(
-            AGENT_NAME, "the node agent", lambda: agent_ready(self.work_dir, record.pid)
         )
 
     def _run(self, name: str, args: list[str]) -> ManagedProcess:
@@ -345,42 +321,6 @@ class Cluster:
                 return bool(json.loads(resp.read()).get("health") == "true")
 
         self.components.wait("etcd", "etcd /health", healthy)
-
-    def _start_nodes(self, inputs: ControlPlaneInputs, config_dir: Path) -> None:
-        s = self.settings
-        stages = config_dir / "kwok-stages.yaml"
-        stages.write_text(yaml.safe_dump_all(kwok_stages(), sort_keys=False))
-        install_crds(self.api)  # kwok serves `kubectl logs`/`port-forward` from these (node agent)
-        self._run("kwok", kwok_args(inputs, stages))
-        gpu, cpu = self.node_names()
-        share = MachineShare.of_this_machine(len(gpu) + len(cpu))
-        version = pinned_version("k8s.io/kubernetes")
-        common: dict[str, Any] = {
-            "share": share,
-            "address": self.host_address,
-            "kubelet_port": inputs.ports.kwok,
-            "max_pods": s.max_pods_per_node,
-            "kubernetes_version": version,
-        }
-        for name in gpu:
-            self.api.create(
-                "/api/v1/nodes",
-                node_manifest(
-                    name,
-                    gpus=s.gpus_per_node,
-                    gpu_product=s.gpu_product,
-                    gpu_memory_mib=s.gpu_memory_mib,
-                    **common,
-                ),
-            )
-        for name in cpu:
-            self.api.create("/api/v1/nodes", node_manifest(name, **common))
-
-        def all_ready() -> bool:
-            nodes = self.api.get("/api/v1/nodes")["items"]
-            return {n["metadata"]["name"] for n in nodes if node_ready(n)} >= set(gpu + cpu)
-
-        self.components.wait("kwok", "every node Ready and without not-ready taints", all_ready)
 
     def _start_kube_proxy(self, inputs: ControlPlaneInputs, config_dir: Path) -> None:
         gpu, cpu = self.node_names()
@@ -439,7 +379,7 @@ class Cluster:
         failed: RuntimeError | None = None
         # The settings it was started with (``down`` from another process knows only its name).
         started = ClusterSettings.from_json(self.state.settings) if self.state.settings else None
-        if started is not None and started.node_runtime == "kubelet":
+        if started is not None:
             # In order, while the apiserver runs: pods, kubelet, containers, containerd.
             try:
                 stop_real_nodes(started, components=self.components, api=self.api)

@@ -1,6 +1,6 @@
 """The cluster's components as processes, by name: started, waited for, restarted.
 
-Each component (etcd, kube-apiserver, ..., the node agent) is one ``ManagedProcess`` that
+Each component (etcd, kube-apiserver, ..., each node's containerd and kubelet) is one ``ManagedProcess`` that
 starts inside the cluster's cgroup, with its own log file, and is written down in the
 cluster's state as soon as it runs (``on_start``), so another process can stop it. A wait
 for a component to serve fails as soon as it exits, with the end of its log.

@@ -2,8 +2,8 @@
 
 etcd on loopback with its data thrown away at each start; kube-apiserver on the bridge's host
 address (which its certificate names), with RBAC and Node authorization and service-account
-signing; kube-controller-manager and kube-scheduler on loopback; kwok serving the simulated
-nodes' kubelet API beside the apiserver; kube-proxy in nftables mode. Nothing here starts a
+signing; kube-controller-manager and kube-scheduler on loopback; kube-proxy in nftables mode
+(the nodes' kubelets are ``kubelet_config.py``'s). Nothing here starts a
 process, opens a port or writes a file: ``Cluster`` does, with these lists.
 """
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.cluster.certs import Pki
-from conveyor.cluster.kwok_logs import KWOK_CRDS
 
 
 @dataclass(frozen=True)
@@ -42,9 +41,6 @@ class Ports:
     proxy_metrics: int
     """kube-proxy's metrics port, on loopback."""
 
-    kwok: int
-    """The simulated nodes' kubelet API (kwok), on the bridge's host address."""
-
     dns_health: int
     """CoreDNS's ``/health``, on loopback (it answers lookups on the bridge's host address, port 53)."""
 
@@ -60,12 +56,12 @@ class ControlPlaneInputs:
     """The cluster's work directory (etcd's data, the components' certificate directories)."""
 
     host: str
-    """The bridge's host address, where the apiserver and kwok listen."""
+    """The bridge's host address, where the apiserver listens."""
 
     ports: Ports
     pki: Pki
     kubeconfigs: dict[str, Path]
-    """Client name (``controller-manager``, ``scheduler``, ``kwok``, ``kube-proxy``) -> its
+    """Client name (``controller-manager``, ``scheduler``, ``kube-proxy``, ...) -> its
     kubeconfig."""
 
     pod_cidr: str
@@ -111,8 +107,8 @@ def apiserver_args(c: ControlPlaneInputs) -> list[str]:
         f"--kubelet-client-certificate={kubelet.cert}",
         f"--kubelet-client-key={kubelet.key}",
         "--authorization-mode=Node,RBAC",
-        # Reach the simulated nodes' kubelet API (kwok: logs, port-forward) at their
-        # InternalIP, the bridge's host address; their hostnames resolve nowhere.
+        # Reach the kubelets' API (logs, exec, port-forward) at their InternalIP: the
+        # nodes' hostnames resolve nowhere.
         "--kubelet-preferred-address-types=InternalIP,Hostname",
         f"--requestheader-client-ca-file={pki.ca.cert}",
         "--requestheader-allowed-names=front-proxy-client",
@@ -169,25 +165,6 @@ def scheduler_args(c: ControlPlaneInputs) -> list[str]:
         *_controller_args(c, "scheduler", c.ports.scheduler),
         "--leader-elect=false",
         f"--v={c.log_level}",
-    ]
-
-
-def kwok_args(c: ControlPlaneInputs, stages: Path) -> list[str]:
-    """kwok keeps the annotated Node objects Ready, with the node stages in ``stages``."""
-    return [
-        f"--kubeconfig={c.kubeconfigs['kwok']}",
-        f"--config={stages}",
-        "--manage-all-nodes=false",
-        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-        f"--node-ip={c.host}",
-        f"--node-port={c.ports.kwok}",
-        f"--server-address={c.host}:{c.ports.kwok}",
-        # Serves the kubelet API (logs, port-forward) on the same address as the
-        # apiserver, so its certificate fits.
-        f"--tls-cert-file={c.pki.apiserver.cert}",
-        f"--tls-private-key-file={c.pki.apiserver.key}",
-        "--node-lease-duration-seconds=40",
-        f"--enable-crds={','.join(KWOK_CRDS)}",
     ]
 
 

@@ -1,7 +1,7 @@
 """The cluster's DNS: CoreDNS on the bridge's host address, naming Services and pods.
 
-Pods get it as their name server (``dnsPolicy: ClusterFirst``, the default): a real node's
-kubelet through its ``clusterDNS``, the node agent through the ``resolv.conf`` it writes. It
+Pods get it as their name server (``dnsPolicy: ClusterFirst``, the default) through each
+kubelet's ``clusterDNS``. It
 answers the cluster's zone (``<service>.<namespace>.svc.cluster.local``, headless Services'
 endpoints, pods by address) and the reverse zones from the apiserver, and nothing else: there
 is no ``forward``, so a name outside the cluster is refused at once, as pods here reach nothing

@@ -72,9 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument(
         "--seed",
         action="store_true",
-        help="then import every image real nodes get (the project's, and vLLM for CPU's when "
-        "built), with the pause image, into the real nodes' seed (the containerd root that "
-        "`conveyor cluster up --node-runtime kubelet` clones into each node): a minute or two "
+        help="then import every image the cluster's nodes get (the project's, the control image "
+        "and vLLM for CPU's, those built), with the pause image, into the nodes' seed (the "
+        "containerd root that `conveyor cluster up` clones into each node): a minute or two "
         "the first time, seconds after a source edit; needs containerd and the node tools' Go "
         "module (cluster/build-tools.sh --set node)",
     )

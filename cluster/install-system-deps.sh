@@ -2,13 +2,13 @@
 # Install the Debian packages the one-machine cluster needs, only if missing:
 #   nft (nftables)   kube-proxy's nftables mode, and the cluster's forward rule
 #   iptables         kube-proxy clears leftovers of its iptables mode at start
-#   ip, bridge (iproute2)  the bridge, veth pairs, network namespaces, routes
+#   ip, bridge (iproute2)  the bridge, routes (the CNI plugins make the pods' veth pairs)
 #   debootstrap      `conveyor image build`: the Debian base (cluster/image_build.py; it writes
 #                    the OCI layers and archive itself; unshare, chroot and tar are always there)
 #   skopeo           pushes the built image to a registry (README: "The image")
-#   runc             runs the built image (tests/cluster/test_image_build.py) and real nodes' pods
-#   containerd, containernetworking-plugins   real nodes (opt-in: --node-runtime kubelet): each
-#                    node's container runtime (and ctr), the bridge/host-local/loopback CNI plugins
+#   runc             runs the built image (tests/cluster/test_image_build.py) and the nodes' pods
+#   containerd, containernetworking-plugins   the cluster's nodes: each node's container
+#                    runtime (and ctr), the bridge/host-local/loopback CNI plugins
 #   busybox-static   the image of tests/cluster/test_kubelet_node.py
 # Idempotent and quick when everything is there; needs root (apt-get).
 set -euo pipefail

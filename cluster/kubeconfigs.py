@@ -1,7 +1,7 @@
 """The cluster's clients: who each client certificate names, and the kubeconfig each one uses.
 
 The admin's kubeconfig is the one users and tests get (``Cluster.kubeconfig_path``); each
-component (controller-manager, scheduler, kube-proxy, kwok, CoreDNS) gets its own under ``config/``.
+component (controller-manager, scheduler, kube-proxy, CoreDNS) gets its own under ``config/``.
 RBAC's bootstrap policy binds the component users; CoreDNS's role is the cluster's own
 (``dns.rbac_objects``).
 """
@@ -18,7 +18,6 @@ CLIENTS = [
     ClientIdentity("controller-manager", "system:kube-controller-manager"),
     ClientIdentity("scheduler", "system:kube-scheduler"),
     ClientIdentity("kube-proxy", "system:kube-proxy"),
-    ClientIdentity("kwok", "conveyor-kwok", ("system:masters",)),
     ClientIdentity("coredns", "system:coredns"),
     ClientIdentity("apiserver-kubelet", "kube-apiserver-kubelet-client", ("system:masters",)),
     # The aggregation layer's client; only this name may assert users through request headers.

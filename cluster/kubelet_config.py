@@ -98,8 +98,8 @@ class NodeLayout:
 def node_subnet(
     pod_cidr: ipaddress.IPv4Network, index: int, prefix: int = 24
 ) -> ipaddress.IPv4Network:
-    """The ``index``-th node's slice of the pod range, counted from the top, so that the low
-    addresses stay for the node agent's pods (which take them from the bottom)."""
+    """The ``index``-th node's slice of the pod range, counted from the top (the bottom holds
+    the bridge's host address, where the apiserver and CoreDNS listen)."""
     subnets = list(pod_cidr.subnets(new_prefix=prefix))
     if index >= len(subnets) - 1:
         raise ValueError(f"{pod_cidr} has no room for node {index} (/{prefix} each)")

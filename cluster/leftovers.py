@@ -1,9 +1,9 @@
 """What a cluster may leave on the host, listed by reading it (for tests and ``status``).
 
-``find_leftovers`` names every process, network namespace, link, route, nftables table and
-cgroup of the cluster's making that exists now, and what real nodes (node runtime
-``kubelet``) leave if anything goes wrong: processes and mounts under the nodes' directories,
-the nodes' cgroup trees; after ``stop`` each list must be empty.
+``find_leftovers`` names every process, link, route, nftables table and cgroup of the
+cluster's making that exists now, and what its nodes leave if anything goes wrong:
+processes and mounts under the nodes' directories, the nodes' cgroup trees; after ``stop``
+each list must be empty.
 ``rulesets`` snapshots the whole nftables and iptables state, to compare with one taken
 before the cluster started.
 """
@@ -16,7 +16,6 @@ from pathlib import Path
 
 from conveyor.cluster.cgroups import ClusterCgroup
 from conveyor.cluster.network import KUBE_PROXY_TABLES, NFT_TABLE, NetworkPlan, nft_tables, run
-from conveyor.cluster.podnet import NETNS_DIR, NETNS_PREFIX, VETH_PREFIX
 
 
 def _processes_of(tools_dir: Path | None) -> list[str]:
@@ -84,15 +83,9 @@ def find_leftovers(
     ours = {("inet", NFT_TABLE), *KUBE_PROXY_TABLES}
     return {
         "processes": _processes_of(tools_dir),
-        "network namespaces": sorted(
-            p.name for p in NETNS_DIR.iterdir() if p.name.startswith(NETNS_PREFIX)
-        )
-        if NETNS_DIR.exists()
-        else [],
+        # The bridge, and the host ends of the pods' veth pairs (the CNI plugin's) on it.
         "links": [
-            link["ifname"]
-            for link in links
-            if link["ifname"] == plan.bridge or link["ifname"].startswith(VETH_PREFIX)
+            link["ifname"] for link in links if plan.bridge in (link["ifname"], link.get("master"))
         ],
         "routes": guarded,
         "nftables tables": [f"{f} {n}" for f, n in nft_tables() if (f, n) in ours],

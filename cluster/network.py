@@ -41,10 +41,9 @@ def run(
     return proc
 
 
-def link_exists(name: str, netns: str | None = None) -> bool:
-    """True if the network interface exists (in ``netns`` when given)."""
-    prefix = ("ip", "-n", netns) if netns else ("ip",)
-    return run(*prefix, "link", "show", "dev", name, check=False).returncode == 0
+def link_exists(name: str) -> bool:
+    """True if the network interface exists."""
+    return run("ip", "link", "show", "dev", name, check=False).returncode == 0
 
 
 def routes(*selector: str) -> list[dict]:
@@ -53,10 +52,9 @@ def routes(*selector: str) -> list[dict]:
     return json.loads(out or "[]")
 
 
-def route_get(address: str, netns: str | None = None) -> dict:
+def route_get(address: str) -> dict:
     """How the kernel would route a packet to ``address`` (``ip -j route get``): reads, sends nothing."""
-    prefix = ("ip", "-n", netns) if netns else ("ip",)
-    proc = run(*prefix, "-j", "route", "get", address, check=False)
+    proc = run("ip", "-j", "route", "get", address, check=False)
     if proc.returncode != 0:
         # An unreachable destination is an error for `route get`; report it as such.
         return {"dst": address, "type": "unreachable", "error": proc.stderr.strip()}

@@ -1,6 +1,6 @@
-"""The cluster's nodes as real kubelets (``ClusterSettings.node_runtime == "kubelet"``, opt-in).
+"""The cluster's nodes: real kubelets, each with its own containerd and runc.
 
-Used by ``Cluster`` in place of kwok and the node agent: ``start_real_nodes`` starts one
+Used by ``Cluster``: ``start_real_nodes`` starts one
 ``KubeletNode`` per GPU and CPU node, each with its own slice of the pod range and of the
 machine; ``stop_real_nodes`` stops them in order while the apiserver still runs;
 ``sweep_real_nodes`` is what ``teardown`` does after a crash.

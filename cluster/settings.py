@@ -1,8 +1,7 @@
 """The one-machine cluster's settings: one dataclass, parsed once by the CLI or built by a caller.
 
 These are the settings of the cluster as a whole (nodes, address ranges, where its work
-directory is, timeouts of its components). The node agent, a component of its own with its
-own process, has its settings in ``agent_settings.py``.
+directory is, the images its nodes hold, timeouts of its components).
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ def default_state_root() -> Path:
     """Where clusters keep their work directories (certificates, data, logs)."""
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(base) / "conveyor" / "clusters"
-
-
-NODE_RUNTIMES = ("agent", "kubelet")
 
 
 @dataclass(frozen=True)
@@ -38,7 +34,7 @@ class ClusterSettings:
     once when the pinned tools are already built, and waits for a build that is running)."""
 
     gpu_nodes: int = 2
-    """Simulated GPU nodes; two, so that scheduling across nodes is exercised."""
+    """GPU nodes (their GPUs are fake devices); two, so that scheduling across nodes is exercised."""
 
     gpus_per_node: int = 8
     """``nvidia.com/gpu`` each GPU node advertises; 8, as on the common 8-GPU cloud machines."""
@@ -52,15 +48,9 @@ class ClusterSettings:
     cpu_nodes: int = 1
     """Untainted nodes without GPUs, for the gateway, the operator and Prometheus."""
 
-    node_runtime: str = "agent"
-    """Who runs the pods: ``agent`` (the default: kwok keeps simulated nodes Ready and the node
-    agent runs each pod as a local process of the checkout's environment) or ``kubelet``
-    (opt-in: each node is a real kubelet with its own containerd and runc, pods run from
-    images; ``real_nodes.py``)."""
-
     node_images: tuple[str, ...] = ()
-    """OCI archives imported into each real node's containerd at start (``kubelet`` runtime
-    only; pods name them with ``imagePullPolicy: Never``). The pause image is always there."""
+    """OCI layouts or archives imported into each node's containerd at start (pods name them
+    with ``imagePullPolicy: Never``; nothing is pulled). The pause image is always there."""
 
     max_pods_per_node: int = 110
     """Pods each node accepts; 110 is the kubelet's default."""
@@ -89,10 +79,6 @@ class ClusterSettings:
 
     log_level: int = 1
     """``-v`` of the Kubernetes components; 1 keeps the logs useful and small."""
-
-    def __post_init__(self) -> None:
-        if self.node_runtime not in NODE_RUNTIMES:
-            raise ValueError(f"node_runtime {self.node_runtime!r} is not one of {NODE_RUNTIMES}")
 
     def work_dir(self) -> Path:
         """This cluster's work directory."""

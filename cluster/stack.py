@@ -4,18 +4,18 @@ up:   build (or reuse) the cluster's tools -> start the cluster -> ``helm instal
       the chart (the operator runs as a pod) -> ``kubectl apply`` the example
       LLMService -> start Prometheus -> wait until a request through the gateway
       is answered -> print what a user needs.
-down: stop Prometheus, stop the cluster (which removes every process, network
-      namespace, route, rule and cgroup it made), remove the stack's files.
+down: stop Prometheus, stop the cluster (which removes every process, mount, link,
+      route, rule and cgroup it made), remove the stack's files.
 
 Running ``up`` twice is harmless: it reports what is already up and fills in
 what is missing. Ctrl-C during ``up`` stops what this run started.
 ``--kubeconfig`` installs into an existing cluster instead (kind, k3d, a real
-one) and starts nothing on this machine. ``--engine vllm`` serves the example with the real
-vLLM (vLLM for CPU here) behind the same operator, gateway and dashboards. ``--node-runtime
-kubelet`` starts the cluster on real nodes (the upstream kubelet, containerd and runc), whose
-pods run the project's image, built here first (only the layers whose inputs changed), and
-with ``--engine vllm`` vLLM for CPU's image (``conveyor image build --engine vllm``); on the
-node agent, vLLM for CPU runs from its own cached environment, installed first.
+one) and starts nothing on this machine. The cluster started here has real nodes (the
+upstream kubelet, containerd and runc, which need root), whose pods run the project's images,
+built here first (only the layers whose inputs changed): the project's image for the
+runtime, the torch-less ``conveyor-control`` for the operator and gateway. ``--engine vllm``
+serves the example with the real vLLM (vLLM for CPU's image here, ``conveyor image build
+--engine vllm``) behind the same operator, gateway and dashboards.
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ from typing import Any
 
 import yaml
 
-from conveyor.bench.peers import vllm_env
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.kubelet_node import missing_host_tools
 from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE
-from conveyor.cluster.settings import NODE_RUNTIMES, ClusterSettings
+from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.stack_images import build_node_images, chart_images, check_engine_image
 from conveyor.cluster.stack_prometheus import running_prometheus, start_prometheus, stop_prometheus
 from conveyor.cluster.tools import BINARIES, Tools, build_tools, tools_directory
@@ -58,7 +57,7 @@ class StackSettings:
     """What ``conveyor up`` brings up."""
 
     gpu_nodes: int = 2
-    """Simulated GPU nodes of the local cluster."""
+    """GPU nodes (fake GPUs) of the local cluster."""
     model: str = "smollm2-135m-instruct"
     """The built-in model the example LLMService serves (``conveyor-tiny`` for a fast,
     gibberish-speaking one)."""
@@ -73,13 +72,8 @@ class StackSettings:
     prometheus_port: int = 9090
     """Port of the local Prometheus on 127.0.0.1 (a free one is picked if it is taken)."""
     engine: str = "conveyor"
-    """The example LLMService's ``spec.engine``: ``conveyor``, or ``vllm`` (vLLM for CPU,
-    installed into its own cached environment first)."""
-    node_runtime: str = "auto"
-    """What runs the pods of a cluster started here: ``kubelet`` (real nodes: kubelet,
-    containerd and runc, pods from the project's image, built or brought up to date first),
-    ``agent`` (the node agent, pods as processes of this checkout), or ``auto``: a running
-    cluster's, else real nodes where they can run here, else the agent (``resolve_runtime``)."""
+    """The example LLMService's ``spec.engine``: ``conveyor``, or ``vllm`` (vLLM for CPU, whose
+    image is built first)."""
 
 
 def say(message: str) -> None:
@@ -89,44 +83,16 @@ def say(message: str) -> None:
 # -- preflight ---------------------------------------------------------------------------
 
 
-def resolve_runtime(settings: StackSettings) -> StackSettings:
-    """``settings`` with ``node_runtime: auto`` made a choice, and the choice said: a running
-    cluster's runtime (up reuses it), else ``kubelet`` where real nodes can run here (root,
-    containerd, runc and the CNI plugins, which the set-up installs), else ``agent``."""
-    if settings.node_runtime != "auto":
-        return settings
-    if settings.kubeconfig is not None:
-        return replace(settings, node_runtime="agent")  # no cluster is started here
-    running = Cluster.attach()
-    if running is not None:
-        return replace(settings, node_runtime=running.settings.node_runtime)
-    why_not = missing_host_tools()
-    if why_not is None:
-        say("node runtime kubelet: real nodes (kubelet, containerd, runc) run the pods")
-        return replace(settings, node_runtime="kubelet")
-    say(f"node runtime agent: real nodes cannot run here ({why_not})")
-    return replace(settings, node_runtime="agent")
-
-
 def preflight(settings: StackSettings) -> None:
     """Refuse early, with what to do, on the mistakes newcomers make."""
     if settings.kubeconfig is None and os.geteuid() != 0:
         raise SystemExit(
-            "conveyor up needs root on this machine: the cluster's pods get network namespaces, "
-            "a bridge and cgroups. Run it with sudo, or use --kubeconfig for an existing cluster."
+            "conveyor up needs root on this machine: the cluster's nodes are kubelets with their "
+            "own containerd (mounts, cgroups, network namespaces). Run it with sudo, or use "
+            "--kubeconfig for an existing cluster."
         )
-    running = Cluster.attach() if settings.kubeconfig is None else None
-    asked = settings.node_runtime
-    if running is not None and asked != "auto" and running.settings.node_runtime != asked:
-        raise SystemExit(
-            f"cluster {running.settings.name!r} is already up on node runtime "
-            f"{running.settings.node_runtime!r}; up would reuse it, and a running cluster's nodes "
-            f"cannot become {settings.node_runtime!r}: run `conveyor down` first, or leave out "
-            "--node-runtime (and CONVEYOR_NODE_RUNTIME) to use it as it is"
-        )
-    real_nodes = settings.node_runtime == "kubelet" and settings.kubeconfig is None
-    if real_nodes and (missing := missing_host_tools()) is not None:
-        raise SystemExit(f"--node-runtime kubelet: {missing}")
+    if settings.kubeconfig is None and (missing := missing_host_tools()) is not None:
+        raise SystemExit(f"conveyor up: the cluster's nodes cannot run here: {missing}")
     try:
         directory = tools_directory()
     except (subprocess.CalledProcessError, FileNotFoundError) as exc:
@@ -143,7 +109,7 @@ def preflight(settings: StackSettings) -> None:
                 f"{free / 2**30:.1f} GB is free under {cache}. Free some space and run again."
             )
         say(
-            "first run: building Kubernetes, etcd, kwok, helm and Prometheus from pinned Go modules "
+            "first run: building Kubernetes, etcd, CoreDNS, helm and Prometheus from pinned Go modules "
             "(about 15 minutes on 2 cores; cached afterwards)"
         )
 
@@ -195,10 +161,6 @@ class Stack:
     def up(self) -> dict:
         s = self.settings
         started = time.monotonic()
-        if s.engine == "vllm" and s.kubeconfig is None and s.node_runtime == "agent":
-            # before the cluster: its node agent maps vLLM's image to what is installed
-            # (real nodes run vLLM for CPU's image instead, built in node_images)
-            vllm_env.ensure(progress=lambda m: say(f"vLLM for CPU: {m}"))
         self.tools = build_tools(BINARIES)
         if s.kubeconfig is None:
             self.cluster = Cluster.attach()
@@ -206,15 +168,11 @@ class Stack:
                 say(f"cluster {self.cluster.settings.name!r} is already up: reusing it")
                 check_engine_image(self.cluster.settings, s.engine)
             else:
-                say(
-                    f"starting the cluster ({s.gpu_nodes} GPU nodes, node runtime {s.node_runtime})"
-                )
+                images = build_node_images(s.engine, say)
+                say(f"starting the cluster ({s.gpu_nodes} GPU nodes, real kubelets)")
                 self.cluster = Cluster(
                     ClusterSettings(
-                        gpu_nodes=s.gpu_nodes,
-                        tools_dir=self.tools.directory,
-                        node_runtime=s.node_runtime,
-                        node_images=self.node_images(),
+                        gpu_nodes=s.gpu_nodes, tools_dir=self.tools.directory, node_images=images
                     )
                 )
                 self.started_cluster = True
@@ -236,13 +194,6 @@ class Stack:
             previous = json.loads(self.state_file.read_text()) if self.state_file.exists() else {}
             self.state_file.write_text(json.dumps({**previous, **info}, indent=2))
         return info
-
-    def node_images(self) -> tuple[str, ...]:
-        """Real nodes: the images they get, built first (``stack_images``); the agent needs
-        none."""
-        if self.settings.node_runtime != "kubelet":
-            return ()
-        return build_node_images(self.settings.engine, say)
 
     def install_chart(self) -> None:
         s = self.settings
@@ -268,10 +219,9 @@ class Stack:
         text = EXAMPLE.read_text()
         text = re.sub(r"builtin: \S+", f"builtin: {s.model}", text, count=1)
         if s.engine != "conveyor":
-            real_nodes = (
-                self.cluster is not None and self.cluster.settings.node_runtime == "kubelet"
+            example = engine_example(
+                yaml.safe_load(text), s.engine, local_cluster=self.cluster is not None
             )
-            example = engine_example(yaml.safe_load(text), s.engine, real_nodes=real_nodes)
             text = yaml.safe_dump(example)
         say(f"kubectl apply -f {EXAMPLE.relative_to(ROOT)} (namespace {s.namespace})")
         self.kubectl("apply", "-n", s.namespace, "-f", "-", input_=text)
@@ -352,12 +302,12 @@ limit, so that its start-up uses every core."""
 
 
 def engine_example(
-    example: dict[str, Any], engine: str, *, real_nodes: bool = False
+    example: dict[str, Any], engine: str, *, local_cluster: bool = False
 ) -> dict[str, Any]:
     """The example LLMService on ``engine``: the settings that engine lacks left out (vLLM sizes
-    its KV cache itself), eager mode (vLLM skips its minutes of compilation at start); on
-    ``real_nodes``, vLLM for CPU's image, which they hold (the operator's default is vLLM's
-    GPU image, which the node agent maps to vLLM for CPU's environment)."""
+    its KV cache itself), eager mode (vLLM skips its minutes of compilation at start); on the
+    ``local_cluster``, vLLM for CPU's image, which its nodes hold (the operator's default is
+    vLLM's GPU image, for a real cluster)."""
     spec = example["spec"]
     spec["engine"] = engine
     runtime = spec.setdefault("runtime", {})
@@ -365,7 +315,7 @@ def engine_example(
     if engine == "vllm":
         runtime["extraArgs"] = ["--enforce-eager"]
         spec["resources"] = dict(VLLM_RESOURCES)
-        if real_nodes:
+        if local_cluster:
             runtime["image"] = VLLM_CPU_IMAGE
     if not runtime:
         del spec["runtime"]
@@ -420,7 +370,7 @@ def main_up(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--gpu-nodes", type=int, default=d.gpu_nodes, help="simulated GPU nodes (default 2)"
+        "--gpu-nodes", type=int, default=d.gpu_nodes, help="GPU nodes, fake GPUs (default 2)"
     )
     parser.add_argument(
         "--model",
@@ -432,22 +382,11 @@ def main_up(argv: list[str]) -> int:
         "--engine",
         default=d.engine,
         choices=("conveyor", "vllm"),
-        help="the example's engine: conveyor (default), or vllm (the real vLLM for CPU: on "
-        "real nodes its image, built on first use; on the node agent its own cached "
-        "environment, installed on first use; about 6 GB either way, minutes)",
+        help="the example's engine: conveyor (default), or vllm (the real vLLM for CPU, whose "
+        "image is built on first use: about 6.6 GB, minutes)",
     )
     parser.add_argument(
         "--namespace", default=d.namespace, help="namespace of the example LLMService"
-    )
-    parser.add_argument(
-        "--node-runtime",
-        default=os.environ.get("CONVEYOR_NODE_RUNTIME") or d.node_runtime,
-        choices=("auto", *NODE_RUNTIMES),
-        help="what runs the cluster's pods (default $CONVEYOR_NODE_RUNTIME, else auto): kubelet "
-        "(real nodes: the upstream kubelet, containerd and runc run pods from the project's "
-        "image, which is built first; root, Debian's containerd, which the set-up installs), "
-        "agent (the node agent, pods as processes of this checkout), or auto (a running "
-        "cluster's; else kubelet where real nodes can run here, else agent)",
     )
     parser.add_argument(
         "--kubeconfig",
@@ -459,9 +398,6 @@ def main_up(argv: list[str]) -> int:
         "--wait", type=float, default=d.wait_s, help="seconds to wait for the first answer"
     )
     args = parser.parse_args(argv)
-    choices = ("auto", *NODE_RUNTIMES)
-    if args.node_runtime not in choices:  # a default from the environment is not checked
-        parser.error(f"CONVEYOR_NODE_RUNTIME={args.node_runtime!r} is not one of {choices}")
     model = args.model or (d.model if args.engine == "conveyor" else ENGINE_MODEL)
     if args.engine != "conveyor" and model != ENGINE_MODEL:
         parser.error(
@@ -474,12 +410,10 @@ def main_up(argv: list[str]) -> int:
         model=model,
         engine=args.engine,
         namespace=args.namespace,
-        node_runtime=args.node_runtime,
         kubeconfig=args.kubeconfig,
         wait_s=args.wait,
     )
     preflight(settings)
-    settings = resolve_runtime(settings)
     stack = Stack(settings)
     try:
         info = stack.up()

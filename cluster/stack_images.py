@@ -1,9 +1,8 @@
-"""The images ``conveyor up`` gives real nodes, and which image each component runs from.
+"""The images ``conveyor up`` gives the cluster's nodes, and which image each component runs from.
 
-On real nodes the pods run from images built here (``conveyor image build``): the project's
-full image for the runtime, the torch-less ``conveyor-control`` for the operator and the
-gateway (as on a real cluster), and for ``--engine vllm`` vLLM for CPU's. The node agent
-needs none: it runs the checkout.
+The pods run from images built here (``conveyor image build``): the project's full image for
+the runtime, the torch-less ``conveyor-control`` for the operator and the gateway (as on a
+real cluster), and for ``--engine vllm`` vLLM for CPU's.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build_node_images(engine: str, say: Callable[[str], None]) -> tuple[str, ...]:
     """Build (only the layers whose inputs changed, so the pods run this checkout's code) the
-    images real nodes get: the project's, the control image, vLLM for CPU's for ``engine``
+    images the nodes get: the project's, the control image, vLLM for CPU's for ``engine``
     ``vllm``; then any other image built here (``default_node_images``). Their paths."""
     mirror = host_debian_mirror() or ImageSettings.mirror
     builds = [
@@ -54,29 +53,26 @@ def build_node_images(engine: str, say: Callable[[str], None]) -> tuple[str, ...
 
 
 def holds_image(cluster: ClusterSettings, repository: str) -> bool:
-    """Whether the cluster's real nodes were given ``repository``'s image (``<repo>-<tag>.oci``)."""
-    return cluster.node_runtime == "kubelet" and any(
-        Path(p).name.startswith(f"{repository}-") for p in cluster.node_images
-    )
+    """Whether the cluster's nodes were given ``repository``'s image (``<repo>-<tag>.oci``)."""
+    return any(Path(p).name.startswith(f"{repository}-") for p in cluster.node_images)
 
 
 def check_engine_image(cluster: ClusterSettings, engine: str) -> None:
-    """A reused cluster on real nodes has the images it started with: vLLM's LLMService needs
-    vLLM for CPU's among them."""
-    real_nodes = cluster.node_runtime == "kubelet"
-    if engine == "vllm" and real_nodes and not holds_image(cluster, VLLM_REPOSITORY):
+    """A reused cluster has the images it started with: vLLM's LLMService needs vLLM for CPU's
+    among them."""
+    if engine == "vllm" and not holds_image(cluster, VLLM_REPOSITORY):
         raise RuntimeError(
-            f"cluster {cluster.name!r} runs real nodes without vLLM for CPU's image: run "
+            f"cluster {cluster.name!r} runs nodes without vLLM for CPU's image: run "
             "`conveyor down`, then `conveyor up --engine vllm` again (it builds the image "
             "and gives it to the new nodes)"
         )
 
 
 def chart_images(cluster: ClusterSettings | None) -> list[str]:
-    """``helm --set`` flags for the images: on real nodes that hold the torch-less image, the
+    """``helm --set`` flags for the images: on nodes that hold the torch-less image, the
     operator and gateway run from it and the runtime from the project's full image (as on a
-    real cluster); elsewhere the chart's one image (the node agent runs the checkout; a
-    cluster started before the control image was given to the nodes lacks it)."""
+    real cluster); elsewhere the chart's one image (an existing cluster's registry, or nodes
+    given only the project's image)."""
     if cluster is None or not holds_image(cluster, CONTROL_IMAGE):
         return []
     version = importlib.metadata.version("conveyor")

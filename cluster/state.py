@@ -1,8 +1,8 @@
 """What a cluster did, written to ``state.json`` in its work directory as it happens.
 
 The record is what lets another process act on a cluster: ``conveyor cluster down`` stops a
-cluster that ``conveyor cluster up`` started, the node agent reads the network plan and the
-tools directory, and a later start cleans up after a crashed cluster while never touching one
+cluster that ``conveyor cluster up`` started, and a later start cleans up after a crashed
+cluster (its settings say where its nodes' directories are) while never touching one
 whose processes still run. ``machine_lock`` keeps starts and stops on one machine apart.
 """
 

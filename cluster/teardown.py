@@ -1,4 +1,4 @@
-"""Undoing a cluster: its processes, its pods' leftovers, its cgroup and its host network.
+"""Undoing a cluster: its processes, its nodes' leftovers, its cgroup and its host network.
 
 ``teardown`` is the end of every cluster's ``stop``; ``clean_leftovers`` runs it, before a
 start, for each cluster that crashed without one, and refuses to start beside a cluster whose
@@ -10,10 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conveyor.cluster.agent_process import sweep_node_agent
 from conveyor.cluster.cgroups import ClusterCgroup
 from conveyor.cluster.network import HostNetwork
-from conveyor.cluster.podnet import PodNetworks
 from conveyor.cluster.process import ManagedProcess
 from conveyor.cluster.real_nodes import sweep_real_nodes
 from conveyor.cluster.settings import ClusterSettings
@@ -25,7 +23,8 @@ class ClusterAlreadyRunning(RuntimeError):
 
 
 def teardown(state: ClusterState, grace_s: float, processes: list[ManagedProcess]) -> None:
-    """End the processes, then remove pod networks, the cgroup and the host network."""
+    """End the processes, then remove the nodes' mounts and cgroups, the cluster's cgroup and the
+    host network."""
     errors = []
     for proc in processes:
         try:
@@ -33,12 +32,8 @@ def teardown(state: ClusterState, grace_s: float, processes: list[ManagedProcess
         except RuntimeError as exc:
             errors.append(str(exc))
     plan = state.plan()
-    if state.settings:  # the node agent's pods: mounts, cgroups, files
-        settings = ClusterSettings.from_json(state.settings)
-        sweep_node_agent(settings.work_dir(), state.name)
-        if settings.node_runtime == "kubelet":  # real nodes: their cgroup trees and mounts
-            sweep_real_nodes(settings)
-    PodNetworks(plan).sweep()
+    if state.settings:  # the nodes: their cgroup trees and mounts
+        sweep_real_nodes(ClusterSettings.from_json(state.settings))
     ClusterCgroup(state.name).remove()
     HostNetwork(plan, state.network).stop()
     if errors:

@@ -18,14 +18,13 @@ BINARIES = (
     "kube-scheduler",
     "kube-proxy",
     "kubectl",
-    "kwok",
     "coredns",
     "helm",
     "prometheus",
     "promtool",
 )
 
-CLUSTER_BINARIES = BINARIES[:8]
+CLUSTER_BINARIES = BINARIES[:7]
 """What the cluster itself runs (helm and Prometheus are for the stack on top of it)."""
 
 

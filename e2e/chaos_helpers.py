@@ -355,20 +355,12 @@ def frozen(cluster: Cluster, *names: str) -> Iterator[None]:
 
 
 def kill_container(cluster: Cluster, pod: dict[str, Any], container: str | None = None) -> None:
-    """SIGKILL a container's processes, as the kernel's OOM killer or a crash would: the node
-    agent's process group, or on a real node the container's init (its PID namespace goes with it)."""
+    """SIGKILL a container's processes, as the kernel's OOM killer or a crash would: its init,
+    found through its node's containerd (its PID namespace goes with it)."""
     statuses = pod["status"]["containerStatuses"]
     status = next(s for s in statuses if container in (None, s["name"]))
-    runtime, _, container_id = status["containerID"].partition("://")
-    if runtime == "containerd":
-        os.kill(containerd_task_pid(cluster, pod["spec"]["nodeName"], container_id), signal.SIGKILL)
-        return
-    attempt = container_id.rsplit("-", 1)[1]
-    run_dir = (
-        cluster.work_dir / "agent" / "pods" / pod["metadata"]["uid"] / "containers"
-        / status["name"] / attempt
-    )  # fmt: skip
-    os.killpg(int(json.loads((run_dir / "pid.json").read_text())["pid"]), signal.SIGKILL)
+    container_id = status["containerID"].partition("://")[2]
+    os.kill(containerd_task_pid(cluster, pod["spec"]["nodeName"], container_id), signal.SIGKILL)
 
 
 def http(url: str, body: dict[str, Any] | None = None, timeout_s: float = 60) -> Any:

@@ -2,9 +2,13 @@
 
 Without ``KUBECONFIG`` the session uses the one-machine cluster (``conveyor.cluster``)
 that ``conveyor cluster up`` left running, or else starts one, building the pinned tools
-first if needed (waiting for a build already running), and stops it at the end. With ``KUBECONFIG`` the tests use that cluster and start nothing; tests that
-need the simulated nodes or the pod network skip with a reason. When a test fails, the
-tail of every component's log is added to its report.
+first if needed (waiting for a build already running), and stops it at the end. Its nodes
+are real (a kubelet, containerd and runc each) and hold the images built here
+(``default_node_images``); where they cannot run, every test that needs the cluster skips
+with the reason, or fails with ``CONVEYOR_REAL_NODES_REQUIRED=1``. With ``KUBECONFIG`` the
+tests use that cluster and start nothing; tests that need the one-machine cluster's own
+processes or host network skip with a reason. When a test fails, the tail of every
+component's log is added to its report.
 """
 
 from __future__ import annotations
@@ -27,16 +31,16 @@ from operator_helpers import (
     pods_run,
     wait_for,
 )
+from real_nodes_helpers import cannot_run, why_no_real_nodes
 
 from conveyor.cluster import Cluster, ClusterAlreadyRunning, ClusterSettings
 from conveyor.cluster.leftovers import rulesets
-from conveyor.cluster.testing import KubeUnderTest, PodProcesses
+from conveyor.cluster.real_nodes import default_node_images
+from conveyor.cluster.testing import KubeUnderTest
 
 E2E_DIR = Path(__file__).parent
 _KUBE = pytest.StashKey[KubeUnderTest]()
 E2E_TIMEOUT_S = 1800
-NODE_RUNTIME = os.environ.get("CONVEYOR_E2E_NODE_RUNTIME", "agent")
-"""Who runs the session cluster's pods: ``agent`` (the node agent) or ``kubelet`` (real nodes)."""
 
 
 def _why_no_local_cluster() -> str | None:
@@ -59,25 +63,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             # 2 cores), which pytest-timeout counts against that test.
             if has_timeout and item.get_closest_marker("timeout") is None:
                 item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
-
-
-def _node_settings() -> dict[str, object]:
-    """The cluster settings that choose its nodes, from ``CONVEYOR_E2E_NODE_RUNTIME``."""
-    if NODE_RUNTIME == "agent":
-        return {}
-    if NODE_RUNTIME != "kubelet":
-        raise pytest.UsageError(
-            f"CONVEYOR_E2E_NODE_RUNTIME={NODE_RUNTIME!r}: use agent (the default) or kubelet"
-        )
-    from real_nodes_helpers import why_no_real_nodes
-
-    from conveyor.cluster.real_nodes import default_node_images
-
-    if reason := why_no_real_nodes():
-        # Asked for by name: a skip would pass a run that tested nothing.
-        pytest.fail(f"CONVEYOR_E2E_NODE_RUNTIME=kubelet, but {reason}", pytrace=False)
-    # the project's image, and vLLM for CPU's when built (test_engines)
-    return {"node_runtime": "kubelet", "node_images": tuple(map(str, default_node_images()))}
 
 
 def _running_cluster() -> KubeUnderTest | None:
@@ -109,13 +94,18 @@ def kube(request: pytest.FixtureRequest) -> Iterator[KubeUnderTest]:
         request.config.stash[_KUBE] = running
         yield running
         return
+    if reason := why_no_real_nodes():
+        cannot_run(reason)
     if "/usr/local/go/bin" not in os.environ.get("PATH", ""):
         os.environ["PATH"] = os.environ.get("PATH", "") + ":/usr/local/go/bin"
     # CONVEYOR_TOOLS_DIR: binaries built elsewhere; unset, the pinned build (or its cache).
     tools_dir = os.environ.get("CONVEYOR_TOOLS_DIR")
+    # The nodes hold the project's image, and vLLM for CPU's where built (test_engines).
     cluster = Cluster(
         ClusterSettings(
-            name="e2e", tools_dir=Path(tools_dir) if tools_dir else None, **_node_settings()
+            name="e2e",
+            tools_dir=Path(tools_dir) if tools_dir else None,
+            node_images=tuple(map(str, default_node_images())),
         )
     )
     baseline = rulesets()
@@ -189,7 +179,7 @@ def own_cluster(kube: KubeUnderTest) -> Cluster:
     """The one-machine cluster; skips when the tests run against the cluster KUBECONFIG names."""
     if kube.cluster is None:
         pytest.skip(
-            "needs the one-machine cluster's simulated nodes and pod network; KUBECONFIG names another cluster"
+            "needs the one-machine cluster (its nodes, processes and host network); KUBECONFIG names another cluster"
         )
     return kube.cluster
 
@@ -200,42 +190,6 @@ def owned_cluster(kube: KubeUnderTest, own_cluster: Cluster) -> Cluster:
     if not kube.owned:
         pytest.skip("stops the cluster; the session uses one that was already running")
     return own_cluster
-
-
-@pytest.fixture
-def pods(own_cluster: Cluster) -> Iterator[PodProcesses]:
-    """Hand-made pod networks and servers, removed after the test (the node agent's pod network;
-    real nodes' pods get theirs from the CNI bridge plugin, and their kubelets would run the pods)."""
-    from real_nodes_helpers import runs_on_real_nodes
-
-    if runs_on_real_nodes(own_cluster):
-        pytest.skip("hand-made pods need the node agent's pod networks; real nodes use CNI")
-    handle = PodProcesses(own_cluster)
-    try:
-        yield handle
-    finally:
-        handle.close()
-
-
-@pytest.fixture
-def node_agent(own_cluster: Cluster) -> Cluster:
-    """The one-machine cluster with something running its pods: its node agent (started if the
-    cluster has none), or on real nodes their kubelets."""
-    from agent_helpers import ensure_node_agent
-    from real_nodes_helpers import runs_on_real_nodes
-
-    if not runs_on_real_nodes(own_cluster):
-        ensure_node_agent(own_cluster)
-    return own_cluster
-
-
-@pytest.fixture
-def agent_only(own_cluster: Cluster) -> None:
-    """Skips a test of the node agent's own workings (its files, its process) on real nodes."""
-    from real_nodes_helpers import runs_on_real_nodes
-
-    if runs_on_real_nodes(own_cluster):
-        pytest.skip("tests the node agent's own workings; real nodes run the kubelet instead")
 
 
 # ---- the operator's fixtures (test_operator*.py, test_autoscaling.py) ------------------------

@@ -1,6 +1,6 @@
 """Helpers of the operator's e2e tests: the CRD, the operator's identity (RBAC from
 ``conveyor.operator.rbac``, never cluster admin), the operator as a local process, and
-a check whether pods really run on this cluster (the node agent).
+a check whether pods really run on this cluster.
 
 The operator runs here as a process on the host with a kubeconfig that holds only its
 ServiceAccount's token, so it has exactly the permissions it has in a pod: a missing rule
@@ -267,7 +267,8 @@ def release_llmservices(kube: KubeUnderTest, namespace: str) -> None:
 
 
 def pods_run(kube: KubeUnderTest, namespace: str) -> str | None:
-    """None when a pod really runs on this cluster, else why not (no node agent)."""
+    """None when a pod really runs on this cluster, else why not (a cluster from ``KUBECONFIG``
+    may schedule pods that nothing runs)."""
     api = kube.api
     pod = {
         "apiVersion": "v1",
@@ -290,7 +291,7 @@ def pods_run(kube: KubeUnderTest, namespace: str) -> str | None:
     except TimeoutError:
         status = api.get(path).get("status", {})
         return (
-            "pods are scheduled but nothing runs them on this cluster (no node agent): "
+            "pods are scheduled but nothing runs them on this cluster: "
             f"a probe pod stayed {status.get('phase')} ({status.get('conditions')})"
         )
     finally:

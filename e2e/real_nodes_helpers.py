@@ -1,17 +1,21 @@
-"""Helpers of the e2e tests on real nodes (node runtime ``kubelet``): why they cannot run here,
-and a watch of pods that keeps every state it saw (a deleted pod's last status, its containers'
-exit codes, lasts only milliseconds before the kubelet removes the object: polling misses it).
+"""Helpers of the e2e tests on the cluster's real nodes: why they cannot run here (a skip, or a
+failure where they are required), a container's pid and cgroup on its node, and a watch of pods
+that keeps every state it saw (a deleted pod's last status, its containers' exit codes, lasts
+only milliseconds before the kubelet removes the object: polling misses it).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import pytest
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.image_build import default_image
@@ -24,28 +28,33 @@ IMAGE_PATH = default_image(VERSION)
 """The project's image as ``conveyor image build`` leaves it (never built by a test: 3.5 GB)."""
 IMAGE = f"docker.io/library/conveyor:{VERSION}"
 """The name the nodes' containerd knows the project's image by."""
+REQUIRED = os.environ.get("CONVEYOR_REAL_NODES_REQUIRED") == "1"
+"""Set by scripts/test.sh, which builds what real nodes need: then a reason they cannot run is a
+failure, since a skip would pass a run that tested nothing."""
 
 
 def why_no_real_nodes() -> str | None:
-    """None when real nodes with the project's image can start here, else why not. The cheap
-    checks come first, so that a machine without the tools (CI) skips at once."""
-    from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
+    """None when real nodes with the project's image can start here, else why not (the node
+    tools, the kubelet among them, are built by the cluster's start if missing: about 90 s
+    with a warm Go cache)."""
+    from conveyor.cluster.kubelet_node import missing_host_tools
 
     if not IMAGE_PATH.exists():
         return f"the project's image is not built ({IMAGE_PATH}): conveyor image build"
     if why := missing_host_tools():
         return why
-
-    if node_tools_built() is None:
-        return "the node tools are not built: cluster/build-tools.sh --set node (about 90 s warm)"
     if (other := Cluster.attach()) is not None:
         return f"cluster {other.settings.name!r} runs on this machine (one cluster per machine)"
     return None
 
 
-def runs_on_real_nodes(cluster: Cluster) -> bool:
-    """Whether the cluster's pods run on real nodes (kubelets) rather than by the node agent."""
-    return cluster.settings.node_runtime == "kubelet"
+def cannot_run(why: str) -> NoReturn:
+    """Skip, or fail where real nodes are required (``REQUIRED``)."""
+    if REQUIRED:
+        pytest.fail(
+            f"real nodes are required (CONVEYOR_REAL_NODES_REQUIRED=1) but {why}", pytrace=False
+        )
+    pytest.skip(why)
 
 
 def containerd_task_pid(cluster: Cluster, node: str, container_id: str) -> int:

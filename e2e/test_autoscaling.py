@@ -2,10 +2,10 @@
 cluster really runs, replicas added and removed by the operator's autoscaler.
 
 The operator runs as a local process under its own ServiceAccount (as in ``test_operator``),
-deciding every second. Replicas are limited to a fraction of a core each (the node agent
+deciding every second. Replicas are limited to a fraction of a core each (the kubelet
 enforces ``limits.cpu``), so another replica is more capacity. Assertions are on decisions,
 replica counts, queue depth and answers, never on times; every wait has a deadline.
-Skips, with the reason, on a cluster where pods do not really run (no node agent yet).
+Skips, with the reason, on a cluster where pods do not really run.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from traffic import Load
 from conveyor.cluster.testing import KubeUnderTest
 
 OPERATOR_FLAGS = ("--autoscale-interval", "1", "--gateway-cpu", "200m", "--gateway-memory", "512Mi")
-"""Decide every second; a gateway small enough to share a simulated node with replicas."""
+"""Decide every second; a gateway small enough to share a node with replicas."""
 REPLICA = {"gpus": 1, "cpu": "250m", "memory": "1Gi"}
 """A quarter of a core per replica: one replica saturates under the test's load."""
 TARGET_QUEUE = 2

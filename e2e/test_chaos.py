@@ -33,7 +33,6 @@ from chaos_stack import (
 )
 from operator_helpers import LLMSERVICES, apply_yaml, children, llmservice
 
-from conveyor.cluster.agent_process import AGENT_NAME, agent_ready
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.runtime.metrics_names import NUM_PREEMPTIONS
 
@@ -46,7 +45,7 @@ when it cannot tell a frozen control plane from dead nodes: it marks every node 
 every pod on them NotReady, Services lose their endpoints until the kubelets' next status sync,
 and kube-proxy refuses connections meanwhile (measured on real nodes after a 45 s freeze: the
 gateway's pods NotReady in the API for ~7 s, 4-20 requests refused, in about half the runs,
-as the last renewal fell before the freeze). The node agent re-asserts pod status at once."""
+as the last renewal fell before the freeze)."""
 ETCD_DOWN_S = 10
 
 
@@ -176,31 +175,21 @@ def test_operator_killed_during_a_burst_of_changes(stack: Stack) -> None:
 
 
 def test_node_restarted(stack: Stack) -> None:
-    """What runs the pods SIGKILLed and started again (the node agent; on real nodes the kubelet
-    of a runtime replica's node): every pod keeps its process and stays Ready."""
+    """The kubelet of a runtime replica's node SIGKILLed and started again: every pod keeps its
+    process and stays Ready."""
     before = {
         p["metadata"]["name"]: container_ids(p) for p in stack.runtime_pods() + stack.gateway_pods()
     }
     with under_traffic(stack) as run:
         run.begin()
-        if stack.cluster.settings.node_runtime == "kubelet":
-            node = stack.runtime_pods()[0]["spec"]["nodeName"]
-            killed_at = time.time()
-            restarted = stack.cluster.restart(f"kubelet-{node}")
-            wait(
-                f"the new kubelet of {node} to renew its Lease",
-                lambda: lease_renewed_after(stack.api, node, killed_at),
-                timeout_s=60,
-            )
-        else:
-            restarted = stack.cluster.restart(AGENT_NAME)
-            assert restarted.record is not None
-            pid = restarted.record.pid
-            wait(
-                "the new agent to adopt its pods",
-                lambda: agent_ready(stack.cluster.work_dir, pid),
-                timeout_s=60,
-            )
+        node = stack.runtime_pods()[0]["spec"]["nodeName"]
+        killed_at = time.time()
+        restarted = stack.cluster.restart(f"kubelet-{node}")
+        wait(
+            f"the new kubelet of {node} to renew its Lease",
+            lambda: lease_renewed_after(stack.api, node, killed_at),
+            timeout_s=60,
+        )
         run.end()
         run.recover()
         run.report(f"{restarted.name} SIGKILLed and restarted")
@@ -214,7 +203,7 @@ def test_node_restarted(stack: Stack) -> None:
 
 def test_runtime_replica_killed_under_load(stack: Stack) -> None:
     """One replica's processes SIGKILLed: requests not yet streaming are retried by the gateway
-    on the other replica; the node agent restarts the container and it serves again."""
+    on the other replica; the kubelet restarts the container and it serves again."""
     with under_traffic(stack) as run:
         victim = stack.runtime_pods()[0]
         before = restarts([victim])

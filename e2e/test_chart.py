@@ -2,8 +2,8 @@
 server-side dry run (PodMonitor and PrometheusRule against the Prometheus Operator's CRDs,
 which the test installs), and NOTES.txt rendered by a real `helm install --dry-run`.
 
-`helm install` / `upgrade` / `uninstall` run with the operator as a pod (run by the node
-agent) serving the example LLMService through its gateway.
+`helm install` / `upgrade` / `uninstall` run with the operator as a pod serving the example
+LLMService through its gateway, on the one-machine cluster's nodes.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from operator_helpers import REPO, llmservice_status, release_llmservices, wait_for
 
+from conveyor.cluster import Cluster
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
 from conveyor.observability.chart import CHART
@@ -101,7 +102,7 @@ def test_helm_install_dry_run_prints_the_notes(
 
 
 def test_helm_install_upgrade_uninstall(
-    kube: KubeUnderTest, helm: Path, crds_installed: None, node_agent: object, namespace: str
+    kube: KubeUnderTest, helm: Path, crds_installed: None, own_cluster: Cluster, namespace: str
 ) -> None:
     """The chart as users install it: the operator runs as a pod and serves an LLMService;
     an upgrade rolls the operator; uninstall leaves nothing of the release but the CRD."""
@@ -123,7 +124,7 @@ def test_helm_install_upgrade_uninstall(
     def operator_pods() -> list[dict[str, Any]]:
         return kube.api.get(f"/api/v1/namespaces/{namespace}/pods", labelSelector=selector)["items"]
 
-    # Watch only the test's namespace; a gateway small enough for a simulated node's CPU.
+    # Watch only the test's namespace; a gateway small enough for a node's share of the CPU.
     values = ("--set", f"operator.watchNamespaces={{{apps}}}",
               "--set", "operator.extraArgs={--gateway-cpu,200m}",
               "--wait", "--timeout", "5m")  # fmt: skip

@@ -3,14 +3,14 @@
 A server pod behind a ClusterIP Service and a headless one; a client pod resolves the
 Service's short, namespaced and full names, the headless Service's pod, and the apiserver's
 name, fetches a page through the Service by name, and fails at once on a name outside the
-cluster (there is nothing outside to ask). On the node agent and on real nodes alike.
+cluster (there is nothing outside to ask).
 """
 
 from __future__ import annotations
 
 import json
 
-from agent_helpers import create, pod, wait_phase, wait_ready
+from pod_helpers import create, pod, wait_phase, wait_ready
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.testing import KubeUnderTest
@@ -64,7 +64,7 @@ def _service(name: str, *, headless: bool = False) -> dict:
 
 
 def test_pods_find_services_by_name(
-    kube: KubeUnderTest, node_agent: Cluster, namespace: str
+    kube: KubeUnderTest, own_cluster: Cluster, namespace: str
 ) -> None:
     api = kube.api
     create(

@@ -13,11 +13,14 @@ import subprocess
 import sys
 
 import pytest
+from pod_helpers import create, pod, wait_phase
+from real_nodes_helpers import containerd_task_pid
 
 from conveyor.cluster import Cluster, ClusterAlreadyRunning, ClusterSettings
 from conveyor.cluster.leftovers import find_leftovers, rulesets
 from conveyor.cluster.nodes import GPU_RESOURCE
-from conveyor.cluster.testing import KubeUnderTest
+from conveyor.cluster.process import process_start_time
+from conveyor.cluster.testing import KubeUnderTest, leftovers_of
 
 
 def _ready(node: dict) -> bool:
@@ -90,25 +93,35 @@ def test_second_start_is_refused_while_a_cluster_runs(
 def test_start_cleans_up_after_a_crashed_cluster(
     kube: KubeUnderTest, owned_cluster: Cluster
 ) -> None:
-    # A crash: every process killed at once, the network, cgroup and state file left behind.
-    crashed_net = owned_cluster.pod_networks.create("crash", "leftover")
+    # A pod runs through the crash. In `default`: the fresh start below wipes etcd, so nothing
+    # of it outlives the test.
+    api = owned_cluster.api
+    create(api, "default", pod("survivor", ["sleep", "600"]))
+    running = wait_phase(api, "default", "survivor", "Running")
+    container_id = running["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+    container = containerd_task_pid(owned_cluster, running["spec"]["nodeName"], container_id)
+    started = process_start_time(container)
+
+    # A crash: every component's process group SIGKILLed at once. The pod's container (its own
+    # process group, under containerd's shim), the bridge, the cgroups, the nodes' cgroup
+    # trees and the state file are left behind.
     for proc in owned_cluster.processes.values():
         os.killpg(proc.record.pid, signal.SIGKILL)
     for proc in owned_cluster.processes.values():
         proc.stop(0)  # reaps the killed child; sends nothing more
-    assert crashed_net.netns in owned_cluster.pod_networks.list_netns()
-    assert (
-        subprocess.run(
-            ["ip", "link", "show", owned_cluster.settings.bridge], capture_output=True
-        ).returncode
-        == 0
-    )
+    crashed = leftovers_of(owned_cluster)
+    assert owned_cluster.settings.bridge in crashed.get("links", []), crashed
+    assert crashed.get("cgroups") and crashed.get("real node cgroups"), crashed
+    assert process_start_time(container) == started, "the pod's container died with the cluster"
 
     # A new owner (as after a reboot of the tooling) finds the leftovers and removes them.
     fresh = Cluster(owned_cluster.settings)
     kube.cluster = fresh
     fresh.start()
-    assert crashed_net.netns not in fresh.pod_networks.list_netns()
+    assert process_start_time(container) != started, "the crashed run's container still runs"
+    now = leftovers_of(fresh)
+    for kind in ("processes", "real node processes"):
+        assert not set(crashed.get(kind, [])) & set(now.get(kind, [])), (kind, crashed, now)
     _assert_nodes(kube, fresh)
 
 

@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-from agent_helpers import create, pod, wait_phase
-from real_nodes_helpers import containerd_task_pid, runs_on_real_nodes
+from pod_helpers import create, pod, wait_phase
+from real_nodes_helpers import containerd_task_pid
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.network import NFT_TABLE, route_get, routes, run
-from conveyor.cluster.testing import KubeUnderTest, PodProcesses
+from conveyor.cluster.testing import KubeUnderTest
 
 # Addresses outside this machine, used only as questions to `ip route get` (nothing is sent).
 OUTSIDE = ("192.0.2.77", "203.0.113.9", "8.8.8.8")
@@ -35,23 +34,6 @@ def test_pod_and_service_addresses_stay_on_the_bridge(own_cluster: Cluster) -> N
     # Inside the guarded /15 but outside this cluster's slices: fails here, never leaves.
     for address in ("198.18.200.1", "198.19.200.1"):
         assert route_get(address)["type"] == "unreachable", address
-
-
-def test_a_pod_can_only_reach_the_bridge(own_cluster: Cluster, pods: PodProcesses) -> None:
-    plan = own_cluster.plan
-    net = pods.network("no-path-out", "probe")
-    pod_routes = json.loads(run("ip", "-n", net.netns, "-j", "route", "show").stdout)
-    assert {r.get("dev") for r in pod_routes} == {"eth0"}
-    default = next(r for r in pod_routes if r["dst"] == "default")
-    assert default["gateway"] == str(plan.host_address)
-    for address in (*OUTSIDE, str(plan.kubernetes_service_ip)):
-        got = route_get(address, netns=net.netns)
-        assert got["dev"] == "eth0" and got["gateway"] == str(plan.host_address), got
-    # The pod has a single interface besides loopback, its end of the veth into the bridge.
-    links = json.loads(run("ip", "-n", net.netns, "-j", "link", "show").stdout)
-    assert sorted(link["ifname"] for link in links) == ["eth0", "lo"]
-    host_end = json.loads(run("ip", "-j", "link", "show", net.host_veth).stdout)[0]
-    assert host_end["master"] == plan.bridge
 
 
 def test_the_bridge_forwards_nowhere_else_and_nothing_is_masqueraded_out(
@@ -92,12 +74,11 @@ def test_the_bridge_forwards_nowhere_else_and_nothing_is_masqueraded_out(
     assert Path("/proc/sys/net/ipv4/ip_forward").read_text().strip() == "1"
 
 
-def test_a_pod_on_a_real_node_can_only_reach_the_bridge(
+def test_a_pod_can_only_reach_the_bridge(
     kube: KubeUnderTest, own_cluster: Cluster, namespace: str
 ) -> None:
-    """The same, for a pod a kubelet runs: its network comes from the CNI bridge plugin."""
-    if not runs_on_real_nodes(own_cluster):
-        pytest.skip("real nodes only; the node agent's pods: the test above")
+    """A pod's routes all go through its one interface (besides loopback), to the bridge's
+    host address; its network comes from the CNI bridge plugin."""
     plan = own_cluster.plan
     create(kube.api, namespace, pod("probe", ["sleep", "600"]))
     running = wait_phase(kube.api, namespace, "probe", "Running")

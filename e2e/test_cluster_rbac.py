@@ -1,28 +1,33 @@
-"""RBAC with a ServiceAccount token from the TokenRequest API, from the host and from a pod."""
+"""RBAC for a ServiceAccount: its token from the TokenRequest API used from the host, and its
+token the kubelet mounts in a pod used from inside the pod."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from pod_helpers import create, pod, wait_phase
+from real_nodes_helpers import IMAGE
 
 from conveyor.cluster import Cluster
 from conveyor.cluster.api import ApiError
-from conveyor.cluster.testing import KubeUnderTest, PodProcesses
+from conveyor.cluster.testing import KubeUnderTest
 
-# Inside a pod: call the apiserver through the `kubernetes` Service's ClusterIP, as in-cluster
-# clients do, with the ServiceAccount token and the cluster CA; print the HTTP status.
 IN_POD_CALL = r"""
 import ssl, sys, urllib.error, urllib.request
-url, token, ca = sys.argv[1], sys.argv[2], sys.argv[3]
-context = ssl.create_default_context(cafile=ca)
-request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token})
+sa = "/var/run/secrets/kubernetes.io/serviceaccount"
+token = open(f"{sa}/token").read()
+context = ssl.create_default_context(cafile=f"{sa}/ca.crt")
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
-try:
-    print(opener.open(request, timeout=10).status)
-except urllib.error.HTTPError as exc:
-    print(exc.code)
+for url in sys.argv[1:]:
+    request = urllib.request.Request(url, headers={"Authorization": "Bearer " + token})
+    try:
+        print(opener.open(request, timeout=10).status, flush=True)
+    except urllib.error.HTTPError as exc:
+        print(exc.code, flush=True)
 """
+"""Run inside a pod: GET each URL as in-cluster clients do, with the token and the cluster CA
+the kubelet mounted for the pod's ServiceAccount; print each HTTP status."""
 
 
 def _grant_pod_reader(kube: KubeUnderTest, namespace: str) -> str:
@@ -115,21 +120,25 @@ def test_token_is_allowed_what_its_role_grants_and_nothing_else(
 
 
 def test_pod_reaches_the_apiserver_at_the_kubernetes_service(
-    kube: KubeUnderTest, own_cluster: Cluster, namespace: str, pods: PodProcesses
+    kube: KubeUnderTest, own_cluster: Cluster, namespace: str
 ) -> None:
+    """A pod of the ``reader`` ServiceAccount (the project's image, which this cluster's nodes
+    hold) calls the apiserver at the ``kubernetes`` Service's ClusterIP with its own projected
+    token: allowed what its Role grants only."""
     token = _grant_pod_reader(kube, namespace)
     service = kube.api.get("/api/v1/namespaces/default/services/kubernetes")
-    url = f"https://{service['spec']['clusterIP']}:443"
-    net = pods.network(namespace, "in-cluster-client")
-    ca = str(own_cluster.work_dir / "pki" / "ca.crt")
+    url = f"https://{service['spec']['clusterIP']}:443/api/v1/namespaces/{namespace}"
     kube.api.wait_for(
         "the RoleBinding to take effect",
         lambda: kube.api.with_token(token).get(f"/api/v1/namespaces/{namespace}/pods"),
         timeout_s=30,
     )
-
-    def status_from_pod(path: str) -> str:
-        return pods.python_in(net, IN_POD_CALL, url + path, token, ca)
-
-    assert status_from_pod(f"/api/v1/namespaces/{namespace}/pods") == "200"
-    assert status_from_pod(f"/api/v1/namespaces/{namespace}/secrets") == "403"
+    create(kube.api, namespace, pod(
+        "in-cluster-client", ["python", "-c", IN_POD_CALL, f"{url}/pods", f"{url}/secrets"],
+        image=IMAGE, imagePullPolicy="Never",
+        pod_spec={"serviceAccountName": "reader", "restartPolicy": "Never"},
+    ))  # fmt: skip
+    done = wait_phase(kube.api, namespace, "in-cluster-client", "Succeeded", "Failed")
+    logs = kube.kubectl("logs", "-n", namespace, "in-cluster-client").stdout
+    assert done["status"]["phase"] == "Succeeded", logs
+    assert logs.split() == ["200", "403"], logs

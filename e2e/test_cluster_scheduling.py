@@ -1,4 +1,4 @@
-"""GPU scheduling on the simulated nodes: the real scheduler, the real admission plugins."""
+"""GPU scheduling on the cluster's nodes (fake GPUs): the real scheduler, the real admission plugins."""
 
 from __future__ import annotations
 

@@ -46,7 +46,6 @@ from operator_helpers import (
     release_llmservices,
     wait_for,
 )
-from real_nodes_helpers import runs_on_real_nodes
 
 from conveyor.cluster.testing import KubeUnderTest
 from conveyor.cluster.tools import build_tools
@@ -303,12 +302,12 @@ async def drive(run: Run) -> None:
             victim = max(busy, key=lambda r: r["in_flight"])
             pod = await asyncio.to_thread(pod_of, run, victim["url"])
             name = pod["metadata"]["name"]
-            if kube.cluster is not None and runs_on_real_nodes(kube.cluster):
+            if kube.cluster is not None:
                 # A crash (SIGKILL through containerd): a forced deletion would have the
                 # kubelet send SIGTERM first, a drain the gateway need not retry.
                 await asyncio.to_thread(kill_container, kube.cluster, pod, "runtime")
             else:
-                # The node agent kills a force-deleted pod's processes at once.
+                # Another cluster's containers are out of reach from here: a forced deletion.
                 await asyncio.to_thread(
                     kube.kubectl, "-n", ns, "delete", "pod", name, "--grace-period=0", "--force"
                 )

@@ -1,6 +1,5 @@
-"""An LLMService on vLLM: the real vLLM (vLLM for CPU: on real nodes its own image, built here
-by ``conveyor image build --engine vllm``; on the node agent, its cached environment run for
-vLLM's image) behind Conveyor's operator and gateway, on the one-machine cluster.
+"""An LLMService on vLLM: the real vLLM (vLLM for CPU's image, built here by ``conveyor image
+build --engine vllm``) behind Conveyor's operator and gateway, on the one-machine cluster.
 
 One vLLM LLMService serves the module (vLLM takes a minute or more to start; its spec and
 probes are in ``vllm_helpers``): it becomes Ready on the built-in model (written into the cache
@@ -13,8 +12,7 @@ traffic without a failed request. The tests run in this order and each relies on
 before. (A spec asking vLLM for a setting it lacks is refused: ``test_operator``.)
 
 The operator runs as a local process (as in ``test_operator``). Skips, with the reason, where
-vLLM for CPU's image (real nodes) or environment (the agent) is missing, or pods do not really
-run here.
+the nodes do not hold vLLM for CPU's image, or pods do not really run here.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ from vllm_helpers import (
     runtime_pods,
 )
 
-from conveyor.bench.peers import vllm_env
 from conveyor.cluster.image_plan import VLLM_REPOSITORY
 from conveyor.cluster.real_nodes import VLLM_CPU_IMAGE
 from conveyor.cluster.stack_images import holds_image
@@ -135,21 +132,14 @@ def vllm_service(
 ) -> Iterator[dict[str, Any]]:
     """The module's vLLM LLMService, Ready: its status and the seconds from apply to Ready.
 
-    On real nodes its pods run vLLM for CPU's image (``conveyor image build --engine vllm``,
-    which the nodes' seed holds); on the node agent, vLLM's own image name, which the agent
-    runs from vLLM for CPU's cached environment."""
-    real_nodes = kube.cluster is not None and kube.cluster.settings.node_runtime == "kubelet"
-    if real_nodes and not holds_image(kube.cluster.settings, VLLM_REPOSITORY):
+    Its pods run vLLM for CPU's image (``conveyor image build --engine vllm``, which the nodes'
+    seed holds); on a cluster from ``KUBECONFIG``, the operator's vLLM image, which it pulls."""
+    if kube.cluster is not None and not holds_image(kube.cluster.settings, VLLM_REPOSITORY):
         pytest.skip(
-            "the real nodes have no vLLM for CPU image: conveyor image build --engine vllm "
+            "the nodes have no vLLM for CPU image: conveyor image build --engine vllm "
             "(scripts/test.sh builds it)"
         )
-    if not real_nodes and not vllm_env.is_installed():
-        pytest.skip(
-            "vLLM for CPU is not installed: python -m conveyor.bench.peers.vllm_env install "
-            "(scripts/test.sh runs it)"
-        )
-    runtime = {**RUNTIME, "image": VLLM_CPU_IMAGE} if real_nodes else RUNTIME
+    runtime = {**RUNTIME, "image": VLLM_CPU_IMAGE} if kube.cluster is not None else RUNTIME
     if reason := pods_run(kube, module_namespace):
         pytest.skip(reason)
     install_crd(kube)

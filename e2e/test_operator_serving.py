@@ -1,7 +1,7 @@
 """The operator's LLMServices answering through the gateway, on pods that really run: the
 example on the real model, two models behind one gateway, a spec change rolled out under
-traffic, a tensor-parallel replica. Each skips with the reason on a cluster without a node
-agent. The operator runs as a local process under its own ServiceAccount's token and RBAC
+traffic, a tensor-parallel replica. Each skips with the reason on a cluster where pods do
+not really run. The operator runs as a local process under its own ServiceAccount's token and RBAC
 (``operator_helpers``), watching only the test's namespace.
 """
 

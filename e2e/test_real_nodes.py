@@ -1,4 +1,4 @@
-"""An LLMService served end to end on real nodes (node runtime ``kubelet``), from the project's image.
+"""An LLMService served end to end on real nodes, from the project's image.
 
 The module starts its own cluster (``realnode-e2e``: one GPU node with fake GPUs and one CPU
 node, each a real kubelet with its own containerd and runc, both cloned from the seed that
@@ -18,7 +18,6 @@ and no other cluster runs here. scripts/test.sh builds both as root and sets
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 import uuid
@@ -38,7 +37,15 @@ from operator_helpers import (
     operators,
     wait_for,
 )
-from real_nodes_helpers import IMAGE, IMAGE_PATH, PodWatch, exit_codes, why_no_real_nodes
+from real_nodes_helpers import (
+    IMAGE,
+    IMAGE_PATH,
+    REQUIRED,
+    PodWatch,
+    cannot_run,
+    exit_codes,
+    why_no_real_nodes,
+)
 
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.settings import ClusterSettings
@@ -55,27 +62,17 @@ CONTAINER_FACTS = (
 """Prints the container's user, whether its root is writable, and its memory limit."""
 
 _WHY_NOT = why_no_real_nodes()
-REQUIRED = os.environ.get("CONVEYOR_REAL_NODES_REQUIRED") == "1"
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None and not REQUIRED, reason=_WHY_NOT or "")
-
-
-def _cannot(why: str) -> None:
-    """Skip, or fail where real nodes are required (scripts/test.sh built what they need)."""
-    if REQUIRED:
-        pytest.fail(f"real nodes are required (CONVEYOR_REAL_NODES_REQUIRED=1) but {why}")
-    pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
 def real_kube() -> Iterator[KubeUnderTest]:
     """The module's own cluster on real nodes; down at the end, and nothing of it left."""
-    settings = ClusterSettings(
-        name=NAME, node_runtime="kubelet", gpu_nodes=1, cpu_nodes=1, node_images=(str(IMAGE_PATH),)
-    )
+    settings = ClusterSettings(name=NAME, gpu_nodes=1, cpu_nodes=1, node_images=(str(IMAGE_PATH),))
     if _WHY_NOT is not None:
-        _cannot(_WHY_NOT)
+        cannot_run(_WHY_NOT)
     if (other := Cluster.attach()) is not None:  # e.g. started by other e2e modules' session
-        _cannot(f"cluster {other.settings.name!r} runs on this machine (one per machine)")
+        cannot_run(f"cluster {other.settings.name!r} runs on this machine (one per machine)")
     cluster = Cluster(settings)
     started = time.monotonic()
     try:

@@ -14,6 +14,7 @@ import yaml
 from conveyor.bench.autoscale.settings import MODEL, NAME, BenchSettings
 from conveyor.bench.procs import ChildProcess
 from conveyor.bench.wait import wait_until
+from conveyor.operator.names import IMAGE
 
 
 class Env:
@@ -45,23 +46,32 @@ class Env:
         return self.api.get(self.path)
 
     def pods_run(self) -> str | None:
-        """None when a pod really runs here, else why not."""
+        """None when a pod of the runtime's image really runs here, else why not (the
+        container's waiting reason: no such image on the nodes, nothing running pods, ...)."""
         pods = f"/api/v1/namespaces/{self.namespace}/pods"
         self.api.create(pods, {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "probe"},
-            "spec": {"containers": [{"name": "c", "image": "conveyor", "command": ["sleep", "60"]}],
+            "spec": {"containers": [{"name": "c", "image": IMAGE, "command": ["sleep", "60"]}],
                      "terminationGracePeriodSeconds": 1},
         })  # fmt: skip
+        status: dict[str, Any] = {}
+
+        def running() -> bool:
+            nonlocal status
+            status = self.api.get(f"{pods}/probe").get("status") or {}
+            return status.get("phase") == "Running"
+
         try:
-            wait_until(
-                lambda: self.api.get(f"{pods}/probe").get("status", {}).get("phase") == "Running",
-                45,
-                "the probe pod to run",
-                interval=0.5,
-            )
+            wait_until(running, 90, "the probe pod to run", interval=0.5)
             return None
         except TimeoutError:
-            return "pods are scheduled but nothing runs them (no node agent on this cluster)"
+            waiting = [
+                f"{w.get('reason')}: {w.get('message', '')}".strip(": ")
+                for c in status.get("containerStatuses") or []
+                if (w := (c.get("state") or {}).get("waiting"))
+            ]
+            why = "; ".join(waiting) or f"phase {status.get('phase', 'unknown')}"
+            return f"a pod of image {IMAGE} does not run on this cluster ({why})"
         finally:
             self.api.request("DELETE", f"{pods}/probe")
 
@@ -121,7 +131,8 @@ class Env:
                     last = (c.get("lastState") or {}).get("terminated") or {}
                     return (
                         f"pod {pod['metadata']['name']} keeps crashing (exit code "
-                        f"{last.get('exitCode')}); the node agent's logs say why"
+                        f"{last.get('exitCode')}): kubectl -n {self.namespace} logs "
+                        f"{pod['metadata']['name']} --previous says why"
                     )
         return None
 

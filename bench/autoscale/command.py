@@ -1,7 +1,8 @@
 """``conveyor bench autoscale``: a step load against the autoscaler on the one-machine cluster.
 
-Prints figures, asserts nothing. Needs the running cluster (``conveyor cluster up``) with the
-node agent, so that pods really run with their ``limits.cpu``. In a fresh namespace it runs
+Prints figures, asserts nothing. Needs a running cluster whose pods really run with their
+``limits.cpu`` from the runtime's image (``conveyor cluster up``, whose nodes are kubelets
+given the images built here, or ``--kubeconfig``). In a fresh namespace it runs
 the operator as a local process (admin kubeconfig, deciding every ``--interval`` seconds),
 applies one LLMService on the built-in model (replicas limited to ``--replica-cpu``), then:
 
@@ -94,7 +95,8 @@ def main(argv: list[str]) -> int:
         if cluster is None or cluster.tools is None:
             print(
                 "conveyor bench autoscale: no cluster is running here. Start one with "
-                "`conveyor cluster up` (it needs the node agent so that pods really run), "
+                "`conveyor cluster up` (after `conveyor image build`, so that its nodes hold the "
+                "runtime's image), "
                 "or pass --kubeconfig.",
                 file=sys.stderr,
             )

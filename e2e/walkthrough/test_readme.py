@@ -59,17 +59,8 @@ def test_readme_walkthrough(tmp_path):
         pytest.skip("the walk-through brings up the one-machine cluster, which needs root")
     script = tmp_path / "walkthrough.sh"
     script.write_text(walkthrough_script((ROOT / "README.md").read_text(), tmp_path))
-    # CONVEYOR_E2E_NODE_RUNTIME (agent or kubelet) chooses the nodes, as for the rest of the
-    # e2e suite (`conveyor up` reads CONVEYOR_NODE_RUNTIME); unset, `conveyor up` chooses as
-    # the README says (real nodes where they can run here).
-    runtime = os.environ.get("CONVEYOR_E2E_NODE_RUNTIME") or "auto"
     proc = subprocess.run(
-        ["bash", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=TOTAL_DEADLINE_S,
-        cwd=ROOT,
-        env={**os.environ, "CONVEYOR_NODE_RUNTIME": runtime},
+        ["bash", str(script)], capture_output=True, text=True, timeout=TOTAL_DEADLINE_S, cwd=ROOT
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"the walk-through failed (exit {proc.returncode}):\n{out[-6000:]}"

@@ -18,7 +18,7 @@ def cgroup_dirs(
     controller: str, proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
 ) -> list[str]:
     """Where this process's cgroup files for ``controller`` may be, its own cgroup first (a
-    process the node agent or a bench put in a cgroup of its own sees the host's hierarchy),
+    process a bench put in a cgroup of its own sees the host's hierarchy),
     then the hierarchy's root (inside a container, the container's own cgroup)."""
     dirs = []
     try:  # "0::/path" (v2) or "4:memory:/path", "3:cpu,cpuacct:/path" (v1)

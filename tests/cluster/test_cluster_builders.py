@@ -1,4 +1,4 @@
-"""Unit tests of the cluster's pure parts: certificates, nodes, kwok stages, network plan, kubeconfig."""
+"""Unit tests of the cluster's pure parts: certificates, nodes, network plan, kubeconfig."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import ipaddress
 from pathlib import Path
 
 import pytest
-import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -15,10 +14,7 @@ from conveyor.cluster.certs import ClientIdentity, generate_pki
 from conveyor.cluster.network import NetworkPlan, forward_ruleset
 from conveyor.cluster.nodes import (
     GPU_RESOURCE,
-    KWOK_ANNOTATION,
     MachineShare,
-    kwok_stages,
-    node_manifest,
     node_names,
     node_ready,
 )
@@ -73,41 +69,6 @@ def test_pki_client_certificates_carry_user_and_groups(tmp_path: Path) -> None:
     assert b"PUBLIC KEY" in pki.service_account_pub.read_bytes()
 
 
-def test_gpu_node_is_labelled_tainted_and_advertises_gpus() -> None:
-    share = MachineShare(cpu_millis=666, memory_bytes=8 * 2**30)
-    node = node_manifest(
-        "gpu-node-0",
-        share=share,
-        address="198.18.0.1",
-        kubelet_port=10250,
-        max_pods=110,
-        gpus=8,
-        gpu_product="NVIDIA-H100-80GB-HBM3",
-        gpu_memory_mib=81559,
-    )
-    labels = node["metadata"]["labels"]
-    assert labels[f"{GPU_RESOURCE}.product"] == "NVIDIA-H100-80GB-HBM3"
-    assert labels[f"{GPU_RESOURCE}.memory"] == "81559"
-    assert labels[f"{GPU_RESOURCE}.count"] == "8"
-    assert node["spec"]["taints"] == [{"key": GPU_RESOURCE, "effect": "NoSchedule"}]
-    assert node["status"]["capacity"][GPU_RESOURCE] == "8"
-    assert node["status"]["allocatable"]["cpu"] == "666m"
-    assert node["metadata"]["annotations"][KWOK_ANNOTATION] == "fake"
-
-
-def test_cpu_node_is_untainted_without_gpus() -> None:
-    node = node_manifest(
-        "cpu-node-0",
-        share=MachineShare(1000, 2**30),
-        address="198.18.0.1",
-        kubelet_port=10250,
-        max_pods=110,
-    )
-    assert "taints" not in node["spec"]
-    assert GPU_RESOURCE not in node["status"]["capacity"]
-    assert not any(k.startswith(GPU_RESOURCE) for k in node["metadata"]["labels"])
-
-
 def test_machine_share_never_exceeds_the_machine() -> None:
     one = MachineShare.of_this_machine(1)
     three = MachineShare.of_this_machine(3)
@@ -118,14 +79,6 @@ def test_machine_share_never_exceeds_the_machine() -> None:
 
 def test_node_names_follow_the_settings() -> None:
     assert node_names(2, 1) == (["gpu-node-0", "gpu-node-1"], ["cpu-node-0"])
-
-
-def test_kwok_stages_touch_nodes_only() -> None:
-    stages = kwok_stages()
-    assert {s["spec"]["resourceRef"]["kind"] for s in stages} == {"Node"}
-    assert all(s["kind"] == "Stage" for s in stages)
-    # Round-trips through YAML as kwok reads it.
-    assert list(yaml.safe_load_all(yaml.safe_dump_all(stages))) == stages
 
 
 def test_a_node_is_ready_once_ready_and_without_not_ready_taints() -> None:
@@ -183,35 +136,6 @@ def test_kubeconfig_round_trip(tmp_path: Path) -> None:
     assert creds.ca_file == tmp_path / "ca.crt"
     assert creds.cert_file == tmp_path / "a.crt"
     assert creds.token is None
-
-
-def test_pod_network_names_are_stable_and_fit_interface_limits() -> None:
-    from conveyor.cluster.podnet import NETNS_PREFIX, VETH_PREFIX, PodNetworks
-
-    s = ClusterSettings()
-    nets = PodNetworks(NetworkPlan.from_strings(s.pod_cidr, s.service_cidr, s.guard_cidr, s.bridge))
-    netns, veth = nets.names(
-        "a-namespace-with-a-long-name", "a-pod-with-an-even-longer-name-0123456789"
-    )
-    assert netns.startswith(NETNS_PREFIX) and veth.startswith(VETH_PREFIX)
-    assert len(veth) <= 15
-    assert nets.names(
-        "a-namespace-with-a-long-name", "a-pod-with-an-even-longer-name-0123456789"
-    ) == (netns, veth)
-    assert nets.names("ns", "a") != nets.names("ns", "b")
-    assert nets.names("ns-a", "b") != nets.names("ns", "a-b")
-
-
-def test_a_pod_address_always_gets_the_same_locally_administered_mac() -> None:
-    """A reused address keeps its MAC, so peers' ARP caches stay right across pods."""
-    import ipaddress
-
-    from conveyor.cluster.podnet import mac_for
-
-    a, b = ipaddress.IPv4Address("198.18.0.5"), ipaddress.IPv4Address("198.18.1.5")
-    assert mac_for(a) == mac_for(ipaddress.IPv4Address("198.18.0.5")) == "02:42:c6:12:00:05"
-    assert mac_for(a) != mac_for(b)
-    assert int(mac_for(a).split(":")[0], 16) & 0b11 == 0b10  # unicast, locally administered
 
 
 def test_settings_round_trip_through_the_state_file() -> None:

@@ -75,12 +75,11 @@ def test_state_round_trip_and_refusal_beside_a_running_cluster(tmp_path: Path) -
 def test_versions_are_stated_once_in_the_go_modules() -> None:
     assert pinned_version("k8s.io/kubernetes") == "v1.35.4"
     assert pinned_version("go.etcd.io/etcd/server/v3", "etcd") == "v3.6.16"
-    assert pinned_version("sigs.k8s.io/kwok", "kwok") == "v0.8.0"
     assert pinned_version("helm.sh/helm/v3", "helm") == "v3.21.4"
     assert pinned_version("github.com/prometheus/prometheus", "prometheus") == "v0.316.0"
     staging = (GO_MODULES / "kubernetes" / "go.mod").read_text()
     assert "k8s.io/client-go => k8s.io/client-go v0.35.4" in staging
-    for folder in ("kubernetes", "etcd", "kwok", "helm", "prometheus"):
+    for folder in ("kubernetes", "etcd", "coredns", "helm", "prometheus", "node"):
         assert (GO_MODULES / folder / "go.sum").stat().st_size > 0
 
 
@@ -123,7 +122,7 @@ def test_cli_status_of_a_cluster_that_never_ran(
 
 
 def test_restart_kills_a_component_and_starts_the_same_command_line(tmp_path: Path) -> None:
-    """What the fault tests do to etcd or the node agent, on a cluster attached from another
+    """What the fault tests do to etcd or a kubelet, on a cluster attached from another
     process: the component is known by its record alone, so its command line is read back."""
     from conveyor.cluster import Cluster, ClusterSettings
     from conveyor.cluster.api import wait_for
@@ -161,6 +160,6 @@ def test_a_new_cluster_moves_the_last_ones_logs_aside(tmp_path: Path) -> None:
     rotate_logs(logs)
     assert list(logs.iterdir()) == []
     assert (tmp_path / "logs.previous" / "kubelet-gpu-node-0.log").read_text() == "real nodes\n"
-    (logs / "node-agent.log").write_text("agent\n")
+    (logs / "etcd.log").write_text("etcd\n")
     rotate_logs(logs)  # only the last run's are kept
-    assert sorted(p.name for p in (tmp_path / "logs.previous").iterdir()) == ["node-agent.log"]
+    assert sorted(p.name for p in (tmp_path / "logs.previous").iterdir()) == ["etcd.log"]

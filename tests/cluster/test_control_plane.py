@@ -16,7 +16,6 @@ from conveyor.cluster.control_plane import (
     etcd_client_url,
     kube_proxy_args,
     kube_proxy_config,
-    kwok_args,
     scheduler_args,
 )
 from conveyor.cluster.kubeconfigs import CLIENTS
@@ -31,7 +30,6 @@ PORTS = Ports(
     scheduler=10259,
     proxy_healthz=10256,
     proxy_metrics=10249,
-    kwok=10250,
     dns_health=18080,
     dns_ready=18181,
 )
@@ -52,7 +50,7 @@ def inputs() -> ControlPlaneInputs:
     )
     kubeconfigs = {
         name: WORK / "config" / f"{name}.kubeconfig"
-        for name in ("controller-manager", "scheduler", "kwok", "kube-proxy")
+        for name in ("controller-manager", "scheduler", "kube-proxy")
     }
     return ControlPlaneInputs(
         work_dir=WORK,
@@ -132,19 +130,6 @@ def test_controller_manager_and_scheduler_use_their_own_kubeconfigs_on_loopback(
     assert sched["bind-address"] == "127.0.0.1"
     assert sched["secure-port"] == "10259"
     assert sched["cert-dir"] == str(WORK / "scheduler")
-
-
-def test_kwok_serves_the_kubelet_api_beside_the_apiserver(inputs: ControlPlaneInputs) -> None:
-    stages = WORK / "config" / "kwok-stages.yaml"
-    flags = _flags(kwok_args(inputs, stages))
-    assert flags["kubeconfig"] == str(WORK / "config" / "kwok.kubeconfig")
-    assert flags["config"] == str(stages)
-    assert flags["node-ip"] == HOST
-    assert flags["node-port"] == "10250"
-    assert flags["server-address"] == f"{HOST}:10250"
-    assert flags["tls-cert-file"] == str(WORK / "pki" / "apiserver.crt")
-    assert flags["manage-all-nodes"] == "false"
-    assert flags["enable-crds"] == "Logs,PortForward"
 
 
 def test_kube_proxy_config_routes_the_pod_network_in_nftables_mode(

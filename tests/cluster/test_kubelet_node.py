@@ -79,9 +79,7 @@ def test_a_real_node_runs_pods_from_an_image_and_leaves_nothing() -> None:
     archive = static_image(
         {"/bin/busybox": BUSYBOX}, entrypoint=["/bin/busybox"], ref=IMAGE, cache=image_cache()
     )
-    settings = ClusterSettings(
-        name=NAME, node_runtime="kubelet", gpu_nodes=1, cpu_nodes=0, node_images=(str(archive),)
-    )
+    settings = ClusterSettings(name=NAME, gpu_nodes=1, cpu_nodes=0, node_images=(str(archive),))
     baseline = rulesets()
     cluster = Cluster(settings)
     try:

@@ -15,7 +15,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from conveyor.cluster.certs import generate_pki
-from conveyor.cluster.cli import _parser
 from conveyor.cluster.kubelet_config import (
     HARD_CODED_DIRS,
     KubeletInputs,
@@ -28,7 +27,7 @@ from conveyor.cluster.kubelet_config import (
     node_subnet,
 )
 from conveyor.cluster.kubelet_node import NodeCgroups, issue_node_certificate
-from conveyor.cluster.nodes import MachineShare, node_labels, node_manifest
+from conveyor.cluster.nodes import MachineShare, node_labels
 from conveyor.cluster.real_nodes import node_layouts
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.tools import BUILD_SCRIPT, GO_MODULES
@@ -60,7 +59,7 @@ def test_each_node_gets_its_own_slice_of_the_pod_range_from_the_top() -> None:
     assert [str(s) for s in subnets[:2]] == ["198.18.15.0/24", "198.18.14.0/24"]
     assert len(set(subnets)) == 4
     assert all(s.subnet_of(POD_CIDR) for s in subnets)
-    # The bottom /24 stays for the bridge's host address and the node agent's pods.
+    # The bottom /24 stays for the bridge's host address.
     with pytest.raises(ValueError, match="no room"):
         node_subnet(POD_CIDR, 15)
 
@@ -141,25 +140,17 @@ def test_cpu_nodes_are_untainted(tmp_path: Path) -> None:
     assert "registerWithTaints" not in kubelet_config(inputs(tmp_path, gpus=0))
 
 
-def test_node_labels_are_those_of_the_simulated_nodes_a_kubelet_may_set() -> None:
+def test_node_labels_name_the_pool_and_the_gpus_as_gpu_feature_discovery_does() -> None:
     gpu = node_labels(gpus=8, gpu_product="NVIDIA-H100-80GB-HBM3", gpu_memory_mib=81559)
-    simulated = node_manifest(
-        "gpu-node-0",
-        share=MachineShare(1000, 2**30),
-        address=str(GATEWAY),
-        kubelet_port=1,
-        max_pods=110,
-        gpus=8,
-        gpu_product="NVIDIA-H100-80GB-HBM3",
-        gpu_memory_mib=81559,
-    )["metadata"]["labels"]
-    assert gpu.items() <= simulated.items()
-    assert set(simulated) - set(gpu) <= {
-        "kubernetes.io/hostname",
-        "kubernetes.io/os",
-        "kubernetes.io/arch",
-        "type",
-    }  # the kubelet sets the first three itself; "type: kwok" names the simulation
+    assert gpu == {
+        "conveyor.dev/node-pool": "gpu",
+        "nvidia.com/gpu.present": "true",
+        "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3",
+        "nvidia.com/gpu.memory": "81559",
+        "nvidia.com/gpu.count": "8",
+    }
+    # None of the labels a kubelet sets itself (it refuses to register with those).
+    assert not any(k.startswith("kubernetes.io/") for k in gpu)
     assert node_labels(gpus=0) == {"conveyor.dev/node-pool": "cpu"}
 
 
@@ -192,13 +183,11 @@ def test_the_namespace_puts_the_nodes_directories_over_the_hard_coded_paths(
     assert argv[-3:] == ["containerd", "--config", "x"]
 
 
-def test_node_runtime_is_opt_in_and_survives_the_state_file() -> None:
-    assert ClusterSettings().node_runtime == "agent"
-    assert _parser().parse_args(["up"]).node_runtime == "agent"
-    with pytest.raises(ValueError, match="node_runtime"):
-        ClusterSettings(node_runtime="docker")
-    s = ClusterSettings(name="realnode", node_runtime="kubelet", node_images=("/a.tar",))
+def test_node_images_survive_the_state_file() -> None:
+    s = ClusterSettings(name="realnode", node_images=("/a.tar", "/b.oci"))
     assert ClusterSettings.from_json(s.to_json()) == s
+    # A state file written before the node agent was removed still reads.
+    assert ClusterSettings.from_json({**s.to_json(), "node_runtime": "agent"}) == s
 
 
 def test_node_certificate_names_the_node_and_is_signed_by_the_cluster_ca(tmp_path: Path) -> None:

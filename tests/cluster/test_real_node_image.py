@@ -80,9 +80,7 @@ def _ready(pod: dict) -> bool:
 
 
 def test_the_project_image_serves_on_real_nodes_cloned_from_one_seed() -> None:
-    settings = ClusterSettings(
-        name=NAME, node_runtime="kubelet", gpu_nodes=0, cpu_nodes=2, node_images=(str(IMAGE_PATH),)
-    )
+    settings = ClusterSettings(name=NAME, gpu_nodes=0, cpu_nodes=2, node_images=(str(IMAGE_PATH),))
     cluster = Cluster(settings)
     try:
         cluster.start()

@@ -66,7 +66,7 @@ def test_a_kv_cache_over_the_memory_limit_is_refused_at_start(
     [
         ("0::/pod/c\n", {"pod/c/cpu.max": "25000 100000\n"}, 0.25),
         ("0::/pod/c\n", {"pod/c/cpu.max": "max 100000\n"}, None),
-        # the node agent's or a bench's cgroup of its own, on a v1 host
+        # a bench's cgroup of its own, on a v1 host
         (
             "3:cpu:/conveyor/pods/u/main\n",
             {

@@ -31,6 +31,7 @@ def test_too_little_disk_for_the_first_build_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(stack.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(stack, "missing_host_tools", lambda: None)
     monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
     monkeypatch.setattr(stack.Tools, "missing", lambda self: ["kube-apiserver"])
     monkeypatch.setenv("GOMODCACHE", str(tmp_path / "gomod"))
@@ -39,39 +40,17 @@ def test_too_little_disk_for_the_first_build_is_refused(
         preflight(StackSettings())
 
 
-def test_a_running_cluster_on_another_node_runtime_is_not_silently_reused(
+def test_a_machine_where_the_nodes_cannot_run_is_refused_with_what_to_do(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    class Running:
-        settings = stack.ClusterSettings(node_runtime="agent")
-
     monkeypatch.setattr(stack.os, "geteuid", lambda: 0)
-    monkeypatch.setattr(stack.Cluster, "attach", lambda: Running())
-    with pytest.raises(SystemExit, match=r"already up on node runtime 'agent'.*conveyor down"):
-        preflight(StackSettings(node_runtime="kubelet"))
+    monkeypatch.setattr(stack, "missing_host_tools", lambda: "runc not installed: run X")
+    with pytest.raises(SystemExit, match=r"nodes cannot run here: runc not installed: run X"):
+        preflight(StackSettings())
+    # An existing cluster's nodes are its own: nothing of this machine is asked for.
     monkeypatch.setattr(stack, "tools_directory", lambda: tmp_path)
     monkeypatch.setattr(stack.Tools, "missing", lambda self: [])
-    preflight(StackSettings(node_runtime="agent"))  # the same runtime: reused, as always
-    preflight(StackSettings())  # auto: whatever runs is reused, never refused
-
-
-def test_auto_reuses_a_running_cluster_else_takes_real_nodes_where_they_can_run(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    class Running:
-        settings = stack.ClusterSettings(node_runtime="agent")
-
-    resolve = stack.resolve_runtime
-    monkeypatch.setattr(stack.Cluster, "attach", lambda: Running())
-    assert resolve(StackSettings()).node_runtime == "agent"  # up reuses what runs
-    monkeypatch.setattr(stack.Cluster, "attach", lambda: None)
-    monkeypatch.setattr(stack, "missing_host_tools", lambda: None)
-    assert resolve(StackSettings()).node_runtime == "kubelet"
-    monkeypatch.setattr(stack, "missing_host_tools", lambda: "runc not installed: run X")
-    assert resolve(StackSettings()).node_runtime == "agent"
-    assert "real nodes cannot run here (runc not installed: run X)" in capsys.readouterr().err
-    assert resolve(StackSettings(node_runtime="kubelet")).node_runtime == "kubelet"  # as asked
-    assert resolve(StackSettings(kubeconfig=tmp_path / "k")).node_runtime == "agent"
+    preflight(StackSettings(kubeconfig=tmp_path / "kubeconfig"))
 
 
 def test_ctrl_c_during_up_undoes_what_that_run_started(monkeypatch: pytest.MonkeyPatch) -> None:

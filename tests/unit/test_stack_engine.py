@@ -48,9 +48,9 @@ def test_engine_vllm_refuses_the_gguf_model_and_defaults_to_the_tiny_one(
     assert (seen[0].engine, seen[0].model) == ("vllm", stack.ENGINE_MODEL)
 
 
-def test_on_real_nodes_the_example_on_vllm_names_vllm_for_cpu_s_image() -> None:
+def test_on_the_local_cluster_the_example_on_vllm_names_vllm_for_cpu_s_image() -> None:
     text = re.sub(r"builtin: \S+", f"builtin: {stack.ENGINE_MODEL}", stack.EXAMPLE.read_text())
-    example = stack.engine_example(yaml.safe_load(text), "vllm", real_nodes=True)
+    example = stack.engine_example(yaml.safe_load(text), "vllm", local_cluster=True)
     assert example["spec"]["runtime"]["image"] == "vllm-cpu:0.32.0"
     obj = {"metadata": {"name": stack.EXAMPLE_NAME, "namespace": "d", "uid": "u"}}
     spec = apply_defaults({**example, "metadata": {**example["metadata"], "namespace": "d"}})
@@ -61,42 +61,25 @@ def test_on_real_nodes_the_example_on_vllm_names_vllm_for_cpu_s_image() -> None:
     assert runtime["image"] == "vllm-cpu:0.32.0"
 
 
-def test_a_reused_real_node_cluster_without_vllm_s_image_is_refused_for_vllm(
+def test_a_reused_cluster_without_vllm_s_image_is_refused_for_vllm(
     tmp_path: Path,
 ) -> None:
     check = stack_images.check_engine_image
     images = (str(tmp_path / "conveyor-0.1.0.oci"),)
-    cluster = ClusterSettings(node_runtime="kubelet", node_images=images)
+    cluster = ClusterSettings(node_images=images)
     with pytest.raises(RuntimeError, match="conveyor down"):
         check(cluster, "vllm")
     check(replace(cluster, node_images=(*images, str(tmp_path / "vllm-cpu-0.32.0.oci"))), "vllm")
     check(cluster, "conveyor")
 
 
-def test_node_runtime_reaches_the_stack(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[stack.StackSettings] = []
-    monkeypatch.setattr(stack, "preflight", lambda settings: seen.append(settings))
-    monkeypatch.setattr(stack.Stack, "up", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))
-    monkeypatch.setattr(stack.Stack, "abort", lambda self: None)
-    assert stack.main_up(["--node-runtime", "kubelet"]) == 130
-    assert seen[0].node_runtime == "kubelet"
-
-
-def test_a_node_runtime_from_the_environment_is_checked(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_the_operator_and_gateway_run_the_torchless_image_where_the_nodes_hold_it(
+    tmp_path: Path,
 ) -> None:
-    monkeypatch.setenv("CONVEYOR_NODE_RUNTIME", "docker")
-    with pytest.raises(SystemExit) as exc:
-        stack.main_up([])
-    assert exc.value.code == 2
-    assert "CONVEYOR_NODE_RUNTIME='docker' is not one of" in capsys.readouterr().err
-
-
-def test_on_real_nodes_the_operator_and_gateway_run_the_torchless_image(tmp_path: Path) -> None:
     """As on a real cluster: the chart's image is conveyor-control, the runtime's the full one;
-    the node agent (and a cluster started without the control image) keep the chart's one."""
+    a cluster started without the control image (or an existing one) keeps the chart's one."""
     full, control = tmp_path / "conveyor-0.1.0.oci", tmp_path / "conveyor-control-0.1.0.oci"
-    real = ClusterSettings(node_runtime="kubelet", node_images=(str(full), str(control)))
+    real = ClusterSettings(node_images=(str(full), str(control)))
     flags = stack_images.chart_images(real)
     assert flags[::2] == ["--set", "--set"]
     assert flags[1] == "image.repository=conveyor-control"
