@@ -214,11 +214,6 @@ class ApiClient:
     def merge_patch(self, path: str, body: dict) -> Any:
         return self.request("PATCH", path, body, content_type="application/merge-patch+json")
 
-    def strategic_patch(self, path: str, body: dict) -> Any:
-        return self.request(
-            "PATCH", path, body, content_type="application/strategic-merge-patch+json"
-        )
-
     def readyz(self) -> tuple[bool, str]:
         """``/readyz``: (ready, the server's words or the connection error)."""
         try:
