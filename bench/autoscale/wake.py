@@ -3,7 +3,9 @@ decision, the pod's scheduling and start, the runtime's own start-up, the first 
 
 While the one waking request runs, the LLMService and its pods are read every 0.1 s, and the
 first moment each milestone is seen is kept (on the benchmark's clock, from the request's
-send). The runtime's ``ready in ...`` line (process start, imports, model load, KV cache) is
+send). Readiness can fall between two reads: the gateway forwards the held request the moment
+the pod is Ready, and a short answer's first token may come before the next read. Then the pod's
+own record of it (its Ready condition's ``lastTransitionTime``, to the second) is used. The runtime's ``ready in ...`` line (process start, imports, model load, KV cache) is
 read from the pod's log: it splits the span from the container starting to the pod's
 readiness.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from datetime import datetime
 from typing import Any
 
 from conveyor.bench.autoscale.cluster_env import Env
@@ -32,30 +35,49 @@ MILESTONES: tuple[tuple[str, str], ...] = (
 """(key, what it means), in the order a wake goes through them."""
 
 
+def _waking_pods(env: Env) -> list[dict[str, Any]]:
+    """The runtime pods that are not being deleted (one being deleted is not the wake)."""
+    pods = env.api.get(
+        f"/api/v1/namespaces/{env.namespace}/pods",
+        labelSelector=RUNTIME_PODS,
+    )["items"]
+    return [pod for pod in pods if not pod["metadata"].get("deletionTimestamp")]
+
+
+def _ready_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
+    """The pod's Ready condition when it is True."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == "Ready" and c.get("status") == "True":
+            return dict(c)
+    return None
+
+
 def seen_now(env: Env) -> set[str]:
     """The milestones the API shows at this moment."""
     seen: set[str] = set()
     if (env.llmservice().get("spec") or {}).get("replicas", 0) >= 1:
         seen.add("decided")
-    pods = env.api.get(
-        f"/api/v1/namespaces/{env.namespace}/pods",
-        labelSelector=RUNTIME_PODS,
-    )["items"]
-    for pod in pods:
-        if pod["metadata"].get("deletionTimestamp"):
-            continue
+    for pod in _waking_pods(env):
         status = pod.get("status") or {}
         seen.add("pod_created")
         if (pod.get("spec") or {}).get("nodeName"):
             seen.add("scheduled")
         if any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []):
             seen.add("started")
-        if any(
-            c.get("type") == "Ready" and c.get("status") == "True"
-            for c in status.get("conditions") or []
-        ):
+        if _ready_condition(pod) is not None:
             seen.add("ready")
     return seen
+
+
+def ready_since(env: Env) -> float | None:
+    """When a waking pod turned Ready, as the API records it (the Ready condition's
+    ``lastTransitionTime``: whole seconds, UNIX time), or None while none is Ready."""
+    for pod in _waking_pods(env):
+        condition = _ready_condition(pod)
+        if condition and condition.get("lastTransitionTime"):
+            stamp = str(condition["lastTransitionTime"]).replace("Z", "+00:00")
+            return datetime.fromisoformat(stamp).timestamp()
+    return None
 
 
 def runtime_ready_line(env: Env) -> str | None:
@@ -76,7 +98,7 @@ async def wake_timeline(env: Env, client: Any, max_tokens: int = 4) -> dict[str,
     seconds from the send at which each milestone was first seen."""
     first_seen: dict[str, float] = {}
     stop = threading.Event()
-    sent = time.monotonic()
+    sent, sent_wall = time.monotonic(), time.time()
 
     def poll() -> None:
         while not stop.is_set() and len(first_seen) < len(MILESTONES):
@@ -94,8 +116,17 @@ async def wake_timeline(env: Env, client: Any, max_tokens: int = 4) -> dict[str,
     await one_request(client, wake, max_tokens=max_tokens)
     stop.set()
     await poller
+    first_token = wake.done[0][1] if wake.done else None
+    if "ready" not in first_seen and (since := await asyncio.to_thread(ready_since, env)):
+        # The reads missed it: the pod's own record, to the second, within what was seen.
+        at = since - sent_wall
+        if first_token is not None:
+            at = min(at, first_token)
+        first_seen["ready"] = round(max(at, first_seen.get("started", 0.0)), 1)
     out: dict[str, Any] = {
-        "first_token_s": round(wake.done[0][1], 1) if wake.done else f"failed ({wake.failures})"
+        "first_token_s": round(first_token, 1)
+        if first_token is not None
+        else f"failed ({wake.failures})"
     }
     out.update({key: first_seen.get(key) for key, _ in MILESTONES})
     out["runtime_start"] = await asyncio.to_thread(runtime_ready_line, env)

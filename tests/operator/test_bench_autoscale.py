@@ -87,3 +87,21 @@ def test_the_wake_milestones_are_read_from_the_api_and_spanned_in_order():
     assert "started -> ready" in lines[4] and lines[-1] == "  runtime: ready in 19.0 s"
     # a milestone not seen (a poll missed it) is left out; the next span starts from the last
     assert spans({"decided": 1.0, "ready": 5.0})[1].split()[:3] == ["4.0", "s", "decided"]
+
+
+def test_a_readiness_the_reads_missed_is_taken_from_the_pods_own_record():
+    """The gateway forwards the held request the moment the pod is Ready, so the first token can
+    come before the next read: the Ready condition's lastTransitionTime says when, to the second."""
+    from datetime import UTC, datetime
+
+    from conveyor.bench.autoscale.wake import ready_since
+
+    def pod(ready: str, deleting: bool = False) -> dict:
+        meta = {"name": "p", **({"deletionTimestamp": "x"} if deleting else {})}
+        return {"metadata": meta, "spec": {}, "status": {"conditions": [
+            {"type": "Ready", "status": ready, "lastTransitionTime": "2026-12-05T06:00:10Z"}]}}  # fmt: skip
+
+    at = datetime(2026, 12, 5, 6, 0, 10, tzinfo=UTC).timestamp()
+    assert ready_since(FakeEnv(1, [pod("True")])) == at
+    assert ready_since(FakeEnv(1, [pod("False")])) is None
+    assert ready_since(FakeEnv(1, [pod("True", deleting=True)])) is None
