@@ -38,6 +38,7 @@ from gateway_helpers import PYTHON, Process, Processes
 
 from conveyor.bench.procs import free_port
 from conveyor.bench.wait import wait_until
+from conveyor.gateway.metrics import BACKEND_IN_FLIGHT
 
 pytestmark = [
     pytest.mark.slow,
@@ -183,6 +184,29 @@ async def _run_load(stack: dict) -> None:
         # steady traffic with shared prefixes (prefix-cache hits), streamed and not
         for start in range(0, 32, 8):
             await asyncio.gather(*(one(i, stream=i % 2 == 0) for i in range(start, start + 8)))
+        # requests in flight at a scrape of the gateway (the in-flight panel): short requests
+        # can all fall between two scrapes on a busy machine, so waves of longer generations
+        # go on until Prometheus has seen one in flight
+        api = stack["prometheus"].api()
+        seen = f'max_over_time({BACKEND_IN_FLIGHT}{{namespace="{NAMESPACE}"}}[5m]) > 0'
+        in_flight_seen = asyncio.Event()
+
+        async def waves() -> None:
+            wave = 0
+            while not in_flight_seen.is_set():
+                await asyncio.gather(
+                    *(one(400 + 8 * wave + i, stream=True, max_tokens=200) for i in range(8))
+                )
+                wave += 1
+
+        load = asyncio.create_task(waves())
+        try:
+            await asyncio.to_thread(
+                wait_until, lambda: api.query(seen), 120, "a scrape with a request in flight"
+            )
+        finally:
+            in_flight_seen.set()
+            await load
         await asyncio.gather(*(cut(i) for i in range(4)))
         # the tiny-KV replica alone gets long concurrent generations: preemptions
         async with openai.AsyncOpenAI(
