@@ -21,7 +21,7 @@ import contextlib
 import importlib.util
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -39,6 +39,7 @@ from gateway_helpers import PYTHON, Process, Processes
 from conveyor.bench.procs import free_port
 from conveyor.bench.wait import wait_until
 from conveyor.gateway.metrics import BACKEND_IN_FLIGHT
+from conveyor.runtime.metrics_names import NUM_REQUESTS_WAITING
 
 pytestmark = [
     pytest.mark.slow,
@@ -184,29 +185,31 @@ async def _run_load(stack: dict) -> None:
         # steady traffic with shared prefixes (prefix-cache hits), streamed and not
         for start in range(0, 32, 8):
             await asyncio.gather(*(one(i, stream=i % 2 == 0) for i in range(start, start + 8)))
-        # requests in flight at a scrape of the gateway (the in-flight panel): short requests
-        # can all fall between two scrapes on a busy machine, so waves of longer generations
-        # go on until Prometheus has seen one in flight
+        # A gauge is seen only if a scrape falls while it is up: on a busy machine every short
+        # request of a phase can fall between two scrapes, so such a phase goes on in waves
+        # until Prometheus has seen the gauge above zero (the panel's own condition).
         api = stack["prometheus"].api()
-        seen = f'max_over_time({BACKEND_IN_FLIGHT}{{namespace="{NAMESPACE}"}}[5m]) > 0'
-        in_flight_seen = asyncio.Event()
 
-        async def waves() -> None:
-            wave = 0
-            while not in_flight_seen.is_set():
-                await asyncio.gather(
-                    *(one(400 + 8 * wave + i, stream=True, max_tokens=200) for i in range(8))
-                )
-                wave += 1
+        async def until_seen(metric: str, wave: Callable[[int], Awaitable[object]]) -> None:
+            seen = f'max_over_time({metric}{{namespace="{NAMESPACE}"}}[5m]) > 0'
+            done = asyncio.Event()
 
-        load = asyncio.create_task(waves())
-        try:
-            await asyncio.to_thread(
-                wait_until, lambda: api.query(seen), 120, "a scrape with a request in flight"
-            )
-        finally:
-            in_flight_seen.set()
-            await load
+            async def waves() -> None:
+                n = 0
+                while not done.is_set():
+                    await wave(n)
+                    n += 1
+
+            load = asyncio.create_task(waves())
+            try:
+                await asyncio.to_thread(wait_until, lambda: api.query(seen), 120, f"{metric} > 0")
+            finally:
+                done.set()
+                await load
+
+        # requests in flight at the gateway (the in-flight panel): longer generations
+        await until_seen(BACKEND_IN_FLIGHT, lambda n: asyncio.gather(
+            *(one(400 + 8 * n + i, stream=True, max_tokens=200) for i in range(8))))  # fmt: skip
         await asyncio.gather(*(cut(i) for i in range(4)))
         # the tiny-KV replica alone gets long concurrent generations: preemptions
         async with openai.AsyncOpenAI(
@@ -217,8 +220,9 @@ async def _run_load(stack: dict) -> None:
                 await direct.completions.create(model=MODEL, prompt=f"long {i} " * 4, max_tokens=60)
 
             await asyncio.gather(*(long(i) for i in range(6)))
-        # a burst over the queue bounds: 429s
-        await asyncio.gather(*(one(100 + i, stream=False, max_tokens=48) for i in range(96)))
+        # a burst over the queue bounds: 429s, and requests waiting on the replicas
+        await until_seen(NUM_REQUESTS_WAITING, lambda n: asyncio.gather(
+            *(one(100 + 96 * n + i, stream=False, max_tokens=48) for i in range(96))))  # fmt: skip
         # a replica killed under load: retries before the first byte, an ejection
         doomed = pods[f"{LLMSERVICE}-doomed"]
         killed = asyncio.Event()
