@@ -39,7 +39,11 @@ from gateway_helpers import PYTHON, Process, Processes
 from conveyor.bench.procs import free_port
 from conveyor.bench.wait import wait_until
 from conveyor.gateway.metrics import BACKEND_IN_FLIGHT
-from conveyor.runtime.metrics_names import NUM_REQUESTS_WAITING
+from conveyor.runtime.metrics_names import (
+    KV_CACHE_USAGE,
+    NUM_REQUESTS_RUNNING,
+    NUM_REQUESTS_WAITING,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -190,8 +194,10 @@ async def _run_load(stack: dict) -> None:
         # until Prometheus has seen the gauge above zero (the panel's own condition).
         api = stack["prometheus"].api()
 
-        async def until_seen(metric: str, wave: Callable[[int], Awaitable[object]]) -> None:
-            seen = f'max_over_time({metric}{{namespace="{NAMESPACE}"}}[5m]) > 0'
+        async def until_seen(
+            metrics: tuple[str, ...], wave: Callable[[int], Awaitable[object]]
+        ) -> None:
+            seen = [f'max_over_time({m}{{namespace="{NAMESPACE}"}}[5m]) > 0' for m in metrics]
             done = asyncio.Event()
 
             async def waves() -> None:
@@ -202,13 +208,16 @@ async def _run_load(stack: dict) -> None:
 
             load = asyncio.create_task(waves())
             try:
-                await asyncio.to_thread(wait_until, lambda: api.query(seen), 120, f"{metric} > 0")
+                await asyncio.to_thread(
+                    wait_until, lambda: all(api.query(q) for q in seen), 120, f"{metrics} > 0"
+                )
             finally:
                 done.set()
                 await load
 
-        # requests in flight at the gateway (the in-flight panel): longer generations
-        await until_seen(BACKEND_IN_FLIGHT, lambda n: asyncio.gather(
+        # requests in flight at the gateway and running on the replicas: longer generations
+        gauges = (BACKEND_IN_FLIGHT, NUM_REQUESTS_RUNNING, KV_CACHE_USAGE)
+        await until_seen(gauges, lambda n: asyncio.gather(
             *(one(400 + 8 * n + i, stream=True, max_tokens=200) for i in range(8))))  # fmt: skip
         await asyncio.gather(*(cut(i) for i in range(4)))
         # the tiny-KV replica alone gets long concurrent generations: preemptions
@@ -221,7 +230,7 @@ async def _run_load(stack: dict) -> None:
 
             await asyncio.gather(*(long(i) for i in range(6)))
         # a burst over the queue bounds: 429s, and requests waiting on the replicas
-        await until_seen(NUM_REQUESTS_WAITING, lambda n: asyncio.gather(
+        await until_seen((NUM_REQUESTS_WAITING,), lambda n: asyncio.gather(
             *(one(100 + 96 * n + i, stream=False, max_tokens=48) for i in range(96))))  # fmt: skip
         # a replica killed under load: retries before the first byte, an ejection
         doomed = pods[f"{LLMSERVICE}-doomed"]
