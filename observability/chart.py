@@ -100,7 +100,14 @@ def write() -> list[Path]:
     return changed
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    argparse.ArgumentParser(
+        prog="python -m conveyor.observability.chart",
+        description="Write the Helm chart's generated files (CRDs, dashboards, Prometheus rules, "
+        "the operator's RBAC) from their sources in the code; prints each file it changed.",
+    ).parse_args(argv)
     for path in write():
         print(f"wrote {path.relative_to(REPO)}")
     return 0

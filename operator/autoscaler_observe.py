@@ -12,9 +12,11 @@ kept between ticks for this is a ``ServiceState``.
 from __future__ import annotations
 
 import json
+import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -65,6 +67,41 @@ def ready_endpoints(slices: Iterable[dict[str, Any]], port_name: str) -> list[En
         for ready in endpoint_slice.ready_endpoints(slice_, port_name):
             found.setdefault(ready.url, Endpoint(key=ready.pod or ready.url, url=ready.url))
     return sorted(found.values(), key=lambda e: e.url)
+
+
+def pods_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods"
+
+
+def start_seconds(pods: Iterable[dict[str, Any]]) -> float | None:
+    """How long the service's replicas took from their pod's creation to Ready (scheduling,
+    image, process start, model load): the median over its ready pods whose containers never
+    restarted (a restart's readiness says nothing of a start). None when none is such a pod.
+
+    The timer reads this once there is a ready replica, so that the first scale-up already
+    sizes for what piles up while new replicas start, rather than learning it from that
+    scale-up's own wait."""
+    seen = []
+    for pod in pods:
+        status = pod.get("status") or {}
+        if pod["metadata"].get("deletionTimestamp") or any(
+            c.get("restartCount", 0) for c in status.get("containerStatuses") or []
+        ):
+            continue
+        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
+        created = pod["metadata"].get("creationTimestamp")
+        if ready is None or ready.get("status") != "True" or not created:
+            continue
+        since = ready.get("lastTransitionTime")
+        if since:
+            seconds = (_time(since) - _time(created)).total_seconds()
+            if seconds >= 0:
+                seen.append(seconds)
+    return statistics.median(seen) if seen else None
+
+
+def _time(rfc3339: str) -> datetime:
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00"))
 
 
 def parse_load(text: str) -> tuple[ReplicaSignals, bool]:

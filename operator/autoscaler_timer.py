@@ -58,7 +58,9 @@ from conveyor.operator.autoscaler_observe import (
     load_signals,
     parse_load,
     pending_requests,
+    pods_path,
     ready_endpoints,
+    start_seconds,
 )
 from conveyor.operator.autoscaler_status import (
     ESTIMATE_SIGNALS,
@@ -68,9 +70,9 @@ from conveyor.operator.autoscaler_status import (
     signal_values,
     without_time,
 )
-from conveyor.operator.kube import Kube
+from conveyor.operator.kube import ApiError, Kube
 from conveyor.operator.metrics import OperatorMetrics
-from conveyor.operator.names import GATEWAY_NAME, PORT_NAME
+from conveyor.operator.names import GATEWAY_NAME, PORT_NAME, runtime_selector, selector_string
 from conveyor.operator.reconciler import PostEvent, llmservice_path, now_rfc3339
 from conveyor.operator.runtime_manifests import served_name
 
@@ -131,6 +133,7 @@ class AutoscalerTimer:
         self.post_event = post_event
         self.clock = clock
         self._states: dict[tuple[str, str], ServiceState] = {}
+        self._warned_pods = False
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted (or no longer autoscaled) LLMService's history and metric series."""
@@ -178,6 +181,8 @@ class AutoscalerTimer:
             demand_window=policy.demand_window,
             panic_window=policy.panic_window,
         )
+        if state.history.start_time is None and obs.num_ready > 0:
+            state.history.start_time = await self._start_seconds(namespace, name)
         measured = state.history.capacity_time
         decision = decide(obs, policy, state.history)
         if state.history.capacity_time != measured:
@@ -198,6 +203,24 @@ class AutoscalerTimer:
         await self._patch_status(llmservice, obs, decision, state)
         self._record_metrics(namespace, name, obs, policy, decision)
         return decision
+
+    async def _start_seconds(self, namespace: str, name: str) -> float | None:
+        """How long the LLMService's ready pods took to start; None when none tells (or pods
+        may not be read: an RBAC without them, logged once)."""
+        try:
+            pods = await self.kube.list(
+                pods_path(namespace), label_selector=selector_string(runtime_selector(name))
+            )
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            if not self._warned_pods:
+                log.warning(
+                    "cannot list pods (%s): replicas' start time is learned on scaling", exc
+                )
+                self._warned_pods = True
+            return None
+        return start_seconds(pods)
 
     async def _endpoints(self, namespace: str, service: str) -> list[Endpoint]:
         slices = await self.kube.list(

@@ -40,6 +40,8 @@ OPERATOR_RULES: list[dict[str, Any]] = [
     # autoscaler's scrapes; also needed to grant the gateway's Role, RBAC forbids escalation)
     {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": READ},
+    # how long a replica's pod took from creation to Ready (the autoscaler sizes for the start)
+    {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
     # kopf: events for each action, namespaces to watch, CRDs to find its resource
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": [""], "resources": ["namespaces"], "verbs": READ},

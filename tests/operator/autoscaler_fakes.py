@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from conveyor.operator.autoscaler_observe import endpointslices_path
+from conveyor.operator.autoscaler_observe import endpointslices_path, pods_path
 from conveyor.operator.autoscaler_timer import AutoscalerTimer
 from conveyor.operator.crd import apply_defaults
 from conveyor.operator.metrics import OperatorMetrics
@@ -28,11 +28,13 @@ BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class FakeKube:
-    """get / list (by ``kubernetes.io/service-name``) / merge_patch, as ``Kube`` offers them."""
+    """get / list (EndpointSlices by ``kubernetes.io/service-name``, pods by their labels) /
+    merge_patch, as ``Kube`` offers them; ``pods`` may be an exception to raise."""
 
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {}
         self.slices: list[dict[str, Any]] = []
+        self.pods: list[dict[str, Any]] | Exception = []
         self.patches: list[tuple[str, dict[str, Any]]] = []
 
     async def get(self, path: str) -> dict[str, Any] | None:
@@ -40,6 +42,15 @@ class FakeKube:
         return copy.deepcopy(obj) if obj is not None else None
 
     async def list(self, path: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        if path == pods_path(NS):
+            if isinstance(self.pods, Exception):
+                raise self.pods
+            wanted = dict(kv.split("=") for kv in (label_selector or "").split(","))
+            return [
+                copy.deepcopy(p)
+                for p in self.pods
+                if wanted.items() <= p["metadata"].get("labels", {}).items()
+            ]
         assert path == endpointslices_path(NS), path
         key, _, service = (label_selector or "").partition("=")
         assert key == "kubernetes.io/service-name", label_selector

@@ -111,3 +111,31 @@ def test_counters_are_read_from_the_runtime_and_gateway_metrics():
     gateway.requests.labels("tiny", "http://a:8000", "200").inc(50)
     gateway.requests.labels("other", "", "429").inc(7)
     assert parse_rejected(generate_latest(gateway.registry).decode(), "tiny") == 5.0
+
+
+def runtime_pod(name: str, created: str, ready_at: str | None, **extra) -> dict:
+    conditions = [] if ready_at is None else [
+        {"type": "Ready", "status": "True", "lastTransitionTime": ready_at}]  # fmt: skip
+    return {
+        "metadata": {"name": name, "creationTimestamp": created, **extra.get("meta", {})},
+        "status": {"conditions": conditions,
+                   "containerStatuses": [{"restartCount": extra.get("restarts", 0)}]},
+    }  # fmt: skip
+
+
+def test_a_replicas_start_time_is_its_pods_creation_to_ready_over_pods_that_tell():
+    from conveyor.operator.autoscaler_observe import start_seconds
+
+    pods = [
+        runtime_pod("a", "2026-12-06T01:00:00Z", "2026-12-06T01:00:12Z"),
+        runtime_pod("b", "2026-12-06T01:05:00Z", "2026-12-06T01:05:10Z"),
+        runtime_pod("c", "2026-12-06T01:05:00Z", "2026-12-06T01:05:14Z"),
+        # a restart's readiness, one not ready yet, one going away: say nothing of a start
+        runtime_pod("d", "2026-12-06T01:00:00Z", "2026-12-06T03:00:00Z", restarts=1),
+        runtime_pod("e", "2026-12-06T01:00:00Z", None),
+        runtime_pod("f", "2026-12-06T01:00:00Z", "2026-12-06T02:00:00Z",
+                    meta={"deletionTimestamp": "2026-12-06T02:10:00Z"}),
+    ]  # fmt: skip
+    assert start_seconds(pods) == 12.0
+    assert start_seconds(pods[3:]) is None
+    assert start_seconds([]) is None
