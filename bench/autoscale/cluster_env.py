@@ -116,6 +116,7 @@ class Env:
                     "maxReplicas": s.max_replicas, "targetQueueDepthPerReplica": s.target_queue,
                     "targetTTFTP95Seconds": s.target_ttft_s,
                     "scaleDownStabilizationSeconds": s.scale_down_window_s,
+                    "backlogDrainSeconds": s.backlog_drain_s,
                     "scaleToZeroIdleSeconds": idle_s,
                 },
             },

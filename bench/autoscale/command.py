@@ -6,10 +6,14 @@ given the images built here, or ``--kubeconfig``). In a fresh namespace it runs
 the operator as a local process (admin kubeconfig, deciding every ``--interval`` seconds),
 applies one LLMService on the built-in model (replicas limited to ``--replica-cpu``), then:
 
-1. capacity: closed-loop clients against the single replica -> one replica's requests/s;
+1. capacity: closed-loop clients against the single replica -> its saturated requests/s;
+   then open-loop arrivals at 90%, 80%, ... of that until its TTFT p95 is under target ->
+   the requests/s one replica carries (``--capacity slo``, the default; two replicas carry
+   twice it, while twice the saturated rate puts two replicas at 100%);
 2. step: open-loop arrivals at ``--step-factor`` x that rate; the time from the step to the
    first scale-up decision (spec.replicas > 1), to a new replica serving (a response from a
-   second backend), and until the client-side TTFT p95 is back under target;
+   second backend), and until the client-side TTFT p95 is back under target (over the last
+   10 s of finished requests, and for the requests sent from then on);
 3. constant load for ``--minutes``: direction changes of spec.replicas (target: none);
 4. wake from zero: minReplicas 0, wait until scaled to zero, then one streamed request:
    arrival to first token, and when the operator's decision, the pod's scheduling, its
@@ -41,6 +45,10 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
      "cluster to use; unset: the one-machine cluster running here (`conveyor cluster up`)"),
     ("--minutes", "minutes", "minutes of load after the step; direction changes are counted over it"),
     ("--step-factor", "step_factor", "step load as a multiple of one replica's measured requests/s"),
+    ("--capacity", "capacity",
+     "one replica's requests/s the step multiplies: 'slo', the highest open-loop rate it serves "
+     "with client TTFT p95 under --target-ttft (what it carries), or 'saturated', its "
+     "closed-loop throughput with a queue (a 2x step then puts two replicas at 100%%)"),
     ("--replica-cpu", "replica_cpu",
      "limits.cpu of each replica, so that a replica is a unit of capacity"),
     ("--max-replicas", "max_replicas", "maxReplicas of the benchmark's LLMService"),
@@ -50,6 +58,9 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--interval", "interval_s", "the operator's --autoscale-interval (seconds)"),
     ("--scale-down-window", "scale_down_window_s",
      "scaleDownStabilizationSeconds of the benchmark's LLMService"),
+    ("--backlog-drain", "backlog_drain_s",
+     "backlogDrainSeconds of the benchmark's LLMService: seconds in which what piles up while "
+     "replicas start should drain (the CRD's default is 30)"),
     ("--max-tokens", "max_tokens", "max_tokens of each request"),
     ("--png", "png", "where to write the chart of replicas, queue and TTFT p95 over time"),
     ("--keep", "keep", "keep the namespace afterwards, for a look with kubectl"),
@@ -60,6 +71,7 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
      "(where its seconds go: decision, scheduling, container start, runtime start-up)"),
 )  # fmt: skip
 """Each option: its flag, the settings field it sets, its help text."""
+CHOICES = {"capacity": ("slo", "saturated")}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,7 +89,10 @@ def parser() -> argparse.ArgumentParser:
         else:
             kind = Path if name == "kubeconfig" else type(default)
             metavar = flag.removeprefix("--").replace("-", "_").upper()
-            p.add_argument(flag, dest=name, metavar=metavar, type=kind, default=default, help=help_)
+            p.add_argument(
+                flag, dest=name, metavar=metavar, type=kind, default=default, help=help_,
+                choices=CHOICES.get(name),
+            )  # fmt: skip
     return p
 
 

@@ -66,6 +66,8 @@ class Recorder:
     started: float = field(default_factory=time.monotonic)
     done: list[tuple[float, float, str]] = field(default_factory=list)
     """(finish time, TTFT seconds, backend)."""
+    sent: list[tuple[float, float]] = field(default_factory=list)
+    """(send time, TTFT seconds) of the same requests, in the order they finished."""
     failures: int = 0
     samples: list[Sample] = field(default_factory=list)
 
@@ -74,6 +76,11 @@ class Recorder:
         ends = [at for at, _, _ in self.done]  # appended as they finish: sorted
         lo, hi = bisect.bisect_left(ends, since), bisect.bisect_left(ends, until)
         ttfts = [t for _, t, _ in self.done[lo:hi]]
+        return percentile(ttfts, 95) if len(ttfts) >= 5 else None
+
+    def p95_sent(self, since: float, until: float) -> float | None:
+        """Client-side TTFT p95 of the requests sent in [since, until) (and finished)."""
+        ttfts = [t for at, t in self.sent if since <= at < until]
         return percentile(ttfts, 95) if len(ttfts) >= 5 else None
 
 
@@ -89,7 +96,9 @@ async def one_request(client: Any, rec: Recorder, max_tokens: int) -> None:
         async for chunk in raw.parse():
             if first is None and chunk.choices:
                 first = time.monotonic() - sent
-        rec.done.append((time.monotonic(), first if first is not None else 0.0, backend))
+        ttft = first if first is not None else 0.0
+        rec.done.append((time.monotonic(), ttft, backend))
+        rec.sent.append((sent, ttft))
     except Exception as exc:  # counted and shown: a benchmark reports failures, it does not stop
         rec.failures += 1
         print(f"  request failed: {type(exc).__name__}: {exc}", file=sys.stderr)

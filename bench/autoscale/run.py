@@ -63,6 +63,84 @@ def plot(rec: Recorder, step_at: float, path: Path, s: BenchSettings) -> None:
     fig.savefig(path, dpi=100)
 
 
+def recovered_by_finish(rec: Recorder, after: float, target: float) -> float | None:
+    """When the client-side TTFT p95 over the last 10 s of finished requests came back under
+    ``target``, after it had been above it, past ``after`` (the scale-up decision): what a
+    dashboard of recent requests shows (it lags by up to its 10 s window)."""
+    breached = False
+    for at, _, _ in rec.done:
+        p = rec.p95(at - 10, at)
+        if p is not None and p > target:
+            breached = True
+        elif breached and p is not None and p <= target and at > after:
+            return at
+    return None
+
+
+def recovered_by_arrival(rec: Recorder, step_at: float, target: float) -> float | None:
+    """The first second after the step, after a breach, from which the requests sent in the
+    next 10 s have a TTFT p95 under ``target``: when a newly arriving user is served within
+    target again (no window's lag)."""
+    last = max((at for at, _ in rec.sent), default=step_at)
+    breached = False
+    t = step_at
+    while t + 10 <= last:
+        p = rec.p95_sent(t, t + 10)
+        if p is not None and p > target:
+            breached = True
+        elif breached and p is not None and p <= target:
+            return t
+        t += 1.0
+    return None
+
+
+SLO_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5)
+"""Shares of one replica's saturated throughput tried, highest first, for the rate it carries."""
+
+
+async def one_replica_capacity(
+    client: Any, s: BenchSettings, progress: Progress, out: dict[str, Any]
+) -> float:
+    """One replica's requests/s that the step is a multiple of (``--capacity``).
+
+    Saturated: its throughput under a closed loop of 4 clients (2 running, 2 queued). A 2x step
+    of that puts two replicas at 100%, where a queue grows without bound and no TTFT target
+    holds. Slo (the default): the highest open-loop rate, as a share of that throughput, at
+    which its client-side TTFT p95 stays under the target and it keeps up with arrivals (20 s
+    at each share): the load one replica carries, so that N x it is what N replicas carry.
+    """
+    progress.say("ready; measuring one replica's throughput (5 s warm-up, 20 s of 4 clients)")
+    await closed_loop(client, Recorder(), clients=2, seconds=5, s=s)  # warm up
+    cap = Recorder()
+    await closed_loop(client, cap, clients=4, seconds=20, s=s)
+    backends = {b for _, _, b in cap.done}
+    saturated = len(cap.done) / 20 / max(1, len(backends))
+    out["one_replica_saturated_rps"] = round(saturated, 2)
+    progress.say(f"one replica saturated: {saturated:.2f} requests/s")
+    if s.capacity == "saturated":
+        out["one_replica_rps"] = round(saturated, 2)
+        return saturated
+    carried = SLO_FRACTIONS[-1] * saturated
+    for share in SLO_FRACTIONS:
+        rate, rec, stop = share * saturated, Recorder(), asyncio.Event()
+        load = asyncio.create_task(open_loop(client, rec, rate, stop, s))
+        await asyncio.sleep(20)
+        stop.set()
+        await load
+        p95 = rec.p95_sent(0, float("inf"))
+        kept_up = len(rec.done) >= 0.9 * rate * 20
+        progress.say(
+            f"  {share:.0%} of it ({rate:.2f} requests/s, 20 s): TTFT p95 "
+            f"{'-' if p95 is None else f'{p95:.2f} s'}, {len(rec.done)} done"
+        )
+        if p95 is not None and p95 <= s.target_ttft_s and kept_up and not rec.failures:
+            carried = rate
+            break
+    out["one_replica_rps"] = round(carried, 2)
+    out["one_replica_share_of_saturated"] = round(carried / saturated, 2)
+    return carried
+
+
 async def bench(env: Env, s: BenchSettings, progress: Progress) -> dict[str, Any]:
     import openai
 
@@ -108,15 +186,8 @@ async def step_phases(
 ) -> None:
     """Phases 1-3 into ``out``: one replica's capacity, the step, constant load."""
     # 1. one replica's capacity
-    progress.say("ready; measuring one replica's capacity (5 s warm-up, 20 s of 4 clients)")
-    cap = Recorder()
-    await closed_loop(client, cap, clients=2, seconds=5, s=s)  # warm up
-    cap = Recorder()
-    await closed_loop(client, cap, clients=4, seconds=20, s=s)
-    backends = {b for _, _, b in cap.done}
-    capacity = len(cap.done) / 20 / max(1, len(backends))
-    out["one_replica_rps"] = round(capacity, 2)
-    progress.say(f"one replica: {capacity:.2f} requests/s; turning the autoscaler on")
+    capacity = await one_replica_capacity(client, s, progress, out)
+    progress.say(f"one replica carries {capacity:.2f} requests/s; turning the autoscaler on")
     env.apply(s, min_replicas=1)
     env.wait(
         "the autoscaler to take over",
@@ -139,16 +210,8 @@ async def step_phases(
     first_backends = {b for _, _, b in rec.done[:1]}
     decision = next((x.t for x in rec.samples if x.replicas > 1), None)
     serving = next((at for at, _, b in rec.done if b and b not in first_backends), None)
-    recovered = None
-    if decision is not None:
-        breached = False
-        for at, _, _ in rec.done:
-            p = rec.p95(at - 10, at)
-            if p is not None and p > s.target_ttft_s:
-                breached = True
-            elif breached and p is not None and p <= s.target_ttft_s and at > decision:
-                recovered = at
-                break
+    recovered = None if decision is None else recovered_by_finish(rec, decision, s.target_ttft_s)
+    by_arrival = recovered_by_arrival(rec, step_at, s.target_ttft_s)
     settle = step_at + min(s.minutes * 60 / 4, 120)
     steady = [x.replicas for x in rec.samples if x.t >= settle]
     out.update({
@@ -157,6 +220,9 @@ async def step_phases(
         "step_to_new_replica_serving_s": None if serving is None else round(serving - step_at, 1),
         "step_to_ttft_p95_under_target_s": (
             None if recovered is None else round(recovered - step_at, 1)
+        ),
+        "step_to_ttft_p95_under_target_by_arrival_s": (
+            None if by_arrival is None else round(by_arrival - step_at, 1)
         ),
         "max_replicas": max((x.replicas for x in rec.samples), default=0),
         "replicas_at_end": rec.samples[-1].replicas if rec.samples else 0,

@@ -19,6 +19,9 @@ class BenchSettings:
     """Constant load after the step, over which direction changes are counted (target: none)."""
     step_factor: float = 2.0
     """Step load as a multiple of one replica's measured capacity."""
+    capacity: str = "slo"
+    """What one replica's capacity is: "slo", the highest open-loop rate it serves with client
+    TTFT p95 under ``target_ttft_s``; "saturated", its closed-loop throughput with a queue."""
     replica_cpu: str = "250m"
     """limits.cpu of each replica: a fraction of a core, so a replica is a unit of capacity."""
     max_replicas: int = 4
@@ -31,6 +34,11 @@ class BenchSettings:
     interval_s: float = 1.0
     """The operator's --autoscale-interval."""
     scale_down_window_s: int = 300
+    backlog_drain_s: float = 30.0
+    """backlogDrainSeconds of the benchmark's LLMService (the CRD's default): what piles up
+    while replicas start should be gone within this. Shorter asks for more replicas during a
+    step (in the simulated services of tests/operator, 10 s took a 1.8x step to 4 replicas
+    and drained its backlog 2-7 s sooner than 30 s, at 3)."""
     """scaleDownStabilizationSeconds of the benchmark's LLMService (the CRD's default)."""
     max_tokens: int = 24
     """max_tokens of each request: short, so one replica's capacity is many requests/s."""

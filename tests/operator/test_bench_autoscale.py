@@ -105,3 +105,46 @@ def test_a_readiness_the_reads_missed_is_taken_from_the_pods_own_record():
     assert ready_since(FakeEnv(1, [pod("True")])) == at
     assert ready_since(FakeEnv(1, [pod("False")])) is None
     assert ready_since(FakeEnv(1, [pod("True", deleting=True)])) is None
+
+
+def test_capacity_is_what_one_replica_carries_unless_asked_for_its_saturated_throughput():
+    assert parse([]).capacity == "slo"
+    assert parse(["--capacity", "saturated"]).capacity == "saturated"
+    import pytest
+
+    with pytest.raises(SystemExit):
+        parse(["--capacity", "peak"])
+
+
+def recorder(requests: list[tuple[float, float]]):
+    """A Recorder of (send time, TTFT) requests that each finish 0.2 s after their first token."""
+    from conveyor.bench.autoscale.load import Recorder
+
+    rec = Recorder()
+    for sent, ttft in sorted(requests, key=lambda r: r[0] + r[1]):
+        rec.done.append((sent + ttft + 0.2, ttft, "a"))
+        rec.sent.append((sent, ttft))
+    return rec
+
+
+def test_ttft_recovery_is_measured_by_finish_window_and_by_arrival():
+    """Ten requests a second; those sent in [2 s, 14 s) wait for a replica that is ready at
+    14 s (TTFT up to 12 s), then all are served at once. A window of finished requests lags:
+    the slow ones finish until about 26 s. By arrival, a user sent from 14 s on is served
+    within target."""
+    from conveyor.bench.autoscale.run import recovered_by_arrival, recovered_by_finish
+
+    requests = []
+    for i in range(400):
+        sent = i / 10
+        ttft = 14 - sent if 2 <= sent < 14 else 0.3
+        requests.append((sent, ttft))
+    rec = recorder(requests)
+    by_arrival = recovered_by_arrival(rec, 0.0, target=2.0)
+    assert by_arrival is not None and 12 <= by_arrival <= 14
+    by_finish = recovered_by_finish(rec, 1.0, target=2.0)
+    assert by_finish is not None and by_finish > 20
+    # never above target: nothing to recover from
+    calm = recorder([(i / 10, 0.3) for i in range(400)])
+    assert recovered_by_arrival(calm, 0.0, 2.0) is None
+    assert recovered_by_finish(calm, 1.0, 2.0) is None
