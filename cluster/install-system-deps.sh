@@ -5,7 +5,7 @@
 #   ip, bridge (iproute2)  the bridge, routes (the CNI plugins make the pods' veth pairs)
 #   debootstrap      `conveyor image build`: the Debian base (cluster/image_build.py; it writes
 #                    the OCI layers and archive itself; unshare, chroot and tar are always there)
-#   skopeo           pushes the built image to a registry (README: "The image")
+#   skopeo           pushes the built image to a registry (README: "Building the image")
 #   runc             runs the built image (tests/cluster/test_image_build.py) and the nodes' pods
 #   containerd, containernetworking-plugins   the cluster's nodes: each node's container
 #                    runtime (and ctr), the bridge/host-local/loopback CNI plugins

@@ -18,7 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("conveyor.runtime.generate_cli", "generate text offline on a model (no server)"),
     "gateway": ("conveyor.gateway.cli", "start the load- and cache-aware gateway"),
     "operator": ("conveyor.operator.cli", "run the LLMService operator"),
-    "cluster": ("conveyor.cluster.cli", "the one-machine Kubernetes cluster: up | down | status"),
+    "cluster": (
+        "conveyor.cluster.cli",
+        "the one-machine Kubernetes cluster: up | down | status | build",
+    ),
     "up": ("conveyor.cluster.stack", "bring the whole stack up on one machine"),
     "down": ("conveyor.cluster.stack", "tear the whole stack down"),
     "bench": (

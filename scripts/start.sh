@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's first command: set everything up, then serve the built-in model
+# One replica without Kubernetes (README, "Models"): set everything up, then serve the built-in model
 # with an OpenAI-compatible API on http://127.0.0.1:8000/v1.
 #
 #   scripts/start.sh [conveyor serve flags...]

@@ -81,7 +81,9 @@ def main(argv: list[str]) -> int:
         ),
     )
     parser.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="base URL of a replica or a gateway"
+        "--url",
+        default="http://127.0.0.1:8000",
+        help="base URL of a replica or a gateway (default http://127.0.0.1:8000)",
     )
     parser.add_argument("--json", default=None, help="write the summary as JSON here")
     parser.add_argument(

@@ -182,7 +182,7 @@ class EngineSettings:
             "--max-num-seqs",
             type=int,
             default=d.max_running_requests,
-            help=f"max requests in the running batch (default {d.max_running_requests})",
+            help="max requests in the running batch (default %(default)s)",
         )
         g.add_argument(
             "--chunked-prefill-size",
