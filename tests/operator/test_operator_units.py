@@ -212,6 +212,9 @@ def test_rbac_covers_every_child_and_grants_the_gateway_nothing_the_operator_lac
                     assert _allowed(OPERATOR_RULES, group, resource, verb)
     for verb in ("get", "patch"):
         assert _allowed(OPERATOR_RULES, "conveyor.dev", "llmservices/status", verb)
+    # the autoscaler reads how long replicas took to start from their pods, and no more
+    assert _allowed(OPERATOR_RULES, "", "pods", "list")
+    assert not _allowed(OPERATOR_RULES, "", "pods", "delete")
     assert not any("*" in r["verbs"] or "*" in r["resources"] for r in OPERATOR_RULES)
     kinds = [m["kind"] for m in operator_rbac("conveyor-system")]
     assert kinds == ["ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"]
