@@ -136,6 +136,11 @@ async def one_replica_capacity(
         if p95 is not None and p95 <= s.target_ttft_s and kept_up and not rec.failures:
             carried = rate
             break
+    else:
+        progress.say(
+            f"  no share kept TTFT p95 under {s.target_ttft_s:g} s: stepping from the lowest "
+            f"({SLO_FRACTIONS[-1]:.0%}); raise --target-ttft or --replica-cpu"
+        )
     out["one_replica_rps"] = round(carried, 2)
     out["one_replica_share_of_saturated"] = round(carried / saturated, 2)
     return carried
