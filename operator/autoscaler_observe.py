@@ -16,13 +16,13 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from conveyor.contracts import endpoint_slice
 from conveyor.contracts.load import ReplicaLoad
+from conveyor.contracts.pod_status import api_time, ready_condition
 from conveyor.gateway.metrics import PENDING_REQUESTS
 from conveyor.operator import signals
 from conveyor.operator.autoscaler_model import (
@@ -83,25 +83,17 @@ def start_seconds(pods: Iterable[dict[str, Any]]) -> float | None:
     scale-up's own wait."""
     seen = []
     for pod in pods:
-        status = pod.get("status") or {}
-        if pod["metadata"].get("deletionTimestamp") or any(
+        meta, status = pod["metadata"], pod.get("status") or {}
+        if meta.get("deletionTimestamp") or any(
             c.get("restartCount", 0) for c in status.get("containerStatuses") or []
         ):
             continue
-        ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), None)
-        created = pod["metadata"].get("creationTimestamp")
-        if ready is None or ready.get("status") != "True" or not created:
-            continue
-        since = ready.get("lastTransitionTime")
-        if since:
-            seconds = (_time(since) - _time(created)).total_seconds()
-            if seconds >= 0:
-                seen.append(seconds)
+        ready = ready_condition(pod)
+        if ready and ready.get("lastTransitionTime") and meta.get("creationTimestamp"):
+            since = api_time(ready["lastTransitionTime"]) - api_time(meta["creationTimestamp"])
+            if since.total_seconds() >= 0:
+                seen.append(since.total_seconds())
     return statistics.median(seen) if seen else None
-
-
-def _time(rfc3339: str) -> datetime:
-    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00"))
 
 
 def parse_load(text: str) -> tuple[ReplicaSignals, bool]:
@@ -162,6 +154,9 @@ class ServiceState:
     last_scale_time: str | None = None
     capacity_time: str | None = None
     """When the capacity was last measured (RFC 3339, for status)."""
+    start_read: bool = False
+    """The pods were read once for how long a replica takes to start (``start_seconds``);
+    from then on the autoscaler's own scale-ups refine it."""
 
     @classmethod
     def from_status(cls, status: dict[str, Any] | None) -> ServiceState:

@@ -133,7 +133,6 @@ class AutoscalerTimer:
         self.post_event = post_event
         self.clock = clock
         self._states: dict[tuple[str, str], ServiceState] = {}
-        self._warned_pods = False
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop a deleted (or no longer autoscaled) LLMService's history and metric series."""
@@ -181,7 +180,8 @@ class AutoscalerTimer:
             demand_window=policy.demand_window,
             panic_window=policy.panic_window,
         )
-        if state.history.start_time is None and obs.num_ready > 0:
+        if not state.start_read and obs.num_ready > 0:
+            state.start_read = True  # once: a list of pods per tick is the apiserver's load
             state.history.start_time = await self._start_seconds(namespace, name)
         measured = state.history.capacity_time
         decision = decide(obs, policy, state.history)
@@ -206,7 +206,7 @@ class AutoscalerTimer:
 
     async def _start_seconds(self, namespace: str, name: str) -> float | None:
         """How long the LLMService's ready pods took to start; None when none tells (or pods
-        may not be read: an RBAC without them, logged once)."""
+        may not be read: an RBAC without them, logged)."""
         try:
             pods = await self.kube.list(
                 pods_path(namespace), label_selector=selector_string(runtime_selector(name))
@@ -214,11 +214,7 @@ class AutoscalerTimer:
         except ApiError as exc:
             if exc.status != 403:
                 raise
-            if not self._warned_pods:
-                log.warning(
-                    "cannot list pods (%s): replicas' start time is learned on scaling", exc
-                )
-                self._warned_pods = True
+            log.warning("cannot list pods (%s): replicas' start time is learned on scaling", exc)
             return None
         return start_seconds(pods)
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from datetime import datetime
 from typing import Any
 
 from conveyor.bench.autoscale.cluster_env import Env
 from conveyor.bench.autoscale.load import Recorder, one_request
+from conveyor.contracts.pod_status import api_time, ready_condition
 from conveyor.operator.names import COMPONENT_LABEL
 
 RUNTIME_PODS = f"{COMPONENT_LABEL}=runtime"
@@ -44,14 +44,6 @@ def _waking_pods(env: Env) -> list[dict[str, Any]]:
     return [pod for pod in pods if not pod["metadata"].get("deletionTimestamp")]
 
 
-def _ready_condition(pod: dict[str, Any]) -> dict[str, Any] | None:
-    """The pod's Ready condition when it is True."""
-    for c in (pod.get("status") or {}).get("conditions") or []:
-        if c.get("type") == "Ready" and c.get("status") == "True":
-            return dict(c)
-    return None
-
-
 def seen_now(env: Env) -> set[str]:
     """The milestones the API shows at this moment."""
     seen: set[str] = set()
@@ -64,7 +56,7 @@ def seen_now(env: Env) -> set[str]:
             seen.add("scheduled")
         if any("running" in (c.get("state") or {}) for c in status.get("containerStatuses") or []):
             seen.add("started")
-        if _ready_condition(pod) is not None:
+        if ready_condition(pod) is not None:
             seen.add("ready")
     return seen
 
@@ -73,10 +65,9 @@ def ready_since(env: Env) -> float | None:
     """When a waking pod turned Ready, as the API records it (the Ready condition's
     ``lastTransitionTime``: whole seconds, UNIX time), or None while none is Ready."""
     for pod in _waking_pods(env):
-        condition = _ready_condition(pod)
+        condition = ready_condition(pod)
         if condition and condition.get("lastTransitionTime"):
-            stamp = str(condition["lastTransitionTime"]).replace("Z", "+00:00")
-            return datetime.fromisoformat(stamp).timestamp()
+            return api_time(str(condition["lastTransitionTime"])).timestamp()
     return None
 
 

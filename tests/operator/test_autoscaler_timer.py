@@ -255,23 +255,20 @@ async def test_a_replica_without_counters_gives_no_demand(world):
     assert math.isnan(sample(w.metrics, "conveyor_autoscaler_signal", signal="utilization"))
 
 
-async def test_the_start_time_is_read_from_the_ready_pods_once_and_a_forbidden_list_is_not_fatal(
-    world,
-):
-    from conveyor.operator.kube import ApiError
-    from conveyor.operator.names import runtime_selector
-
-    w = world
+def _one_ready_replica(w) -> None:
     llmservice(w.kube, replicas=1)
     w.kube.slices = [endpoint_slice("tiny", 8000, ("tiny-a", "198.18.0.5", True))]
     w.scraper.pages = {
         "http://198.18.0.5:8000/load": load(waiting=0, running=1),
         "http://198.18.0.5:8000/metrics": runtime_metrics(10, 1000),
     }
-    w.kube.pods = ApiError("GET", "/api/v1/namespaces/team/pods", 403, "forbidden")
-    await w.timer.tick(NS, "tiny")
-    state = w.timer._states[(NS, "tiny")]
-    assert state.history.start_time is None  # not readable: learned on scaling instead
+
+
+async def test_the_start_time_is_read_from_the_ready_pods_once(world):
+    from conveyor.operator.names import runtime_selector
+
+    w = world
+    _one_ready_replica(w)
     labels = runtime_selector("tiny")
     w.kube.pods = [
         {"metadata": {"name": "tiny-a", "labels": labels,
@@ -283,10 +280,24 @@ async def test_the_start_time_is_read_from_the_ready_pods_once_and_a_forbidden_l
          "status": {"conditions": [{"type": "Ready", "status": "True",
                                     "lastTransitionTime": "2026-12-06T01:01:00Z"}]}},
     ]  # fmt: skip
-    w.clock.now += 1
     await w.timer.tick(NS, "tiny")
+    state = w.timer._states[(NS, "tiny")]
     assert state.history.start_time == 11.0
     w.kube.pods = AssertionError("read once: the autoscaler's own starts refine it after")
     w.clock.now += 1
     await w.timer.tick(NS, "tiny")
     assert state.history.start_time == 11.0
+
+
+async def test_a_forbidden_pods_list_is_not_fatal_and_not_retried_every_tick(world):
+    from conveyor.operator.kube import ApiError
+
+    w = world
+    _one_ready_replica(w)
+    w.kube.pods = ApiError("GET", "/api/v1/namespaces/team/pods", 403, "forbidden")
+    assert await w.timer.tick(NS, "tiny") is not None
+    state = w.timer._states[(NS, "tiny")]
+    assert state.history.start_time is None  # not readable: learned on scaling instead
+    w.kube.pods = AssertionError("not asked again")
+    w.clock.now += 1
+    assert await w.timer.tick(NS, "tiny") is not None
