@@ -115,44 +115,56 @@ def seed_root(images: Sequence[Path], *, cache: Path | None = None) -> Seed:
     hardlinks), so what the images share with it is neither written nor unpacked again: after
     a source edit only the image's thin top layer is new, and the two seeds share the rest on
     disk. What the clone held that no image of the new seed uses is collected before it is
-    kept."""
+    kept.
+
+    A build that fails leaves nothing behind (a half-imported root is gigabytes), nor do
+    builds that were killed: every ``.partial`` found under the lock is one's."""
     cache = cache or seed_cache()
     version = containerd_version()
-    key = seed_key([image_index(a) for a in images], version)
+    raw = [image_index(a) for a in images]
+    key = seed_key(raw, version)
+    indexes = [_digest(index) for index in raw]
     seed = cache / key
     with _locked(cache):
         if (seed / SEED_DONE).exists():
             os.utime(seed / SEED_DONE)  # used now: the last to be pruned
             _share_layouts(cache, images)
             return Seed(seed / "containerd", _import_s(seed), cached=True)
+        sweep_partials(cache)
         work = cache / f"{key}.partial"
-        if work.exists():  # a build that died: its containerd may still run
-            _stop_orphan(work)
-            shutil.rmtree(work)
         t0 = time.monotonic()
         layout = NodeLayout("seed", key, work)
-        base = _newest_seed(cache, version)
+        base = base_seed(cache, version, indexes, [str(a) for a in images])
         try:
-            if base is not None:
-                clone_root(base / "containerd", layout.containerd_root)
-            _import_into(layout, images)
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-            if base is None:
-                raise
-            # Growing from the last seed is an optimisation: whatever went wrong in it (a
-            # clone that disagrees with its databases, say), an import from nothing is the
-            # same seed, minutes slower.
-            print(
-                f"[seed] growing from {base.name} failed ({exc}); importing from nothing",
-                file=sys.stderr,
-                flush=True,
-            )
+            try:
+                if base is not None:
+                    clone_root(base / "containerd", layout.containerd_root)
+                _import_into(layout, images)
+            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+                if base is None:
+                    raise
+                # Growing from a kept seed is an optimisation: whatever went wrong in it (a
+                # clone that disagrees with its databases, say), an import from nothing is the
+                # same seed, minutes slower.
+                print(
+                    f"[seed] growing from {base.name} failed ({exc}); importing from nothing",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                _stop_orphan(work)
+                shutil.rmtree(work, ignore_errors=True)
+                base = None
+                _import_into(layout, images)
+        except BaseException as exc:
+            short = _short_of_space(cache)  # before the partial root's space is freed
             _stop_orphan(work)
             shutil.rmtree(work, ignore_errors=True)
-            base = None
-            _import_into(layout, images)
+            if isinstance(exc, Exception) and short:
+                raise RuntimeError(f"making the nodes' seed {key} failed ({exc}); {short}") from exc
+            raise
         record = {
             "images": [str(a) for a in images],
+            "indexes": indexes,
             "import_s": round(time.monotonic() - t0, 1),
             "containerd": version,
             "based_on": base.name if base else None,
@@ -188,14 +200,62 @@ def _share_layouts(cache: Path, images: Sequence[Path]) -> None:
                           f"{image.name}", file=sys.stderr, flush=True)  # fmt: skip
 
 
-def _newest_seed(cache: Path, version: str) -> Path | None:
-    """The most recently used complete seed made by containerd ``version`` (another version's
-    databases may not be this one's), or None."""
-    for seed in _complete_seeds(cache):
-        with contextlib.suppress(OSError, ValueError):
-            if json.loads((seed / SEED_DONE).read_text()).get("containerd") == version:
-                return seed
-    return None
+def _digest(index: bytes) -> str:
+    return hashlib.sha256(index).hexdigest()
+
+
+def base_seed(
+    cache: Path, version: str, indexes: Sequence[str], images: Sequence[str]
+) -> Path | None:
+    """The kept seed a new one grows from: of the complete seeds made by containerd
+    ``version`` (another version's databases may not be this one's), the one holding the most
+    of the new seed's images (by ``index.json`` digest, then by path: after a source edit the
+    project's image is at the same path with a new index), the most recently used among equals;
+    None when there is none.
+
+    Shared images are neither written nor unpacked again; the newest seed alone may be a test's
+    one-image seed, from which growing the project's images writes all of their gigabytes."""
+    best: tuple[int, int] | None = None
+    chosen = None
+    for seed in _complete_seeds(cache):  # most recently used first: ties keep the first
+        try:
+            record = json.loads((seed / SEED_DONE).read_text())
+        except (OSError, ValueError):
+            continue
+        if record.get("containerd") != version:
+            continue
+        shared = (
+            len(set(indexes) & set(record.get("indexes", []))),
+            len(set(images) & set(record.get("images", []))),
+        )
+        if best is None or shared > best:
+            best, chosen = shared, seed
+    return chosen
+
+
+def sweep_partials(cache: Path) -> list[Path]:
+    """Remove every ``.partial`` build in the cache (its containerd stopped first); the removed
+    ones. Called under the cache's lock, which a build holds from start to end: a ``.partial``
+    seen then is a killed build's, gigabytes that no later build of another set of images
+    would reuse."""
+    swept = sorted(cache.glob("*.partial"))
+    for work in swept:
+        _stop_orphan(work)
+        shutil.rmtree(work, ignore_errors=True)
+    return swept
+
+
+def _short_of_space(cache: Path) -> str | None:
+    """What to do when the disk under ``cache`` is nearly full (the likely cause of a failed
+    import), or None when it is not."""
+    free = shutil.disk_usage(cache).free
+    if free > 2 * 1024**3:
+        return None
+    return (
+        f"only {free / 1024**3:.1f} GiB is free on the disk of {cache}. A seed holds its images "
+        "twice (their blobs and the unpacked layers); free some space (old checkouts and their "
+        ".venv, ~/.cache/pip) and run it again"
+    )
 
 
 def _complete_seeds(cache: Path) -> list[Path]:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -16,12 +19,13 @@ from conveyor.cluster.node_seed import (
     BOLT_DATABASES,
     PID_FILE,
     SEED_DONE,
-    _newest_seed,
     _stop_orphan,
+    base_seed,
     clone_root,
     image_index,
     prune_seeds,
     seed_key,
+    sweep_partials,
 )
 from conveyor.cluster.real_nodes import PROJECT_IMAGE, node_image_path
 
@@ -138,19 +142,41 @@ def test_only_the_most_recently_used_seeds_are_kept(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["building.partial", "newest", "older"]
 
 
-def test_a_new_seed_grows_from_the_newest_seed_of_the_same_containerd(tmp_path: Path) -> None:
-    def seed(name: str, age: int, record: str) -> None:
+def test_a_new_seed_grows_from_the_kept_seed_sharing_most_of_its_images(tmp_path: Path) -> None:
+    """Of the same containerd's seeds, the one holding most of the new images (by index, then
+    by path) wins over a newer one holding fewer: a test's one-image seed, used last, must not
+    make the project's next seed import every image again."""
+    v = "containerd 1.6.20"
+
+    def seed(name: str, age: int, **record: object) -> None:
         (tmp_path / name / "containerd").mkdir(parents=True)
-        (tmp_path / name / SEED_DONE).write_text(record)
+        (tmp_path / name / SEED_DONE).write_text(json.dumps(record))
         os.utime(tmp_path / name / SEED_DONE, (1e9 - age, 1e9 - age))
 
-    seed("other-containerd", 0, '{"containerd": "containerd 2.0"}')
-    seed("before-versions-were-kept", 1, '{"import_s": 200}')
-    seed("older", 3, '{"containerd": "containerd 1.6.20"}')
-    seed("newer", 2, '{"containerd": "containerd 1.6.20"}')
+    seed("other-containerd", 0, containerd="containerd 2.0", indexes=["p", "c", "v"])
+    seed("test-busybox", 1, containerd=v, indexes=["p", "b"], images=["pause", "busybox"])
+    seed("project", 3, containerd=v, indexes=["p", "c", "v"], images=["pause", "conveyor", "vllm"])
+    seed("before-indexes-were-kept", 4, containerd=v, images=["pause", "conveyor", "vllm"])
+    seed("before-versions-were-kept", 2, import_s=200)
     (tmp_path / "building.partial").mkdir()
-    assert _newest_seed(tmp_path, "containerd 1.6.20") == tmp_path / "newer"
-    assert _newest_seed(tmp_path, "containerd 1.7") is None
+
+    # the project's image rebuilt after a source edit: a new index at the same path
+    assert base_seed(tmp_path, v, ["p", "c2", "v"], ["pause", "conveyor", "vllm"]) == (
+        tmp_path / "project"
+    )
+    # the same, but only paths to go by: the newer of two equal seeds
+    assert base_seed(tmp_path, v, ["x"], ["pause", "conveyor", "vllm"]) == tmp_path / "project"
+    # nothing shared: the most recently used of this containerd's
+    assert base_seed(tmp_path, v, ["q"], ["elsewhere"]) == tmp_path / "test-busybox"
+    assert base_seed(tmp_path, "containerd 1.7", ["p"], ["pause"]) is None
+
+
+def test_killed_builds_are_swept_and_complete_seeds_kept(tmp_path: Path) -> None:
+    for name in ("a.partial", "b.partial", "kept"):
+        (tmp_path / name / "containerd").mkdir(parents=True)
+    (tmp_path / "kept" / SEED_DONE).write_text("{}")
+    assert sweep_partials(tmp_path) == [tmp_path / "a.partial", tmp_path / "b.partial"]
+    assert [p.name for p in tmp_path.iterdir()] == ["kept"]
 
 
 def test_a_seed_that_fails_to_grow_from_the_last_is_imported_from_nothing(
@@ -182,3 +208,34 @@ def test_a_seed_that_fails_to_grow_from_the_last_is_imported_from_nothing(
     assert not seed.cached and seed.root.is_dir()
     done = seed.root.parent / SEED_DONE
     assert '"based_on": null' in done.read_text()
+
+
+def test_a_failed_build_leaves_nothing_and_says_when_the_disk_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A half-imported root is gigabytes: a failed build removes it. When the disk is nearly
+    full (the likely cause) the error says so and what to free; a killed build's leftovers are
+    swept by the next build."""
+    from conveyor.cluster import node_seed
+
+    cache = tmp_path / "cache"
+    (cache / "killed.partial" / "containerd").mkdir(parents=True)
+    archive = _archive(tmp_path / "a.tar", b'{"manifests": [{"digest": "sha256:a"}]}')
+    monkeypatch.setattr(node_seed, "containerd_version", lambda: "containerd 1.6.20")
+
+    def import_into(layout: node_seed.NodeLayout, archives: object) -> None:
+        (layout.containerd_root / "blobs").mkdir(parents=True)
+        (layout.containerd_root / "blobs" / "half").write_bytes(b"x" * 1024)
+        raise RuntimeError("ctr images import: write /blobs/half: no space left on device")
+
+    monkeypatch.setattr(node_seed, "_import_into", import_into)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 << 30, 99 << 30, 1 << 29))
+    with pytest.raises(RuntimeError, match=r"only 0\.5 GiB is free .* free some space"):
+        node_seed.seed_root([archive], cache=cache)
+    assert [p.name for p in cache.iterdir()] == [".lock"]
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(100 << 30, 1 << 30, 99 << 30))
+    with pytest.raises(RuntimeError, match=r"^ctr images import"):  # plenty of space: as it was
+        node_seed.seed_root([archive], cache=cache)
+    assert [p.name for p in cache.iterdir()] == [".lock"]

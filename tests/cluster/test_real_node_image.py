@@ -1,12 +1,13 @@
 """The project's image on real nodes (node runtime ``kubelet``), every node cloned from one seed.
 
-Two CPU nodes get the project's image (``conveyor image build``'s OCI layout) through the seed
-containerd root (``node_seed``): a pod running ``conveyor serve --model conveyor-tiny`` from the
-image (not the checkout) becomes Ready by the runtime's own ``/ready`` and answers
-``/v1/completions`` from the host at its pod IP; a file of the image changed in a container on
-one node is unchanged in a container on the other node and in the seed (the nodes' roots share
-the seed's files by hardlinks). Prints the seed's import (cold, when it was made), each node's
-clone and start -> Ready, and the runtime pod's create -> Ready.
+Two CPU nodes get the images ``conveyor up`` gives its nodes (the project's, ``conveyor image
+build``'s OCI layout, among them) through the seed containerd root (``node_seed``): a pod
+running ``conveyor serve --model conveyor-tiny`` from the image (not the checkout) becomes Ready
+by the runtime's own ``/ready`` and answers ``/v1/completions`` from the host at its pod IP; a
+file of the image changed in a container on one node is unchanged in a container on the other
+node and in the seed (the nodes' roots share the seed's files by hardlinks). Prints the seed's
+import (cold, when it was made), each node's clone and start -> Ready, and the runtime pod's
+create -> Ready.
 
 Runs where the node tools are built (``cluster/build-tools.sh --set node``), containerd and runc
 are installed and the project's image is there (``conveyor image build``; no test
@@ -25,9 +26,7 @@ import pytest
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.image_build import default_image
 from conveyor.cluster.kubelet_node import missing_host_tools, node_tools_built
-from conveyor.cluster.node_images import pause_image
-from conveyor.cluster.node_seed import seed_root
-from conveyor.cluster.real_nodes import image_cache, node_layouts
+from conveyor.cluster.real_nodes import default_node_images, node_layouts, node_seed
 from conveyor.cluster.settings import ClusterSettings
 from conveyor.cluster.testing import leftovers_of
 
@@ -80,11 +79,16 @@ def _ready(pod: dict) -> bool:
 
 
 def test_the_project_image_serves_on_real_nodes_cloned_from_one_seed() -> None:
-    settings = ClusterSettings(name=NAME, gpu_nodes=0, cpu_nodes=2, node_images=(str(IMAGE_PATH),))
+    # The images `conveyor up` gives its nodes, not the project's alone: the same seed, so this
+    # test neither imports gigabytes again nor evicts the seed the end-to-end phase uses.
+    images = default_node_images()
+    settings = ClusterSettings(
+        name=NAME, gpu_nodes=0, cpu_nodes=2, node_images=tuple(str(p) for p in images)
+    )
     cluster = Cluster(settings)
     try:
         cluster.start()
-        seed = seed_root((pause_image(image_cache()), IMAGE_PATH))  # cached by now
+        seed = node_seed(images)  # cached by now
         t = cluster.timings
         print(f"\nseed import (cold, when it was made): {seed.import_s:.1f} s"
               f"{'' if t['seed_import_s'] else ' (cached for this run)'}")  # fmt: skip
