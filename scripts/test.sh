@@ -35,16 +35,28 @@ say() { printf '\n[test %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 phase_done() { phases+=("$(printf '%-28s %5ds' "$1" "$(( SECONDS - $2 ))")"); }
 failures=()  # what failed and why, printed last: CI shows only the output's tail
 failed() { failures+=("$@"); }
+# Free space where the caches live (the images, the nodes' seed, Go's build cache): a cold
+# run writes about 40 GiB there, a warm one little beyond the checkout's .venv (6 GiB).
+cache_dir="${XDG_CACHE_HOME:-$HOME/.cache}"
+mkdir -p "$cache_dir"
+disk_free() { df -BG --output=avail "$cache_dir" | tail -n 1 | tr -dc '0-9'; }
+free_start=$(disk_free)
 summary() {
     echo
     echo "== phase times =="
     printf '  %s\n' "${phases[@]}"
     printf '  %-28s %5ds\n' "total" "$(( SECONDS - t_start ))"
+    echo "disk free under $cache_dir: ${free_start} GiB at the start, $(disk_free) GiB at the end"
     if [[ ${#failures[@]} -gt 0 ]]; then
         echo "== what failed =="
         printf '  %s\n' "${failures[@]}"
     fi
 }
+
+if (( free_start < 10 )); then
+    echo "only ${free_start} GiB is free under $cache_dir: a run needs up to 40 GiB cold (images," \
+        "the nodes' seed, Go's build cache) and a full disk fails it midway; free space first" >&2
+fi
 
 build_pid=""
 run_e2e="${CONVEYOR_E2E:-1}"
