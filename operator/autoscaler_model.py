@@ -212,6 +212,8 @@ class History:
     """One replica's measured capacity (seeded from status after an operator restart)."""
     capacity_time: float | None = None
     """When ``capacity`` was last measured."""
+    capacity_steady: bool = False
+    """``capacity`` holds a measurement taken without overload (``update_capacity``)."""
     last_panic: float | None = None
     """Last time the panic window called for more than ready and starting replicas carry."""
     breaches: deque[tuple[float, float, str, int]] = field(default_factory=deque)

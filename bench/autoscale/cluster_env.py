@@ -101,8 +101,14 @@ class Env:
             self.kubectl("delete", "namespace", self.namespace, "--wait=false")
 
     def apply(
-        self, s: BenchSettings, min_replicas: int, idle_s: int = 600, autoscale: bool = True
+        self,
+        s: BenchSettings,
+        min_replicas: int,
+        idle_s: int = 600,
+        autoscale: bool = True,
+        max_replicas: int | None = None,
     ) -> None:
+        """Create or update the benchmark's LLMService; ``max_replicas`` None: the settings'."""
         body = {
             "apiVersion": "conveyor.dev/v1alpha1", "kind": "LLMService",
             "metadata": {"name": NAME},
@@ -113,7 +119,8 @@ class Env:
                 "replicas": 1,
                 "autoscaling": {
                     "enabled": autoscale, "minReplicas": min_replicas,
-                    "maxReplicas": s.max_replicas, "targetQueueDepthPerReplica": s.target_queue,
+                    "maxReplicas": max_replicas or s.max_replicas,
+                    "targetQueueDepthPerReplica": s.target_queue,
                     "targetTTFTP95Seconds": s.target_ttft_s,
                     "scaleDownStabilizationSeconds": s.scale_down_window_s,
                     "backlogDrainSeconds": s.backlog_drain_s,

@@ -6,7 +6,8 @@ given the images built here, or ``--kubeconfig``). In a fresh namespace it runs
 the operator as a local process (admin kubeconfig, deciding every ``--interval`` seconds),
 applies one LLMService on the built-in model (replicas limited to ``--replica-cpu``), then:
 
-1. capacity: closed-loop clients against the single replica -> its saturated requests/s;
+1. capacity (the autoscaler runs, held at one replica, unless ``--autoscaler-from-step``):
+   closed-loop clients against the single replica -> its saturated requests/s;
    then open-loop arrivals at 90%, 80%, ... of that until its TTFT p95 is under target ->
    the requests/s one replica carries (``--capacity slo``, the default; two replicas carry
    twice it, while twice the saturated rate puts two replicas at 100%);
@@ -61,6 +62,10 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("--backlog-drain", "backlog_drain_s",
      "backlogDrainSeconds of the benchmark's LLMService: seconds in which what piles up while "
      "replicas start should drain (the CRD's default is 30)"),
+    ("--autoscaler-from-step", "autoscaler_from_step",
+     "turn the autoscaler on only at the step; by default it runs from the start, held at one "
+     "replica while that replica's capacity is measured (as a running service's autoscaler has "
+     "seen its replicas busy before a step)"),
     ("--max-tokens", "max_tokens", "max_tokens of each request"),
     ("--png", "png", "where to write the chart of replicas, queue and TTFT p95 over time"),
     ("--keep", "keep", "keep the namespace afterwards, for a look with kubectl"),

@@ -149,8 +149,9 @@ async def one_replica_capacity(
 async def bench(env: Env, s: BenchSettings, progress: Progress) -> dict[str, Any]:
     import openai
 
-    # Autoscaling off while one replica's capacity is measured; on from the step.
-    env.apply(s, min_replicas=1, autoscale=False)
+    # While one replica's capacity is measured, the autoscaler runs held at that replica (it
+    # sees it busy, as a running service's autoscaler has), or is off (--autoscaler-from-step).
+    env.apply(s, min_replicas=1, autoscale=not s.autoscaler_from_step, max_replicas=1)
     progress.say("waiting for the LLMService to be Ready (one replica; pod start and model load)")
     status = env.wait(
         "the LLMService Ready",
@@ -192,7 +193,14 @@ async def step_phases(
     """Phases 1-3 into ``out``: one replica's capacity, the step, constant load."""
     # 1. one replica's capacity
     capacity = await one_replica_capacity(client, s, progress, out)
-    progress.say(f"one replica carries {capacity:.2f} requests/s; turning the autoscaler on")
+    known = ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("capacity")
+    before = known.get("requestsPerSecond") if known else None
+    out["autoscaler_capacity_before_step_rps"] = before
+    progress.say(
+        f"one replica carries {capacity:.2f} requests/s; the autoscaler's estimate of it: "
+        f"{'none' if before is None else f'{before} requests/s'}; maxReplicas "
+        f"{s.max_replicas} from the step"
+    )
     env.apply(s, min_replicas=1)
     env.wait(
         "the autoscaler to take over",

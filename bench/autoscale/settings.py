@@ -34,12 +34,17 @@ class BenchSettings:
     interval_s: float = 1.0
     """The operator's --autoscale-interval."""
     scale_down_window_s: int = 300
+    """scaleDownStabilizationSeconds of the benchmark's LLMService (the CRD's default)."""
     backlog_drain_s: float = 30.0
     """backlogDrainSeconds of the benchmark's LLMService (the CRD's default): what piles up
     while replicas start should be gone within this. Shorter asks for more replicas during a
     step (in the simulated services of tests/operator, 10 s took a 1.8x step to 4 replicas
     and drained its backlog 2-7 s sooner than 30 s, at 3)."""
-    """scaleDownStabilizationSeconds of the benchmark's LLMService (the CRD's default)."""
+    autoscaler_from_step: bool = False
+    """Turn the autoscaler on only at the step. By default it runs from the start, held at one
+    replica (maxReplicas 1) while that replica's capacity is measured, as the autoscaler of a
+    running service has seen its replicas busy before a step; from the step alone it can
+    measure only an overloaded replica."""
     max_tokens: int = 24
     """max_tokens of each request: short, so one replica's capacity is many requests/s."""
     png: Path = Path("autoscale.png")

@@ -106,16 +106,28 @@ class Service(Simulated):
 
     Each ready replica finishes up to ``capacity`` requests/s (``tokens`` each) and runs at
     most ``slots`` at once; the gateway spreads the backlog evenly; a replica the autoscaler
-    adds is ready ``start_s`` later. Every ``period`` the counters and backlog are scraped as
+    adds is ready ``start_s`` later. While open-loop arrivals exceed what the ready replicas
+    finish, each finishes ``overload_capacity`` instead, if given (a CPU replica also accepts
+    the requests it cannot serve yet). Every ``period`` the counters and backlog are scraped as
     the timer scrapes them, turned into ``Demand`` by the timer's own ``estimate_demand``, and
     ``decide`` is called.
     """
 
     def __init__(
-        self, policy, *, capacity=8.0, slots=2, start_s=15.0, period=2.0, seed=None, fresh=False
+        self,
+        policy,
+        *,
+        capacity=8.0,
+        overload_capacity=None,
+        slots=2,
+        start_s=15.0,
+        period=2.0,
+        seed=None,
+        fresh=False,
     ):
         self.policy, self.history = policy, History()
         self.capacity, self.slots, self.start_s, self.period = capacity, slots, start_s, period
+        self.overload_capacity = overload_capacity
         self.tokens = 100
         self.time, self.in_system, self.next_id, self.rate = 0.0, 0.0, 1, 0.0
         self.ready: dict[int, float] = {0: 0.0}  # replica id -> requests finished
@@ -149,7 +161,10 @@ class Service(Simulated):
             if clients is not None:
                 arrived = max(0.0, clients - self.in_system)
             self.in_system += arrived
-            served = min(self.in_system, len(self.ready) * self.capacity * dt)
+            each = self.capacity
+            if self.overload_capacity is not None and rate > len(self.ready) * self.capacity:
+                each = self.overload_capacity
+            served = min(self.in_system, len(self.ready) * each * dt)
             self.in_system -= served
             for rid in self.ready:
                 self.ready[rid] += served / len(self.ready)

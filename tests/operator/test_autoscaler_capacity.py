@@ -33,6 +33,41 @@ def test_a_step_settles_at_the_capacity_it_needs(factor, most):
     assert est.demand.requests == pytest.approx(factor * 8.0, rel=0.05)
 
 
+def test_a_replica_slowed_by_an_overload_does_not_lower_a_steady_measurement():
+    """A CPU replica under a 2x step also accepts the requests it cannot serve yet, and
+    finishes fewer (7.2/s here, 8/s under a steady queue): measured then, the step reads as 2.2
+    replicas and settles at 3. A steady measurement is kept through an overload, however long,
+    and the step settles at 2."""
+    svc = Service(SIZED, overload_capacity=7.2)
+    svc.run(rate=0.0, seconds=60, clients=6)  # a steady queue: measured at 8
+    est = svc.decisions[-1].estimate
+    assert est is not None and est.capacity.requests == pytest.approx(8.0, rel=0.02)
+    before = len(svc.replicas)
+    svc.run(rate=16.0, seconds=300)
+    settling = svc.replicas[before:]
+    assert max(settling) <= 3 and settling[-1] == 2, settling
+
+    at_max = Service(dataclasses.replace(SIZED, max_replicas=2), overload_capacity=7.2)
+    at_max.run(rate=0.0, seconds=60, clients=6)
+    at_max.run(rate=24.0, seconds=120)  # overloaded throughout: two replicas are the maximum
+    est = at_max.decisions[-1].estimate
+    assert est is not None and est.capacity.requests == pytest.approx(8.0, rel=0.02)
+
+
+def test_a_steady_measurement_replaces_those_taken_under_overload():
+    """Nothing measured before a step: the overloaded throughput is what there is until the
+    replicas asked for are ready (15 s) and drain the backlog with a queue each, which is a
+    steady measurement and replaces it (not averaged with it over a minute)."""
+    svc = Service(SIZED, overload_capacity=7.2)
+    svc.run(rate=4.0, seconds=60)
+    svc.run(rate=16.0, seconds=14)
+    est = svc.decisions[-1].estimate
+    assert est is not None and est.capacity.requests == pytest.approx(7.2, rel=0.02)
+    svc.run(rate=16.0, seconds=20)
+    est = svc.decisions[-1].estimate
+    assert est is not None and est.capacity.requests == pytest.approx(8.0, rel=0.02)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_constant_noisy_load_never_changes_direction(seed):
     """Poisson arrivals at 85% of two replicas' capacity for ten minutes after settling.
