@@ -10,6 +10,7 @@ import pytest
 from autoscaler_sim import SIZED, Clients, Service, replicas
 
 from conveyor.operator.autoscaler import decide
+from conveyor.operator.autoscaler_estimates import update_capacity
 from conveyor.operator.autoscaler_model import Decision, Demand, History, Observation, Rates
 from conveyor.operator.signals import Backlog, Counters, estimate_demand
 
@@ -52,6 +53,20 @@ def test_a_replica_slowed_by_an_overload_does_not_lower_a_steady_measurement():
     at_max.run(rate=24.0, seconds=120)  # overloaded throughout: two replicas are the maximum
     est = at_max.decisions[-1].estimate
     assert est is not None and est.capacity.requests == pytest.approx(8.0, rel=0.02)
+
+
+def test_one_measurement_after_minutes_without_any_moves_the_estimate_a_little():
+    """A replica that stalls for a panic window (a pause, a neighbour's start on its CPU) has a
+    queue throughout and reads as saturated at a fraction of its capacity. Minutes after the
+    last measurement, that one reading weighs as its own few seconds, not as the minutes since:
+    the estimate moves by a tenth of the difference, not to it."""
+    history = History(capacity=Rates(7.22, 700.0), capacity_time=100.0, capacity_steady=True)
+    demand = Demand(Rates(13.5, 1300.0), Rates(13.5, 1300.0), 0.0, saturated=Rates(4.85, 480.0))
+    obs = Observation(285.0, 3, replicas(3, waiting=1, running=2), demand=demand, counting=True)
+    update_capacity(obs, SIZED, history)
+    assert history.capacity is not None
+    assert 7.22 > history.capacity.requests > 7.22 - 0.1 * (7.22 - 4.85)
+    assert history.capacity_time == 285.0
 
 
 def test_a_steady_measurement_replaces_those_taken_under_overload():
@@ -100,6 +115,30 @@ def test_a_burst_panics_up_to_what_capacity_calls_for_and_holds_the_count():
     assert all(d.direction != "down" for d in svc.decisions[start:])
     svc.run(rate=7.0, seconds=120)
     assert svc.current == 1, "back down once panic and window are over"
+
+
+def test_a_step_while_a_replica_starts_panics_on_what_is_ready():
+    """A 1.9x step comes just after a second replica was asked for (the load before it was
+    near one replica's capacity). Two carry the step with little to spare, so the backlog that
+    piles up on the one ready replica while the second starts needs a third to drain: the
+    panic window sees the step against the one ready replica and asks for it at once, not
+    after the demand window has filled; it settles at 2."""
+    svc = Service(dataclasses.replace(SIZED, max_replicas=1))
+    svc.run(rate=0.0, seconds=60, clients=6)  # capacity measured at 8, held at one replica
+    svc.run(rate=7.6, seconds=30)
+    svc.policy = SIZED
+    svc.starting.append(svc.time + 14.0)  # a second replica, asked for just before the step
+    step = len(svc.decisions)
+    backlog = []
+    for _ in range(30):
+        svc.run(rate=15.2, seconds=2)
+        backlog.append(svc.in_system)
+    after = svc.replicas[step:]
+    assert max(after) == 3 and after.index(3) * svc.period <= 12, after
+    drained = next(i for i, b in enumerate(backlog) if i > 5 and b < 4) * svc.period
+    assert drained <= 45, backlog  # two alone drained it 76 s after the step
+    svc.run(rate=15.2, seconds=300)
+    assert svc.current == 2
 
 
 def test_a_starting_guess_sizes_before_anything_is_measured():
