@@ -119,8 +119,9 @@ def recommend(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) 
 
 def sized(
     obs: Observation, policy: AutoscalingPolicy, history: History, capacity: tuple[Rates, str]
-) -> tuple[int, str, int, Estimate]:
-    """Capacity-sized recommendation: (up, reason, down, estimate); see the module docstring."""
+) -> tuple[int, str, tuple[int, str], Estimate]:
+    """Capacity-sized recommendation: (up, its reason, (down, what calls for that many),
+    estimate); see the module docstring."""
     assert obs.demand is not None and obs.num_ready > 0
     cap, source = capacity
     current, u = obs.current_replicas, policy.target_utilization
@@ -165,7 +166,7 @@ def sized(
         history.guard_floor = (current + 1, demand)
         history.breaches.clear()  # one replica per half window, should this one not come
         history.breach_count = (current, obs.time)
-    guard_down, _ = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
+    guard_down = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
     # Down follows the demand window, or the panic window once it shows the load has dropped
     # (below the demand window's by the panic threshold: a drop shows there within seconds,
     # while the demand window remembers the load for a minute; its noise around the same load
@@ -176,15 +177,16 @@ def sized(
     # start (a vLLM replica stalled for seconds on the e2e run), and a panic window that saw
     # nothing finish reads like a load gone; scaling down would remove the replica it needs.
     dropped = need_panic * PANIC_THRESHOLD < need and obs.num_ready >= current
-    down = 0
+    down = (0, "idle")
     if obs.busy:
-        down = max(math.ceil((need_panic if dropped else need) / (1 + TOLERANCE)), guard_down, 1)
+        by_demand = math.ceil((need_panic if dropped else need) / (1 + TOLERANCE))
+        down = max((by_demand, "demand"), guard_down, (1, "busy"))
     if history.guard_floor is not None:
         floor, at = history.guard_floor
         if demand < at * (1 - TOLERANCE):
             history.guard_floor = None  # demand fell: the estimate decides again
         else:
-            down = max(down, floor)
+            down = max(down, (floor, "breach-floor"))
     use = replicas_needed(obs.demand.arrivals, cap, 1.0) / obs.num_ready
     estimate = Estimate(
         obs.demand.arrivals, cap, source, use, need, panic, start_time=history.start_time
@@ -210,12 +212,12 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     estimate = None
     measuring = obs.counting and obs.demand is None and obs.num_ready > 0
     if measuring:
-        up, up_reason, down = current, "measuring-demand", current
+        up, up_reason, down = current, "measuring-demand", (current, "measuring-demand")
     elif capacity is not None and obs.demand is not None and obs.num_ready > 0:
         up, up_reason, down, estimate = sized(obs, policy, history, capacity)
     else:
         up, up_reason = recommend(obs, policy)
-        down, _ = recommend(obs, policy, margin=SCALE_DOWN_MARGIN)
+        down = recommend(obs, policy, margin=SCALE_DOWN_MARGIN)
     keep = max(policy.scale_down_stabilization, policy.scale_up_stabilization)
     history.record(now, up, down, keep)
     floor = policy.min_replicas
@@ -224,8 +226,8 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     def clamp(n: int) -> int:
         return max(lo, min(hi, n))
 
-    def decision(desired: int, direction: str, reason: str) -> Decision:
-        return Decision(desired, direction, reason, up, estimate)
+    def decision(desired: int, direction: str, reason: str, held: str | None = None) -> Decision:
+        return Decision(desired, direction, reason, up, estimate, held)
 
     # A manual scale outside the bounds is brought back in.
     if current > hi:
@@ -271,10 +273,8 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
     # Down: every moment of the window allowed fewer replicas, with the margin; never while
     # a panic is recent.
     covered = now - history.first_seen >= policy.scale_down_stabilization
-    window = [
-        d for t, _, d in history.recommendations if t >= now - policy.scale_down_stabilization
-    ]
-    target_down = max(window) if window else current
+    downs = [d for t, _, d in history.recommendations if t >= now - policy.scale_down_stabilization]
+    target_down, held_by = max(downs) if downs else (current, "")
     panicking = history.last_panic is not None and now - history.last_panic < policy.demand_window
     # A busy service is not scaled down within a demand window of a scale-up: until the window
     # has seen only the new count, it still holds the old one's arrivals, and a closed loop of
@@ -295,4 +295,8 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
         desired = clamp(max(target_down, current - policy.max_scale_down_step, 1))
         if desired < current:
             return decision(desired, "down", "below-targets-for-window")
-    return decision(current, "none", "within-targets")
+    # Why not fewer: what called for the most over the scale-down window, or what waits.
+    held = held_by if target_down >= current else None
+    for name, holds in (("panic", panicking), ("settling", settling), ("starting", starting)):
+        held = held or (name if holds else None)
+    return decision(current, "none", "within-targets", held)

@@ -141,6 +141,9 @@ class Observation:
     """Service-wide TTFT p95 over the last window (from histogram deltas); None: no data."""
     pending_requests: int = 0
     """Requests held by the gateways because no replica is ready (scale from zero)."""
+    unseen_requests: int = 0
+    """Requests the gateways sent to ready replicas beyond what those count as running and
+    waiting: not taken in yet (a replica's HTTP server still reading or tokenizing them)."""
     demand: Demand | None = None
     """Arrival and throughput rates; None until the timer has a window of counters."""
     counting: bool = False
@@ -161,12 +164,12 @@ class Observation:
 
     @property
     def backlog(self) -> int:
-        """Requests queued on ready replicas or held at the gateways."""
-        return self.waiting + self.pending_requests
+        """Requests queued on ready replicas, on their way in, or held at the gateways."""
+        return self.waiting + self.unseen_requests + self.pending_requests
 
     @property
     def busy(self) -> bool:
-        return self.waiting > 0 or self.running > 0 or self.pending_requests > 0
+        return self.waiting > 0 or self.running > 0 or self.backlog > 0
 
 
 @dataclass(frozen=True)
@@ -197,14 +200,20 @@ class Decision:
     """What the load alone calls for now (before bounds, windows and step limits)."""
     estimate: Estimate | None = None
     """Demand, capacity and utilization; None when the decision was the signals' own."""
+    held_by: str | None = None
+    """With no change: why not fewer replicas. What called for the most over the scale-down
+    window (``demand``, a signal's name, ``running``, ``breach-floor``, ``busy``), or what
+    keeps any scale-down off (``panic``, ``settling``, ``starting``); None when nothing does
+    (the window is not over yet, or the count is at the minimum)."""
 
 
 @dataclass
 class History:
     """What ``decide`` remembers between calls (one per LLMService, kept by the timer)."""
 
-    recommendations: deque[tuple[float, int, int]] = field(default_factory=deque)
-    """(time, recommended replicas for scale-up, for scale-down with the margin)."""
+    recommendations: deque[tuple[float, int, tuple[int, str]]] = field(default_factory=deque)
+    """(time, recommended replicas for scale-up, (for scale-down with the margin, what called
+    for that many))."""
     last_busy: float | None = None
     """Last time any request was running, waiting or pending, or no replica was ready."""
     first_seen: float | None = None
@@ -236,7 +245,7 @@ class History:
     scale-down below it while demand stays within 10% of that and the service is not idle
     (else it would flap)."""
 
-    def record(self, time: float, up: int, down: int, keep: float) -> None:
+    def record(self, time: float, up: int, down: tuple[int, str], keep: float) -> None:
         self.recommendations.append((time, up, down))
         while self.recommendations and self.recommendations[0][0] < time - keep:
             self.recommendations.popleft()

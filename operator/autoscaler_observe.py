@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conveyor.contracts import endpoint_slice
 from conveyor.contracts.load import ReplicaLoad
 from conveyor.contracts.pod_status import api_time, ready_condition
-from conveyor.gateway.metrics import PENDING_REQUESTS
+from conveyor.gateway.metrics import BACKEND_IN_FLIGHT, PENDING_REQUESTS
 from conveyor.operator import signals
 from conveyor.operator.autoscaler_model import (
     AutoscalingPolicy,
@@ -113,16 +113,28 @@ def load_signals(load: ReplicaLoad) -> tuple[ReplicaSignals, bool]:
     return replica, load.ready
 
 
-def pending_requests(text: str, model: str) -> int:
-    """``conveyor_gateway_pending_requests{model=model}`` in one gateway's Prometheus text."""
+def _gauge_sum(text: str, name: str, model: str) -> int:
+    """Gauge ``name``'s samples for ``model`` in one gateway's Prometheus text, summed."""
     total = 0.0
     for family in text_string_to_metric_families(text):
-        if family.name != PENDING_REQUESTS:
+        if family.name != name:
             continue
         for sample in family.samples:
             if sample.labels.get("model") == model:
                 total += sample.value
     return int(total)
+
+
+def pending_requests(text: str, model: str) -> int:
+    """``conveyor_gateway_pending_requests{model=model}`` in one gateway's Prometheus text."""
+    return _gauge_sum(text, PENDING_REQUESTS, model)
+
+
+def gateway_in_flight(text: str, model: str) -> int:
+    """``conveyor_gateway_backend_in_flight{model=model}`` in one gateway's Prometheus text,
+    summed over its backends: the requests it sent to the model's replicas and has not had
+    answered yet."""
+    return _gauge_sum(text, BACKEND_IN_FLIGHT, model)
 
 
 @dataclass(frozen=True)
@@ -180,6 +192,7 @@ def build_observation(
     pending: int,
     state: ServiceState,
     rejected: Mapping[str, float] | None = None,
+    in_flight: int = 0,
     ttft_window: float = TTFT_WINDOW_S,
     demand_window: float = AutoscalingPolicy.demand_window,
     panic_window: float = AutoscalingPolicy.panic_window,
@@ -195,8 +208,15 @@ def build_observation(
 
     Demand needs the counters of every ready replica (an engine without them, or a replica
     whose ``/metrics`` failed, would read as no throughput): without, it is None this tick.
+
+    ``in_flight`` is what the gateways sent to the replicas and have not had answered: beyond
+    what the replicas count as running and waiting, it is requests a replica has not taken in
+    yet (its HTTP server still reading or tokenizing them: a quarter-core replica under a 2x
+    step hid a growing backlog this way, and the step took 12 s to read as a burst). They are
+    backlog (``Observation.unseen_requests``) and so arrivals.
     """
     ready = tuple(r.load for r in replicas if r.load is not None and r.ready)
+    unseen = max(0, in_flight - sum(r.waiting + r.running for r in ready))
     deltas = []
     for r in replicas:
         if r.ttft is None:
@@ -223,7 +243,10 @@ def build_observation(
         ready=ready,
         ttft_p95=ttft,
         pending_requests=pending,
-        demand=_demand(now, replicas, pending, rejected or {}, state, demand_window, panic_window),
+        unseen_requests=unseen,
+        demand=_demand(
+            now, replicas, pending + unseen, rejected or {}, state, demand_window, panic_window
+        ),
         counting=bool(ready)
         and all(r.counters is not None for r in replicas if r.load and r.ready),
     )
@@ -232,13 +255,14 @@ def build_observation(
 def _demand(
     now: float,
     replicas: list[ReplicaScrape],
-    pending: int,
+    held: int,
     rejected: Mapping[str, float],
     state: ServiceState,
     window: float,
     panic_window: float,
 ) -> Demand | None:
-    """Record this tick's counters and backlog; the demand over the windows, or None."""
+    """Record this tick's counters and backlog (``held``: at the gateways, or sent and not yet
+    taken in by a replica); the demand over the windows, or None."""
     ready = [r for r in replicas if r.load is not None and r.ready]
     if not ready or any(r.counters is None for r in ready):
         state.counters_seen.clear()
@@ -262,7 +286,7 @@ def _demand(
                 seen.popleft()
             if seen[-1].time < now - window:
                 del series[key]
-    backlog = sum(r.load.waiting + r.load.running for r in ready if r.load is not None) + pending
+    backlog = sum(r.load.waiting + r.load.running for r in ready if r.load is not None) + held
     state.backlog_seen.append(signals.Backlog(now, backlog))
     while len(state.backlog_seen) > 2 and state.backlog_seen[1].time <= now - window:
         state.backlog_seen.popleft()

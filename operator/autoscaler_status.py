@@ -53,6 +53,8 @@ def autoscaler_status(
         "reason": decision.reason,
         "signals": status_signals(obs),
     }
+    if decision.held_by is not None:
+        status["scaleDownHeldBy"] = decision.held_by
     est = decision.estimate
     if est is not None:
         status["signals"].update({

@@ -12,8 +12,11 @@ Each tick (a kopf timer per LLMService, ``--autoscale-interval``):
    its engine's names (``conveyor.contracts.engine_load``), so ``decide`` stays engine-blind;
 3. the namespace gateway's replicas (the ``conveyor-gateway`` Service's EndpointSlices),
    ``GET /metrics``, ``conveyor_gateway_pending_requests{model=...}`` summed over gateways:
-   requests held because no replica is ready (scale from zero); and each gateway's count of
-   requests for the model it answered 429 or 503 (demand that no replica took);
+   requests held because no replica is ready (scale from zero);
+   ``conveyor_gateway_backend_in_flight{model=...}``: requests sent to the replicas and not
+   answered yet, of which those beyond the replicas' own running and waiting are on their way
+   in (backlog too); and each gateway's count of requests for the model it answered 429 or 503
+   (demand that no replica took);
 4. ``decide(observation, policy, history)``; a change of replicas is written through the scale
    subresource and posted as an Event; the decision and signals go to ``status.autoscaler``
    and to the ``conveyor_autoscaler_*`` metrics.
@@ -55,6 +58,7 @@ from conveyor.operator.autoscaler_observe import (
     ServiceState,
     build_observation,
     endpointslices_path,
+    gateway_in_flight,
     load_signals,
     parse_load,
     pending_requests,
@@ -164,7 +168,7 @@ class AutoscalerTimer:
             self._endpoints(namespace, name), self._endpoints(namespace, GATEWAY_NAME)
         )
         engine = METRICS_ENGINES.get(spec.get("engine") or "conveyor")
-        replicas, (pending, rejected) = await asyncio.gather(
+        replicas, (pending, in_flight, rejected) = await asyncio.gather(
             asyncio.gather(*(self._scrape_replica(e, engine) for e in runtime)),
             self._gateways(gateways, model),
         )
@@ -174,6 +178,7 @@ class AutoscalerTimer:
             current_replicas=current,
             replicas=list(replicas),
             pending=pending,
+            in_flight=in_flight,
             state=state,
             rejected=rejected,
             ttft_window=self.ttft_window,
@@ -271,21 +276,26 @@ class AutoscalerTimer:
                 log.warning("replica %s: bad /metrics: %s", endpoint.url, exc)
         return ReplicaScrape(endpoint, load, ready, ttft, counters)
 
-    async def _gateways(self, gateways: list[Endpoint], model: str) -> tuple[int, dict[str, float]]:
-        """Requests for ``model`` held by the namespace's gateways (summed over gateway
-        replicas), and each gateway's count of requests for it turned away so far."""
+    async def _gateways(
+        self, gateways: list[Endpoint], model: str
+    ) -> tuple[int, int, dict[str, float]]:
+        """Requests for ``model`` held by the namespace's gateways and those they have open on
+        its replicas (each summed over gateway replicas), and each gateway's count of requests
+        for it turned away so far."""
         texts = await asyncio.gather(
             *(self.scraper.get_text(f"{g.url}/metrics") for g in gateways), return_exceptions=True
         )
-        total, rejected = 0, dict[str, float]()
+        held = in_flight = 0
+        rejected = dict[str, float]()
         for gateway, result in zip(gateways, texts, strict=True):
             if (text := _answered(result, f"gateway {gateway.url}: /metrics")) is not None:
                 try:
-                    total += pending_requests(text, model)
+                    held += pending_requests(text, model)
+                    in_flight += gateway_in_flight(text, model)
                     rejected[gateway.key] = signals.parse_rejected(text, model)
                 except ValueError as exc:
                     log.warning("gateway %s: bad /metrics: %s", gateway.url, exc)
-        return total, rejected
+        return held, in_flight, rejected
 
     async def _patch_status(
         self, llmservice: dict[str, Any], obs: Observation, decision: Decision, state: ServiceState
@@ -305,7 +315,7 @@ class AutoscalerTimer:
             return  # nothing new to say: spare the apiserver a write per tick
         path = f"{llmservice_path(meta['namespace'], meta['name'])}/status"
         cleared = dict.fromkeys(("ttftP95Seconds", *ESTIMATE_SIGNALS))
-        patch = {**status, "signals": {**cleared, **status["signals"]}}
+        patch = {"scaleDownHeldBy": None, **status, "signals": {**cleared, **status["signals"]}}
         await self.kube.merge_patch(path, {"status": {"autoscaler": patch}})  # null removes
 
     def _record_metrics(

@@ -47,6 +47,8 @@ def describe_status(obj: dict[str, Any]) -> str:
         )
     if auto.get("reason"):
         parts.append(f"last decision {auto.get('direction')} ({auto['reason']})")
+    if auto.get("scaleDownHeldBy"):
+        parts.append(f"scale-down held by {auto['scaleDownHeldBy']}")
     return ", ".join(parts)
 
 

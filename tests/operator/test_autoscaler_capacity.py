@@ -270,3 +270,15 @@ def test_a_closed_loop_whose_queue_wavers_gets_the_replica_its_queue_target_asks
     loop.run(600)  # later, at most up to what demand over capacity asks for; never down
     assert all(d.direction != "down" for d in loop.decisions[start:]), ups
     assert loop.direction_changes == 0 and max(loop.replicas) <= E2E.max_replicas
+
+
+def test_a_decision_says_what_holds_the_scale_down():
+    """Three replicas, one of which only one moment of the scale-down window called for (a
+    queue): the decision says so, and once that moment leaves the window they go."""
+    history = History(first_seen=0.0)
+    history.recommendations.extend([(10.0, 1, (3, "queue-depth")), (50.0, 1, (1, "demand"))])
+    obs = Observation(65.0, 3, replicas(3, running=1))
+    held = decide(obs, SIZED, history)
+    assert (held.direction, held.held_by) == ("none", "queue-depth")
+    later = decide(dataclasses.replace(obs, time=75.0), SIZED, history)
+    assert (later.direction, later.held_by) == ("down", None)

@@ -139,3 +139,37 @@ def test_a_replicas_start_time_is_its_pods_creation_to_ready_over_pods_that_tell
     assert start_seconds(pods) == 12.0
     assert start_seconds(pods[3:]) is None
     assert start_seconds([]) is None
+
+
+def test_requests_the_gateways_sent_beyond_what_replicas_count_are_backlog_and_arrivals():
+    """A replica short of CPU takes requests in late: the gateways' in-flight count beyond the
+    replicas' running and waiting is backlog on its way in, and its growth is arrivals."""
+    from conveyor.gateway.metrics import GatewayMetrics
+    from conveyor.operator.autoscaler_observe import gateway_in_flight
+
+    gateway = GatewayMetrics()
+    gateway.in_flight.labels("tiny", "http://a:8000").inc(9)
+    gateway.in_flight.labels("tiny", "http://b:8000").inc(4)
+    gateway.in_flight.labels("other", "http://a:8000").inc(5)
+    text = generate_latest(gateway.registry).decode()
+    assert gateway_in_flight(text, "tiny") == 13
+    assert gateway_in_flight(gateway_metrics(tiny=2), "tiny") == 0  # an older gateway
+
+    state = ServiceState(history=History())
+    replica = ReplicaScrape(
+        Endpoint("p1", "http://a:8000"), ReplicaSignals(1, 2, 8, 0.1), True, None, (40.0, 4000.0)
+    )
+
+    def observe(now: float, in_flight: int):
+        return build_observation(
+            now=now, current_replicas=1, replicas=[replica], pending=0, state=state,
+            in_flight=in_flight, demand_window=60.0, panic_window=6.0,
+        )  # fmt: skip
+
+    first = observe(100.0, in_flight=3)  # all of it taken in: running 2, waiting 1
+    assert first.unseen_requests == 0 and first.backlog == 1
+    later = observe(102.0, in_flight=13)  # nothing finished, ten more on their way in
+    assert later.unseen_requests == 10 and later.backlog == 11 and later.busy
+    assert later.demand is not None
+    assert later.demand.arrivals_panic.requests == pytest.approx(5.0)
+    assert later.demand.backlog_growth == pytest.approx(5.0)
