@@ -134,7 +134,8 @@ def seed_root(images: Sequence[Path], *, cache: Path | None = None) -> Seed:
         work = cache / f"{key}.partial"
         t0 = time.monotonic()
         layout = NodeLayout("seed", key, work)
-        base = base_seed(cache, version, indexes, [str(a) for a in images])
+        paths = [str(a) for a in images]
+        base = base_seed(cache, version, indexes, paths)
         try:
             try:
                 if base is not None:
@@ -163,7 +164,7 @@ def seed_root(images: Sequence[Path], *, cache: Path | None = None) -> Seed:
                 raise RuntimeError(f"making the nodes' seed {key} failed ({exc}); {short}") from exc
             raise
         record = {
-            "images": [str(a) for a in images],
+            "images": paths,
             "indexes": indexes,
             "import_s": round(time.monotonic() - t0, 1),
             "containerd": version,

@@ -296,7 +296,6 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
         if desired < current:
             return decision(desired, "down", "below-targets-for-window")
     # Why not fewer: what called for the most over the scale-down window, or what waits.
-    held = held_by if target_down >= current else None
-    for name, holds in (("panic", panicking), ("settling", settling), ("starting", starting)):
-        held = held or (name if holds else None)
+    waits = (("panic", panicking), ("settling", settling), ("starting", starting))
+    held = held_by if target_down >= current else next((n for n, w in waits if w), None)
     return decision(current, "none", "within-targets", held)

@@ -169,7 +169,7 @@ class Observation:
 
     @property
     def busy(self) -> bool:
-        return self.waiting > 0 or self.running > 0 or self.backlog > 0
+        return self.running > 0 or self.backlog > 0
 
 
 @dataclass(frozen=True)

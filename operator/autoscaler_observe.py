@@ -23,8 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from conveyor.contracts import endpoint_slice
 from conveyor.contracts.load import ReplicaLoad
 from conveyor.contracts.pod_status import api_time, ready_condition
-from conveyor.gateway.metrics import BACKEND_IN_FLIGHT, PENDING_REQUESTS
+from conveyor.gateway.metrics import BACKEND_IN_FLIGHT, PENDING_REQUESTS, REQUESTS_TOTAL
 from conveyor.operator import signals
+from conveyor.operator.signals import REJECTED_CODES
 from conveyor.operator.autoscaler_model import (
     AutoscalingPolicy,
     Demand,
@@ -113,28 +114,33 @@ def load_signals(load: ReplicaLoad) -> tuple[ReplicaSignals, bool]:
     return replica, load.ready
 
 
-def _gauge_sum(text: str, name: str, model: str) -> int:
-    """Gauge ``name``'s samples for ``model`` in one gateway's Prometheus text, summed."""
-    total = 0.0
+@dataclass(frozen=True)
+class GatewayCounts:
+    """What one gateway's ``/metrics`` says of a model."""
+
+    held: int
+    """``conveyor_gateway_pending_requests``: held because no replica is ready."""
+    in_flight: int
+    """``conveyor_gateway_backend_in_flight``, summed over backends: sent to the model's
+    replicas and not answered yet."""
+    rejected: float
+    """``conveyor_gateway_requests_total`` answered 429 or 503 so far: demand no replica took."""
+
+
+def gateway_counts(text: str, model: str) -> GatewayCounts:
+    """``GatewayCounts`` for ``model`` from one gateway's Prometheus text, in one pass."""
+    held = in_flight = rejected = 0.0
     for family in text_string_to_metric_families(text):
-        if family.name != name:
-            continue
         for sample in family.samples:
-            if sample.labels.get("model") == model:
-                total += sample.value
-    return int(total)
-
-
-def pending_requests(text: str, model: str) -> int:
-    """``conveyor_gateway_pending_requests{model=model}`` in one gateway's Prometheus text."""
-    return _gauge_sum(text, PENDING_REQUESTS, model)
-
-
-def gateway_in_flight(text: str, model: str) -> int:
-    """``conveyor_gateway_backend_in_flight{model=model}`` in one gateway's Prometheus text,
-    summed over its backends: the requests it sent to the model's replicas and has not had
-    answered yet."""
-    return _gauge_sum(text, BACKEND_IN_FLIGHT, model)
+            if sample.labels.get("model") != model:
+                continue
+            if family.name == PENDING_REQUESTS:
+                held += sample.value
+            elif family.name == BACKEND_IN_FLIGHT:
+                in_flight += sample.value
+            elif sample.name == REQUESTS_TOTAL and sample.labels.get("code") in REJECTED_CODES:
+                rejected += sample.value
+    return GatewayCounts(int(held), int(in_flight), rejected)
 
 
 @dataclass(frozen=True)

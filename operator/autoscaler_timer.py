@@ -290,11 +290,13 @@ class AutoscalerTimer:
         for gateway, result in zip(gateways, texts, strict=True):
             if (text := _answered(result, f"gateway {gateway.url}: /metrics")) is not None:
                 try:
-                    held += pending_requests(text, model)
-                    in_flight += gateway_in_flight(text, model)
-                    rejected[gateway.key] = signals.parse_rejected(text, model)
+                    counts = gateway_counts(text, model)
                 except ValueError as exc:
                     log.warning("gateway %s: bad /metrics: %s", gateway.url, exc)
+                    continue
+                held += counts.held
+                in_flight += counts.in_flight
+                rejected[gateway.key] = counts.rejected
         return held, in_flight, rejected
 
     async def _patch_status(

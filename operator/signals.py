@@ -23,7 +23,6 @@ from typing import Protocol, TypeVar
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from conveyor.gateway.metrics import REQUESTS_TOTAL as GATEWAY_REQUESTS
 from conveyor.operator.autoscaler_model import Demand, Rates
 from conveyor.runtime.metrics_names import (
     GENERATION_TOKENS,
@@ -117,20 +116,6 @@ class Backlog:
 
 REJECTED_CODES = frozenset({"429", "503"})
 """Gateway answers that mean a request came and no replica took it (queues full, none ready)."""
-
-
-def parse_rejected(text: str, model: str) -> float:
-    """Requests for ``model`` a gateway answered with 429 or 503 so far (its Prometheus text)."""
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if (
-                sample.name == GATEWAY_REQUESTS
-                and sample.labels.get("model") == model
-                and sample.labels.get("code") in REJECTED_CODES
-            ):
-                total += sample.value
-    return total
 
 
 def parse_counters(

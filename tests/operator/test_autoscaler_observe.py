@@ -14,8 +14,8 @@ from conveyor.operator.autoscaler_observe import (
     ReplicaScrape,
     ServiceState,
     build_observation,
+    gateway_counts,
     parse_load,
-    pending_requests,
     ready_endpoints,
 )
 from conveyor.runtime.metrics_names import REQUEST_SUCCESS
@@ -42,8 +42,8 @@ def test_load_and_pending_parsing():
     assert parse_load(load(ready=False))[1] is False
     with pytest.raises(ValueError, match="waiting"):
         parse_load('{"running": 1}')
-    assert pending_requests(gateway_metrics(tiny=3, other=5), "tiny") == 3
-    assert pending_requests(gateway_metrics(other=5), "tiny") == 0
+    assert gateway_counts(gateway_metrics(tiny=3, other=5), "tiny").held == 3
+    assert gateway_counts(gateway_metrics(other=5), "tiny").held == 0
 
 
 def test_ttft_p95_is_over_the_window_not_lifetime_totals():
@@ -97,7 +97,7 @@ def _buckets(text: str):
 
 def test_counters_are_read_from_the_runtime_and_gateway_metrics():
     from conveyor.gateway.metrics import GatewayMetrics
-    from conveyor.operator.signals import parse_counters, parse_rejected
+    from conveyor.operator.signals import parse_counters
 
     assert parse_counters(runtime_metrics(12, 1000)) == (12.0, 1000.0)
     assert parse_counters(ttft_metrics(0.1)) is None  # another engine: no demand from it
@@ -110,7 +110,7 @@ def test_counters_are_read_from_the_runtime_and_gateway_metrics():
     gateway.requests.labels("tiny", "http://a:8000", "503").inc(2)
     gateway.requests.labels("tiny", "http://a:8000", "200").inc(50)
     gateway.requests.labels("other", "", "429").inc(7)
-    assert parse_rejected(generate_latest(gateway.registry).decode(), "tiny") == 5.0
+    assert gateway_counts(generate_latest(gateway.registry).decode(), "tiny").rejected == 5.0
 
 
 def runtime_pod(name: str, created: str, ready_at: str | None, **extra) -> dict:
@@ -145,15 +145,13 @@ def test_requests_the_gateways_sent_beyond_what_replicas_count_are_backlog_and_a
     """A replica short of CPU takes requests in late: the gateways' in-flight count beyond the
     replicas' running and waiting is backlog on its way in, and its growth is arrivals."""
     from conveyor.gateway.metrics import GatewayMetrics
-    from conveyor.operator.autoscaler_observe import gateway_in_flight
-
     gateway = GatewayMetrics()
     gateway.in_flight.labels("tiny", "http://a:8000").inc(9)
     gateway.in_flight.labels("tiny", "http://b:8000").inc(4)
     gateway.in_flight.labels("other", "http://a:8000").inc(5)
     text = generate_latest(gateway.registry).decode()
-    assert gateway_in_flight(text, "tiny") == 13
-    assert gateway_in_flight(gateway_metrics(tiny=2), "tiny") == 0  # an older gateway
+    assert gateway_counts(text, "tiny").in_flight == 13
+    assert gateway_counts(gateway_metrics(tiny=2), "tiny").in_flight == 0  # an older gateway
 
     state = ServiceState(history=History())
     replica = ReplicaScrape(
