@@ -25,7 +25,6 @@ from conveyor.contracts.load import ReplicaLoad
 from conveyor.contracts.pod_status import api_time, ready_condition
 from conveyor.gateway.metrics import BACKEND_IN_FLIGHT, PENDING_REQUESTS, REQUESTS_TOTAL
 from conveyor.operator import signals
-from conveyor.operator.signals import REJECTED_CODES
 from conveyor.operator.autoscaler_model import (
     AutoscalingPolicy,
     Demand,
@@ -34,6 +33,7 @@ from conveyor.operator.autoscaler_model import (
     Rates,
     ReplicaSignals,
 )
+from conveyor.operator.signals import REJECTED_CODES
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 """Label the EndpointSlice controller puts on each slice of a Service."""

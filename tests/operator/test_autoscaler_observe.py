@@ -145,6 +145,7 @@ def test_requests_the_gateways_sent_beyond_what_replicas_count_are_backlog_and_a
     """A replica short of CPU takes requests in late: the gateways' in-flight count beyond the
     replicas' running and waiting is backlog on its way in, and its growth is arrivals."""
     from conveyor.gateway.metrics import GatewayMetrics
+
     gateway = GatewayMetrics()
     gateway.in_flight.labels("tiny", "http://a:8000").inc(9)
     gateway.in_flight.labels("tiny", "http://b:8000").inc(4)
