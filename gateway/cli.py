@@ -49,6 +49,7 @@ FLAGS: dict[str, str] = {
     "--retry-after": "retry_after_s",
     "--hold-timeout": "hold_timeout_s",
     "--max-held-requests": "max_held_requests",
+    "--replica-queue": "replica_queue",
     "--log-level": "log_level",
     "--workers": "workers",
 }
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--api-key-file", help="File with accepted API keys, one per line.")
     parser.add_argument("--k8s-llmservices", action="store_true", help=docs["k8s_llmservices"])
+    parser.add_argument("--queue-at-gateway", action="store_true", help=docs["queue_at_gateway"])
     for flag, name in FLAGS.items():
         default = getattr(defaults, name)
         kind = type(default) if default is not None and not isinstance(default, str) else str
@@ -97,6 +99,7 @@ def parse_settings(argv: list[str]) -> GatewaySettings:
         **values,
         backends=tuple(args.backend),
         k8s_llmservices=args.k8s_llmservices,
+        queue_at_gateway=args.queue_at_gateway,
         api_keys=load_api_keys(args.api_key, args.api_key_file),
     )
     if not (settings.backends or settings.backends_file or settings.k8s_namespace):
@@ -117,7 +120,7 @@ def parse_settings(argv: list[str]) -> GatewaySettings:
             f"--bounded-load-factor must be at least 1.0 (got {settings.bounded_load_factor})"
         )
     for name in ("load_poll_interval_s", "load_poll_timeout_s", "max_attempts", "prefix_block_chars",
-                 "prefix_max_blocks", "ring_vnodes", "max_body_bytes", "workers"):  # fmt: skip
+                 "prefix_max_blocks", "ring_vnodes", "max_body_bytes", "workers", "replica_queue"):  # fmt: skip
         if getattr(settings, name) <= 0:
             flag = next(f for f, n in FLAGS.items() if n == name)
             raise ValueError(f"{flag} must be positive (got {getattr(settings, name)})")

@@ -1,23 +1,31 @@
-"""Scale from zero at the gateway: a request for a model with no ready replica is held until
-one says ready.
+"""Requests held at the gateway.
+
+- Scale from zero: a request for a model with no ready replica is held until one says ready.
+- Queueing at the gateway (``--queue-at-gateway``, as Knative's activator and llm-d's flow
+  control): while every ready replica has its batch full and ``--replica-queue`` requests
+  waiting, a request is held here, in arrival order, and goes to the first replica with room.
+  A replica that is added then (a scale-up) takes the oldest requests at once, where without
+  it they would wait in the queue of the replica they were sent to while the new one idles.
 
 Held requests are counted in ``conveyor_gateway_pending_requests{model}``, which the
-operator's autoscaler scrapes to start a replica for a model scaled to zero.
+operator's autoscaler scrapes as backlog (and to start a replica for a model scaled to zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from conveyor.gateway.errors import Failure
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Pool, Registry
+from conveyor.gateway.routing import LoadView
 from conveyor.gateway.settings import GatewaySettings
 
 
 class Holding:
-    """Holds requests while their model has no ready replica, within the gateway's bounds
-    (``--hold-timeout``, ``--max-held-requests``)."""
+    """Holds requests while their model has no ready replica, or no replica with room, within
+    the gateway's bounds (``--hold-timeout``, ``--max-held-requests``)."""
 
     def __init__(
         self, *, registry: Registry, metrics: GatewayMetrics, settings: GatewaySettings
@@ -66,3 +74,70 @@ class Holding:
             f"{self._s.hold_timeout_s:g} s; retry later",
             retry_after,
         )
+
+    def view(self) -> LoadView:
+        """Load as of now, with the room a replica is given when queueing at the gateway."""
+        queue = self._s.replica_queue if self._s.queue_at_gateway else None
+        return LoadView(asyncio.get_running_loop().time(), self._s.load_stale_after_s, queue)
+
+    async def until_room(self, pool: Pool, arrival: float) -> Failure | None:
+        """None at once unless requests are already held for room or every ready replica is
+        full; else None when this request is the oldest held and a replica has room. A 429
+        when as many are held as the replicas' queue bounds add up to (or
+        ``--max-held-requests``), a 503 when ``--hold-timeout`` passed since ``arrival``.
+
+        Only the oldest request looks for room: when a request of the pool ends here
+        (``room_freed``), or each load poll interval, since other gateways' requests end too
+        and replicas come and go. Once it has gone, the next looks at once: the one gone has
+        its replica's in-flight count raised by then (``Upstream.attempt`` does it before
+        its first wait), so no more are let go than there is room for.
+        """
+        if not self._s.queue_at_gateway or (not pool.queue and not pool.saturated(self.view())):
+            return None
+        bound = pool.queue_bound(self.view(), self._s.max_held_requests)
+        if len(pool.queue) >= bound:
+            return Failure(
+                429,
+                f"every replica of model {pool.model!r} is busy and {len(pool.queue)} requests "
+                "already wait at the gateway; retry later",
+                str(self._s.retry_after_s).encode(),
+                code="queue_full",
+            )
+        loop = asyncio.get_running_loop()
+        deadline = arrival + self._s.hold_timeout_s
+        turn = asyncio.Event()
+        pool.queue.append(turn)
+        pending = self._metrics.pending.labels(pool.model)
+        pending.inc()
+        pool.held += 1
+        try:
+            while True:
+                first = pool.queue[0] is turn
+                if first and pool.has_ready() and not pool.saturated(self.view()):
+                    return None
+                remaining = deadline - loop.time()
+                if remaining <= 0 or self._registry.pools.get(pool.model) is not pool:
+                    break
+                turn.clear()
+                timeout = min(remaining, self._s.load_poll_interval_s) if first else remaining
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(turn.wait(), timeout)
+        finally:
+            was_first = pool.queue[0] is turn
+            pool.queue.remove(turn)
+            if was_first and pool.queue:
+                pool.queue[0].set()
+            pending.dec()
+            pool.held -= 1
+        return Failure(
+            503,
+            f"every replica of model {pool.model!r} stayed busy for "
+            f"{self._s.hold_timeout_s:g} s; retry later",
+            str(self._s.retry_after_s).encode(),
+        )
+
+    @staticmethod
+    def room_freed(pool: Pool) -> None:
+        """A request of ``pool`` ended here: the oldest held one looks for room now."""
+        if pool.queue:
+            pool.queue[0].set()

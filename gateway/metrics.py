@@ -107,7 +107,10 @@ class GatewayMetrics:
             ["model", "policy", "reason"], registry=r,
         ))  # fmt: skip
         self.pending = Labelled(Gauge(
-            PENDING_REQUESTS, "Requests held while their model has no ready replica.", ["model"],
+            PENDING_REQUESTS,
+            "Requests held at the gateway: their model has no ready replica, or (with "
+            "--queue-at-gateway) no replica with room.",
+            ["model"],
             registry=r, multiprocess_mode="livesum",
         ))  # fmt: skip
 

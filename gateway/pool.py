@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Set
 
 from conveyor.gateway.prefix_key import RouteRequest
@@ -35,7 +36,11 @@ class Pool:
         self.replicas: dict[str, Replica] = {}
         """Members in the order they joined (round-robin walks this order)."""
         self.held = 0
-        """Requests waiting for a ready replica (scale from zero)."""
+        """Requests held at the gateway: waiting for a ready replica (scale from zero), or
+        for room on one (``--queue-at-gateway``)."""
+        self.queue: deque[asyncio.Event] = deque()
+        """Requests waiting for room on a replica, in arrival order: the first is set when it
+        should look again (``Holding.until_room``)."""
 
     def has_ready(self) -> bool:
         """Whether any replica said ready in its last /load poll (ejected ones included: panic
@@ -52,14 +57,31 @@ class Pool:
         guess gone wrong), those whose last /load poll said ready are tried rather than
         refusing the request.
         """
-        untried = [r for r in self.replicas.values() if r.url not in tried]
-        admitted = [r for r in untried if r.admitted(view.now)]
-        if not admitted:
-            admitted = [r for r in untried if r.load is not None and r.load.ready]
+        admitted = self._admitted(view, tried)
         candidates = [r for r in admitted if not r.queue_full(view.now, view.stale_after)]
         if candidates:
-            return self.policy.choose(candidates, request, view)
+            with_room = [r for r in candidates if view.has_room(r)]
+            return self.policy.choose(with_room or candidates, request, view)
         return NoCandidate.QUEUES_FULL if admitted else NoCandidate.NONE_READY
+
+    def _admitted(self, view: LoadView, tried: Set[str] = frozenset()) -> list[Replica]:
+        untried = [r for r in self.replicas.values() if r.url not in tried]
+        admitted = [r for r in untried if r.admitted(view.now)]
+        return admitted or [r for r in untried if r.load is not None and r.load.ready]
+
+    def saturated(self, view: LoadView) -> bool:
+        """Every replica a request could go to is ready but has no room for one more
+        (``view.replica_queue``); False with none ready (that is ``has_ready``'s wait)."""
+        admitted = self._admitted(view)
+        return bool(admitted) and not any(view.has_room(r) for r in admitted)
+
+    def queue_bound(self, view: LoadView, default: int) -> int:
+        """Most requests to hold for room: what the ready replicas' own queue bounds add up
+        to where each has one (past it they would answer 429 themselves), else ``default``."""
+        bounds = [r.load.max_queued_requests for r in self._admitted(view) if r.load is not None]
+        if bounds and all(b is not None for b in bounds):
+            return min(default, sum(b for b in bounds if b is not None))
+        return default
 
     def set_replicas(self, replicas: list[Replica]) -> None:
         self.replicas = {replica.url: replica for replica in replicas}

@@ -25,7 +25,6 @@ from conveyor.gateway.holding import Holding
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import NoCandidate, Pool, Registry
 from conveyor.gateway.prefix_key import RouteRequest
-from conveyor.gateway.routing import LoadView
 from conveyor.gateway.settings import GatewaySettings
 from conveyor.gateway.upstream_attempt import LoadHeard, SilenceWatch, Upstream, UpstreamRequest
 
@@ -136,16 +135,19 @@ class Proxy:
     async def _forward(
         self, pool: Pool, route: RouteRequest, request: UpstreamRequest, send: Send
     ) -> None:
-        """Hold while the model has no ready replica, then try replicas the pool offers until
-        one answers or ``--max-attempts`` were made; answer the last failure."""
+        """Hold while the model has no ready replica (or, queueing at the gateway, none with
+        room), then try replicas the pool offers until one answers or ``--max-attempts`` were
+        made; answer the last failure."""
         loop = asyncio.get_running_loop()
         tried: set[str] = set()
         last_url = ""
         failure: Failure | None = None
         if not pool.has_ready():
             failure = await self._holding.until_ready(pool, request.arrival)
+        if failure is None:
+            failure = await self._holding.until_room(pool, request.arrival)
         for attempt in range(self._s.max_attempts if failure is None else 0):
-            choice = pool.choose(route, LoadView(loop.time(), self._s.load_stale_after_s), tried)
+            choice = pool.choose(route, self._holding.view(), tried)
             if choice is NoCandidate.QUEUES_FULL:
                 failure = Failure(
                     429,
@@ -161,7 +163,10 @@ class Proxy:
                 await asyncio.sleep(self._s.retry_backoff_s * 2 ** (attempt - 1))
             tried.add(choice.replica.url)
             last_url = choice.replica.url
-            failure = await self._upstream.attempt(pool, choice.replica, request, send)
+            try:
+                failure = await self._upstream.attempt(pool, choice.replica, request, send)
+            finally:
+                self._holding.room_freed(pool)
             if failure is None:
                 return
             log.warning(

@@ -54,6 +54,17 @@ class Replica:
             return False
         return self.load.waiting >= self.load.max_queued_requests
 
+    def has_room(self, now: float, stale_after: float, queue: int) -> bool:
+        """Fewer requests on the replica than its batch plus ``queue`` waiting, as best the
+        gateway knows, and fewer than ``queue`` waiting by its last report (a batch short of
+        KV blocks queues what it has no blocks for, whatever its slots). Without a load report
+        there is nothing to hold against: room."""
+        if self.load is None:
+            return True
+        if self.load_known(now, stale_after) and self.load.waiting >= queue:
+            return False
+        return self.outstanding(now, stale_after) < self.load.max_running_requests + queue
+
     def eject(self, now: float, duration: float) -> bool:
         """Skip this replica for ``duration`` seconds; returns True if it was admitted before."""
         was_admitted = self.admitted(now)

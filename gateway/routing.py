@@ -22,12 +22,21 @@ class LoadView:
 
     now: float
     stale_after: float
+    replica_queue: int | None = None
+    """With ``--queue-at-gateway``: requests let wait on a replica beyond its batch; the pool
+    offers only replicas with room for one more while any has it."""
 
     def outstanding(self, replica: Replica) -> float:
         return replica.outstanding(self.now, self.stale_after)
 
     def known(self, replica: Replica) -> bool:
         return replica.load_known(self.now, self.stale_after)
+
+    def has_room(self, replica: Replica) -> bool:
+        """Room for one more request (always, without ``replica_queue``)."""
+        if self.replica_queue is None:
+            return True
+        return replica.has_room(self.now, self.stale_after, self.replica_queue)
 
 
 @dataclass(frozen=True)

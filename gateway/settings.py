@@ -108,6 +108,20 @@ class GatewaySettings:
     """Requests held at once per model while it has no ready replica; more get a 503 with
     Retry-After at once, so a burst against a sleeping model cannot exhaust the gateway."""
 
+    queue_at_gateway: bool = False
+    """Hold requests at the gateway, in arrival order, while every ready replica of their
+    model has its batch full and --replica-queue requests waiting, and send each to the first
+    replica with room (as Knative's activator or llm-d's flow control). A replica added by a
+    scale-up then takes the oldest requests at once, where otherwise they wait on the replica
+    they were sent to. Held requests count toward the model's --max-held-requests and
+    --hold-timeout, and no more are held than the replicas' own queue bounds add up to (429
+    past it, as a replica would answer)."""
+
+    replica_queue: int = 1
+    """With --queue-at-gateway: requests let wait on a replica beyond its batch (at least 1,
+    so that a finished request's slot is refilled at the replica's next step, not a round trip
+    later)."""
+
     log_level: str = "info"
     """Log level of the gateway and uvicorn."""
 

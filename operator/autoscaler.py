@@ -90,7 +90,7 @@ def guards(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> 
     ready = obs.num_ready
     candidates = [(0, "idle")]
     q_target = policy.target_queue_depth * margin
-    candidates.append((math.ceil(obs.waiting / q_target), "queue-depth"))
+    candidates.append((math.ceil(obs.queued / q_target), "queue-depth"))
     if policy.target_ttft_p95 is not None and obs.ttft_p95 is not None:
         ratio = obs.ttft_p95 / (policy.target_ttft_p95 * margin)
         candidates.append((math.ceil(ready * ratio), "ttft-p95"))

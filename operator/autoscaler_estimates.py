@@ -99,7 +99,7 @@ def replicas_needed(rates: Rates, capacity: Rates, utilization: float) -> float:
 def guard_ratio(obs: Observation, policy: AutoscalingPolicy) -> tuple[float, str]:
     """The signal furthest above (or least below) its target, as signal / target."""
     n = obs.num_ready
-    ratios = [(obs.waiting / n / policy.target_queue_depth, "queue-depth")]
+    ratios = [(obs.queued / n / policy.target_queue_depth, "queue-depth")]
     if policy.target_ttft_p95 is not None and obs.ttft_p95 is not None:
         ratios.append((obs.ttft_p95 / policy.target_ttft_p95, "ttft-p95"))
     kv = sum(r.kv_cache_usage for r in obs.ready) / n

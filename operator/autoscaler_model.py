@@ -159,13 +159,19 @@ class Observation:
         return sum(r.waiting for r in self.ready)
 
     @property
+    def queued(self) -> int:
+        """Requests queued on ready replicas or held at the gateways: the queue depth. A gateway
+        that queues (``--queue-at-gateway``) holds what would otherwise wait on the replicas."""
+        return self.waiting + self.pending_requests
+
+    @property
     def running(self) -> int:
         return sum(r.running for r in self.ready)
 
     @property
     def backlog(self) -> int:
         """Requests queued on ready replicas, on their way in, or held at the gateways."""
-        return self.waiting + self.unseen_requests + self.pending_requests
+        return self.queued + self.unseen_requests
 
     @property
     def busy(self) -> bool:

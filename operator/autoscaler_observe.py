@@ -119,7 +119,8 @@ class GatewayCounts:
     """What one gateway's ``/metrics`` says of a model."""
 
     held: int
-    """``conveyor_gateway_pending_requests``: held because no replica is ready."""
+    """``conveyor_gateway_pending_requests``: held because no replica is ready, or (queueing
+    at the gateway) none has room."""
     in_flight: int
     """``conveyor_gateway_backend_in_flight``, summed over backends: sent to the model's
     replicas and not answered yet."""

@@ -15,7 +15,7 @@ def status_signals(obs: Observation) -> dict[str, Any]:
     n = obs.num_ready
     out: dict[str, Any] = {
         "readyReplicas": n,
-        "queueDepthPerReplica": round(obs.waiting / n, 3) if n else 0.0,
+        "queueDepthPerReplica": round(obs.queued / n, 3) if n else 0.0,
         "runningPerReplica": round(obs.running / n, 3) if n else 0.0,
         "kvCacheUsage": round(sum(r.kv_cache_usage for r in obs.ready) / n, 4) if n else 0.0,
         "pendingRequests": obs.pending_requests,
@@ -102,7 +102,7 @@ def signal_values(
     or no target series)."""
     n, est = obs.num_ready, decision.estimate
     values = {
-        "queue_depth_per_replica": obs.waiting / n if n else 0.0,
+        "queue_depth_per_replica": obs.queued / n if n else 0.0,
         "ttft_p95_seconds": obs.ttft_p95,
         "kv_cache_usage": sum(r.kv_cache_usage for r in obs.ready) / n if n else 0.0,
         "demand_requests_per_second": None if est is None else est.demand.requests,
@@ -127,7 +127,7 @@ def describe(obs: Observation, policy: AutoscalingPolicy, decision: Decision) ->
     n, est = obs.num_ready, decision.estimate
     parts = [
         f"{n} ready",
-        f"queue {obs.waiting / n if n else 0:.1f}/replica (target {policy.target_queue_depth:g})",
+        f"queue {obs.queued / n if n else 0:.1f}/replica (target {policy.target_queue_depth:g})",
     ]
     if est is not None:
         parts.append(

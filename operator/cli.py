@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--leader-election", action=argparse.BooleanOptionalAction, default=defaults.leader_election,
         help=docs["leader_election"],
     )  # fmt: skip
+    parser.add_argument(
+        "--gateway-queue", action=argparse.BooleanOptionalAction, default=defaults.gateway_queue,
+        help=docs["gateway_queue"],
+    )  # fmt: skip
     for flag, name in FLAGS.items():
         default = getattr(defaults, name)
         kind = type(default) if default is not None and not isinstance(default, str) else str
@@ -106,7 +110,10 @@ def parse_settings(argv: list[str]) -> OperatorSettings:
     ):
         values["lease_namespace"] = os.environ["POD_NAMESPACE"]
     return OperatorSettings(
-        **values, namespaces=tuple(args.namespaces), leader_election=args.leader_election
+        **values,
+        namespaces=tuple(args.namespaces),
+        leader_election=args.leader_election,
+        gateway_queue=args.gateway_queue,
     )
 
 

@@ -91,6 +91,7 @@ def gateway_deployment(
             settings.gateway_routing,
             "--hold-timeout",
             f"{settings.gateway_hold_timeout_s:g}",
+            *(["--queue-at-gateway"] if settings.gateway_queue else []),
         ],
         "ports": [{"name": PORT_NAME, "containerPort": GATEWAY_PORT, "protocol": "TCP"}],
         "env": env,

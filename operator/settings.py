@@ -48,6 +48,13 @@ class OperatorSettings:
     gateway_memory: str = "512Mi"
     """Memory request and limit of a gateway pod."""
 
+    gateway_queue: bool = True
+    """Namespace gateways hold requests, oldest first, while every replica of their model is
+    busy (its batch full and one request waiting), and send each to the first replica with
+    room (``conveyor gateway --queue-at-gateway``): a replica that a scale-up adds takes the
+    oldest requests at once, where they would otherwise wait on the busy replica they were
+    sent to."""
+
     gateway_hold_timeout_s: float = 120.0
     """Seconds the gateway holds a request for a model with no ready replica (scale from zero:
     long enough for a pod to start and load its model) before a 503 with Retry-After."""

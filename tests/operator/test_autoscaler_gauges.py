@@ -52,6 +52,14 @@ def test_step_up_goes_straight_to_what_the_queue_calls_for():
     assert (d.desired, d.direction, d.reason) == (4, "up", "queue-depth")
 
 
+def test_requests_held_at_a_queueing_gateway_are_queue_depth():
+    """A gateway that queues (``--queue-at-gateway``) keeps one request waiting per replica and
+    holds the rest: the queue it holds calls for replicas as the replicas' own would."""
+    loop = Loop()
+    d = loop.tick(waiting=1, running=8, pending=13)  # 14 queued / 4 per replica -> 4 replicas
+    assert (d.desired, d.direction, d.reason) == (4, "up", "queue-depth")
+
+
 def test_ttft_above_target_scales_up_proportionally():
     loop = Loop(replicas_now=2)
     d = loop.tick(ttft=5.0, running=2)

@@ -366,6 +366,17 @@ def test_gateway_api_key_comes_from_the_configured_secret() -> None:
         gateway_children("team", [], settings)
 
 
+def test_the_gateway_queues_requests_unless_the_operator_is_told_not_to() -> None:
+    from conveyor.gateway.cli import parse_settings
+    from conveyor.operator.cli import parse_settings as operator_settings
+
+    for flags, queues in (([], True), (["--no-gateway-queue"], False)):
+        settings = operator_settings(flags)
+        deployment = gateway_children("team", [MINIMAL], settings)[-1]
+        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert parse_settings(args[1:]).queue_at_gateway is queues
+
+
 def test_selector_string() -> None:
     assert selector_string({"a": "1", "b": "2"}) == "a=1,b=2"
 

@@ -1,0 +1,166 @@
+"""Queueing at the gateway (``--queue-at-gateway``): while every ready replica has its batch
+full and ``--replica-queue`` requests waiting, requests are held at the gateway in arrival
+order, and a replica that comes up takes the oldest of them at once.
+
+The first tests drive ``Holding`` on a hand-made pool (the order and the bounds); the last runs
+real gateway and stub processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+from gateway_helpers import Processes, gateway, stub
+from test_holding import pending, wait_pending
+
+from conveyor.bench.procs import free_port
+from conveyor.bench.wait import wait_until
+from conveyor.contracts.load import ReplicaLoad
+from conveyor.gateway.holding import Holding
+from conveyor.gateway.metrics import GatewayMetrics
+from conveyor.gateway.pool import Registry
+from conveyor.gateway.replica import Replica
+from conveyor.gateway.routing import make_policy
+from conveyor.gateway.settings import GatewaySettings
+
+MODEL = "tiny"
+
+
+def load(running: int, waiting: int, max_queued: int | None = None) -> ReplicaLoad:
+    return ReplicaLoad(running, waiting, 0.0, 1, max_queued, True)
+
+
+def one_replica(**settings: object) -> tuple[Holding, Registry, Replica]:
+    """A registry whose pool has one replica with a batch of 1, and the gateway's Holding."""
+    registry = Registry(
+        lambda _: make_policy("least-load", bounded_load_factor=1.25, ring_vnodes=8)
+    )
+    registry.sync("test", {MODEL: {"http://r1"}})
+    s = GatewaySettings(queue_at_gateway=True, load_poll_interval_s=0.05, **settings)  # type: ignore[arg-type]
+    holding = Holding(registry=registry, metrics=GatewayMetrics(), settings=s)
+    return holding, registry, registry.replicas["http://r1"]
+
+
+def report(replica: Replica, running: int, waiting: int, max_queued: int | None = None) -> None:
+    """The replica's /load poll answered now; the gateway's in-flight count is what it has sent."""
+    now = asyncio.get_running_loop().time()
+    replica.record_poll(load(running, waiting, max_queued), now, replica.in_flight)
+
+
+async def test_held_requests_go_in_arrival_order_as_room_frees() -> None:
+    holding, registry, replica = one_replica()
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=1)  # batch full and one waiting: no room
+    gone: list[int] = []
+
+    async def request(i: int) -> None:
+        assert await holding.until_room(pool, asyncio.get_running_loop().time()) is None
+        replica.in_flight += 1  # what Upstream.attempt does before its first wait
+        gone.append(i)
+
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(request(i)))
+        await asyncio.sleep(0)  # each reaches the queue before the next arrives
+    assert len(pool.queue) == 4 and pool.held == 4 and not gone
+
+    report(replica, running=0, waiting=0)  # both finished: room for a batch of 1 and 1 waiting
+    Holding.room_freed(pool)
+    await asyncio.wait_for(_until(lambda: len(gone) == 2), 5)
+    assert gone == [0, 1]  # the oldest two, and no more than there is room for
+    await asyncio.sleep(0.2)  # a few load-poll intervals with no room: nobody else goes
+    assert gone == [0, 1] and len(pool.queue) == 2
+
+    replica.in_flight = 0
+    report(replica, running=0, waiting=0)
+    Holding.room_freed(pool)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert gone == [0, 1, 2, 3] and pool.held == 0 and not pool.queue
+
+
+async def test_no_more_are_held_than_the_replicas_would_queue() -> None:
+    holding, registry, replica = one_replica()
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=1, max_queued=2)
+    now = asyncio.get_running_loop().time()
+    held = [asyncio.create_task(holding.until_room(pool, now)) for _ in range(2)]
+    await asyncio.sleep(0)
+    refused = await holding.until_room(pool, now)
+    assert refused is not None and refused.status == 429 and refused.code == "queue_full"
+    for task in held:
+        task.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert pool.held == 0 and not pool.queue  # a client that left gives its place up
+
+
+async def test_a_request_held_past_the_hold_timeout_gets_a_503() -> None:
+    holding, registry, replica = one_replica(hold_timeout_s=0.1)
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=1)
+    failure = await holding.until_room(pool, asyncio.get_running_loop().time())
+    assert failure is not None and failure.status == 503
+    assert pool.held == 0
+
+
+async def test_without_the_flag_nothing_is_held() -> None:
+    registry = Registry(
+        lambda _: make_policy("least-load", bounded_load_factor=1.25, ring_vnodes=8)
+    )
+    registry.sync("test", {MODEL: {"http://r1"}})
+    holding = Holding(registry=registry, metrics=GatewayMetrics(), settings=GatewaySettings())
+    report(registry.replicas["http://r1"], running=1, waiting=5)
+    assert await holding.until_room(registry.pools[MODEL], 0.0) is None
+
+
+def wait_running(port: int, count: int) -> None:
+    def check() -> bool:
+        return httpx.get(f"http://127.0.0.1:{port}/load", timeout=5).json()["running"] == count
+
+    wait_until(check, 30, f"{count} requests running on the stub at port {port}")
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_replica_that_comes_up_takes_the_held_requests(processes: Processes) -> None:
+    """One replica with a batch of 1 holds two long streams (one running, one waiting); three
+    more are held at the gateway, not sent to it. A second replica comes up and answers all
+    three, while the first is still busy: without queueing at the gateway they would have
+    waited on the first."""
+    busy_port, new_port = free_port(), free_port()
+    processes.start(stub(port=busy_port, model=MODEL, name="busy", max_running_requests=1))
+    gw = processes.start(gateway(
+        "--backend", f"{MODEL}=http://127.0.0.1:{busy_port}",
+        "--backend", f"{MODEL}=http://127.0.0.1:{new_port}",
+        "--queue-at-gateway", "--replica-queue", "1",
+    ))  # fmt: skip
+    gw.wait_http("/health")
+    async with openai.AsyncOpenAI(
+        base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+
+        async def answered_by(prompt: str, tokens: int) -> str:
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=tokens, stream=True
+            )
+            return "".join([c.choices[0].text async for c in stream]).split()[0]
+
+        long = [asyncio.create_task(answered_by("pace 1000", 120)) for _ in range(2)]
+        await asyncio.to_thread(wait_running, busy_port, 2)
+        short = []
+        for i in range(3):
+            short.append(asyncio.create_task(answered_by("pace 1", 3)))
+            await asyncio.to_thread(wait_pending, gw, MODEL, i + 1)
+        assert not any(t.done() for t in (*long, *short))
+
+        processes.start(stub(port=new_port, model=MODEL, name="new", max_running_requests=1))
+        assert await asyncio.wait_for(asyncio.gather(*short), 60) == ["new"] * 3
+        assert not any(t.done() for t in long)  # the busy replica was still busy throughout
+        for task in long:
+            task.cancel()
+        await asyncio.gather(*long, return_exceptions=True)
+    assert pending(gw, MODEL) == 0
