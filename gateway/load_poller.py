@@ -175,8 +175,8 @@ class LoadPoller:
     def heard_in_response(
         self, replica: Replica, report: ReplicaLoad, sent_at: float, in_flight: int
     ) -> None:
-        """The ``x-conveyor-load`` header of a response to a request sent at ``sent_at``, when
-        this gateway had ``in_flight`` requests open there (``upstream_attempt``)."""
+        """The ``x-conveyor-load`` header of a response to a request sent at ``sent_at``,
+        received when this gateway had ``in_flight`` requests open there (``upstream_attempt``)."""
         replica.heard_at = max(replica.heard_at, sent_at)
         self.heard(replica, report, sent_at, in_flight)
 

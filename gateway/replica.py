@@ -22,7 +22,8 @@ class Replica:
     in_flight: int = 0
     """Requests this gateway has open on the replica right now."""
     in_flight_at_poll: int = 0
-    """``in_flight`` when the last successful poll was sent: the part of it the replica already reported."""
+    """``in_flight`` when the last load report was taken (a poll's send, a response header's
+    arrival): the part of it the replica already reported."""
     ejected_at: float = -math.inf
     ejected_until: float = -math.inf
     pools: set[str] = field(default_factory=set)
@@ -43,8 +44,11 @@ class Replica:
         """
         if self.load is None or not self.load_known(now, stale_after):
             return float(self.in_flight)
-        sent_since = self.in_flight - self.in_flight_at_poll
-        return float(max(0, self.load.running + self.load.waiting + sent_since))
+        return float(max(0, self.load.running + self.load.waiting + self.sent_since()))
+
+    def sent_since(self) -> int:
+        """Requests this gateway sent since the last report, less those that ended since."""
+        return self.in_flight - self.in_flight_at_poll
 
     def queue_full(self, now: float, stale_after: float) -> bool:
         """The replica said its queue is at its bound (it would answer 429)."""
@@ -55,13 +59,14 @@ class Replica:
         return self.load.waiting >= self.load.max_queued_requests
 
     def has_room(self, now: float, stale_after: float, queue: int) -> bool:
-        """Fewer requests on the replica than its batch plus ``queue`` waiting, as best the
-        gateway knows, and fewer than ``queue`` waiting by its last report (a batch short of
-        KV blocks queues what it has no blocks for, whatever its slots). Without a load report
-        there is nothing to hold against: room."""
+        """Room for one more request: fewer on the replica than its batch plus ``queue``
+        waiting, as best the gateway knows, and, where its last report says it queues (a
+        batch short of KV blocks queues whatever its slots), fewer than ``queue`` waiting with
+        what was sent since. Without a load report there is nothing to hold against: room."""
         if self.load is None:
             return True
-        if self.load_known(now, stale_after) and self.load.waiting >= queue:
+        known = self.load_known(now, stale_after)
+        if known and self.load.waiting > 0 and self.load.waiting + self.sent_since() >= queue:
             return False
         return self.outstanding(now, stale_after) < self.load.max_running_requests + queue
 
@@ -72,13 +77,15 @@ class Replica:
         self.ejected_until = now + duration
         return was_admitted
 
-    def record_poll(self, report: ReplicaLoad, sent_at: float, in_flight_at_send: int) -> None:
-        """A /load poll sent at ``sent_at`` succeeded; one sent after the last ejection re-admits."""
+    def record_poll(self, report: ReplicaLoad, sent_at: float, in_flight_then: int) -> None:
+        """A load report asked for at ``sent_at`` (a poll, or the request whose answer carried
+        it) arrived, when this gateway had ``in_flight_then`` requests open on the replica; one
+        asked for after the last ejection re-admits."""
         if sent_at < self.load_time:
             return  # an older poll finished after a newer one
         self.load = report
         self.load_time = sent_at
-        self.in_flight_at_poll = in_flight_at_send
+        self.in_flight_at_poll = in_flight_then
         if sent_at > self.ejected_at:
             self.ejected_until = -math.inf
 

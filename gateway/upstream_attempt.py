@@ -158,7 +158,7 @@ class Upstream:
         in_flight = self._metrics.in_flight.labels(pool.model, replica.url)
         replica.in_flight += 1
         in_flight.inc()
-        sent_at, in_flight_at_send = loop.time(), replica.in_flight
+        sent_at = loop.time()
         response: aiohttp.ClientResponse | None = None
         watched: _Watched | None = None
         done = False
@@ -181,7 +181,11 @@ class Upstream:
             assert response is not None
             status = response.status
             if status < 500 and self.load_heard is not None:
-                self._read_load(replica, response, sent_at, in_flight_at_send)
+                # The replica wrote the report as it began its answer, which for a stream
+                # that queued is seconds after the send: what this gateway sent before then is
+                # in it, so ``in_flight`` is counted now, not at the send (else the requests
+                # sent in between count twice, and the replica looks busier than it is).
+                self._read_load(replica, response, sent_at, replica.in_flight)
             if status >= 500:
                 return self._eject(pool, replica, f"{replica.url} answered {status}", response)
             if status == 429:

@@ -144,10 +144,13 @@ def lasting_breach(obs: Observation, policy: AutoscalingPolicy, history: History
 
 
 def track_queues(obs: Observation, policy: AutoscalingPolicy, history: History) -> None:
-    """Record whether every ready replica has a queue now (ticks without one say nothing)."""
+    """Record whether every ready replica has a queue now (ticks without one say nothing).
+    Requests held at a gateway are a queue for every replica: it holds them only while each
+    has its batch full and its own allowance waiting (``--queue-at-gateway``)."""
     if obs.num_ready == 0:
         return
-    history.queued.append((obs.time, all(r.waiting > 0 for r in obs.ready)))
+    held = obs.pending_requests > 0
+    history.queued.append((obs.time, held or all(r.waiting > 0 for r in obs.ready)))
     while history.queued[0][0] < obs.time - policy.demand_window:
         history.queued.popleft()
 

@@ -252,7 +252,7 @@ def build_observation(
         pending_requests=pending,
         unseen_requests=unseen,
         demand=_demand(
-            now, replicas, pending + unseen, rejected or {}, state, demand_window, panic_window
+            now, replicas, pending, unseen, rejected or {}, state, demand_window, panic_window
         ),
         counting=bool(ready)
         and all(r.counters is not None for r in replicas if r.load and r.ready),
@@ -263,13 +263,16 @@ def _demand(
     now: float,
     replicas: list[ReplicaScrape],
     held: int,
+    unseen: int,
     rejected: Mapping[str, float],
     state: ServiceState,
     window: float,
     panic_window: float,
 ) -> Demand | None:
-    """Record this tick's counters and backlog (``held``: at the gateways, or sent and not yet
-    taken in by a replica); the demand over the windows, or None."""
+    """Record this tick's counters and backlog (``held`` at the gateways, ``unseen``: sent and
+    not yet taken in by a replica); the demand over the windows, or None. A replica has a
+    queue when it says so or a gateway holds requests (which it does only while every replica
+    is full)."""
     ready = [r for r in replicas if r.load is not None and r.ready]
     if not ready or any(r.counters is None for r in ready):
         state.counters_seen.clear()
@@ -281,7 +284,7 @@ def _demand(
         requests, tokens = r.counters
         if seen and (requests < seen[-1].requests or tokens < seen[-1].tokens):
             seen.clear()  # a new process counts from 0
-        seen.append(signals.Counters(now, requests, tokens, r.load.waiting > 0))
+        seen.append(signals.Counters(now, requests, tokens, r.load.waiting > 0 or held > 0))
     for key, count in rejected.items():
         seen = state.rejected_seen.setdefault(key, deque())
         if seen and count < seen[-1].requests:
@@ -293,7 +296,8 @@ def _demand(
                 seen.popleft()
             if seen[-1].time < now - window:
                 del series[key]
-    backlog = sum(r.load.waiting + r.load.running for r in ready if r.load is not None) + held
+    backlog = sum(r.load.waiting + r.load.running for r in ready if r.load is not None)
+    backlog += held + unseen
     state.backlog_seen.append(signals.Backlog(now, backlog))
     while len(state.backlog_seen) > 2 and state.backlog_seen[1].time <= now - window:
         state.backlog_seen.popleft()

@@ -64,13 +64,13 @@ def test_load_report_validation() -> None:
 def test_ejection_lasts_until_a_poll_sent_after_it_succeeds() -> None:
     replica = Replica("http://r:1")
     report = ReplicaLoad.from_json(LOAD)
-    replica.record_poll(report, sent_at=1.0, in_flight_at_send=0)
+    replica.record_poll(report, sent_at=1.0, in_flight_then=0)
     assert replica.admitted(1.5)
     assert replica.eject(now=2.0, duration=5.0)
     assert not replica.admitted(2.5)
-    replica.record_poll(report, sent_at=1.9, in_flight_at_send=0)  # sent before the failure
+    replica.record_poll(report, sent_at=1.9, in_flight_then=0)  # sent before the failure
     assert not replica.admitted(2.5)
-    replica.record_poll(report, sent_at=2.1, in_flight_at_send=0)
+    replica.record_poll(report, sent_at=2.1, in_flight_then=0)
     assert replica.admitted(2.5)
     replica.record_poll_failure()
     assert not replica.admitted(2.5)
@@ -80,7 +80,7 @@ def test_ejection_lasts_until_a_poll_sent_after_it_succeeds() -> None:
 def test_queue_full_and_outstanding() -> None:
     replica = Replica("http://r:1")
     replica.record_poll(
-        ReplicaLoad.from_json({**LOAD, "waiting": 4}), sent_at=1.0, in_flight_at_send=2
+        ReplicaLoad.from_json({**LOAD, "waiting": 4}), sent_at=1.0, in_flight_then=2
     )
     replica.in_flight = 5  # three sent since the poll
     assert replica.queue_full(1.5, 1.0)

@@ -281,10 +281,10 @@ def test_pool_offers_admitted_replicas_with_room_then_panics_then_says_why_not()
     route = request("hello")
     assert pool.choose(route, VIEW, set()) is NoCandidate.NONE_READY  # nobody polled yet
     for replica in (a, b, c):
-        replica.record_poll(report(), sent_at=VIEW.now, in_flight_at_send=0)
+        replica.record_poll(report(), sent_at=VIEW.now, in_flight_then=0)
     b.eject(VIEW.now, 5.0)
     c.record_poll(
-        ReplicaLoad(0, 4, 0.0, 8, 4, True), sent_at=VIEW.now + 0.1, in_flight_at_send=0
+        ReplicaLoad(0, 4, 0.0, 8, 4, True), sent_at=VIEW.now + 0.1, in_flight_then=0
     )  # queue full
     offered = {pool.choose(route, VIEW, set()).replica.url for _ in range(4)}
     assert offered == {a.url}

@@ -12,6 +12,7 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 from gateway_helpers import Processes, gateway, stub
 from test_holding import pending, wait_pending
 
@@ -126,13 +127,18 @@ async def _until(predicate) -> None:
         await asyncio.sleep(0.01)
 
 
-async def test_a_replica_that_comes_up_takes_the_held_requests(processes: Processes) -> None:
+@pytest.mark.parametrize("replica_like", [False, True], ids=["polled", "load-in-headers"])
+async def test_a_replica_that_comes_up_takes_the_held_requests(
+    processes: Processes, replica_like: bool
+) -> None:
     """One replica with a batch of 1 holds two long streams (one running, one waiting); three
     more are held at the gateway, not sent to it. A second replica comes up and answers all
     three, while the first is still busy: without queueing at the gateway they would have
-    waited on the first."""
+    waited on the first. Replicas that say their load in each answer's header (as Conveyor's
+    runtime does) and those only polled alike."""
     busy_port, new_port = free_port(), free_port()
-    processes.start(stub(port=busy_port, model=MODEL, name="busy", max_running_requests=1))
+    like = {"replica_like": replica_like}
+    processes.start(stub(port=busy_port, model=MODEL, name="busy", max_running_requests=1, **like))
     gw = processes.start(gateway(
         "--backend", f"{MODEL}=http://127.0.0.1:{busy_port}",
         "--backend", f"{MODEL}=http://127.0.0.1:{new_port}",
@@ -157,7 +163,9 @@ async def test_a_replica_that_comes_up_takes_the_held_requests(processes: Proces
             await asyncio.to_thread(wait_pending, gw, MODEL, i + 1)
         assert not any(t.done() for t in (*long, *short))
 
-        processes.start(stub(port=new_port, model=MODEL, name="new", max_running_requests=1))
+        processes.start(
+            stub(port=new_port, model=MODEL, name="new", max_running_requests=1, **like)
+        )
         assert await asyncio.wait_for(asyncio.gather(*short), 60) == ["new"] * 3
         assert not any(t.done() for t in long)  # the busy replica was still busy throughout
         for task in long:

@@ -172,3 +172,31 @@ def test_requests_the_gateways_sent_beyond_what_replicas_count_are_backlog_and_a
     assert later.demand is not None
     assert later.demand.arrivals_panic.requests == pytest.approx(5.0)
     assert later.demand.backlog_growth == pytest.approx(5.0)
+
+
+def test_requests_held_at_a_queueing_gateway_make_a_saturated_replica():
+    """A gateway that queues (``--queue-at-gateway``) keeps one request waiting on each
+    replica and holds the rest: a replica with none of its own waiting at a tick, while the
+    gateway holds some, is saturated all the same, so its throughput is its capacity."""
+    state = ServiceState(history=History())
+
+    def observe(now: float, finished: float, waiting: int, pending: int):
+        replica = ReplicaScrape(
+            Endpoint("p1", "http://a:8000"),
+            ReplicaSignals(waiting, 2, 2, 0.1),
+            True,
+            None,
+            (finished, finished * 100),
+        )
+        return build_observation(
+            now=now, current_replicas=1, replicas=[replica], pending=pending, state=state,
+            in_flight=2 + waiting, demand_window=60.0, panic_window=6.0,
+        )  # fmt: skip
+
+    observe(100.0, 40.0, waiting=1, pending=5)
+    observe(102.0, 48.0, waiting=0, pending=6)  # between a request's end and the next one
+    last = observe(104.0, 56.0, waiting=1, pending=6)
+    assert last.demand is not None and last.demand.busy is not None
+    assert last.demand.busy.requests == pytest.approx(4.0)
+    assert [c.queued for c in state.counters_seen["p1"]] == [True, True, True]
+    assert last.queued == 7
