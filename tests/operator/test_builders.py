@@ -366,11 +366,15 @@ def test_gateway_api_key_comes_from_the_configured_secret() -> None:
         gateway_children("team", [], settings)
 
 
-def test_the_gateway_queues_requests_unless_the_operator_is_told_not_to() -> None:
+def test_the_gateway_queues_requests_when_the_operator_is_told_to() -> None:
     from conveyor.gateway.cli import parse_settings
     from conveyor.operator.cli import parse_settings as operator_settings
 
-    for flags, queues in (([], True), (["--no-gateway-queue"], False)):
+    for flags, queues in (
+        ([], False),
+        (["--gateway-queue"], True),
+        (["--no-gateway-queue"], False),
+    ):
         settings = operator_settings(flags)
         deployment = gateway_children("team", [MINIMAL], settings)[-1]
         args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
