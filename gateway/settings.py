@@ -115,7 +115,7 @@ class GatewaySettings:
     scale-up then takes the oldest requests at once, where otherwise they wait on the replica
     they were sent to. Held requests count toward the model's --max-held-requests and
     --hold-timeout, and no more are held than the replicas' own queue bounds add up to (429
-    past it, as a replica would answer)."""
+    past it, as a replica would answer). With --workers, each process keeps its own queue."""
 
     replica_queue: int = 1
     """With --queue-at-gateway: requests let wait on a replica beyond its batch (at least 1,
