@@ -4,6 +4,7 @@ zero; and the chart of the run."""
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from conveyor.bench.autoscale.load import (
 )
 from conveyor.bench.autoscale.settings import BenchSettings
 from conveyor.bench.autoscale.wake import spans, wake_timeline
+from conveyor.bench.stats import percentile
 
 
 def direction_changes(replicas: list[int]) -> int:
@@ -67,9 +69,24 @@ def recovered_by_finish(rec: Recorder, after: float, target: float) -> float | N
     """When the client-side TTFT p95 over the last 10 s of finished requests came back under
     ``target``, after it had been above it, past ``after`` (the scale-up decision): what a
     dashboard of recent requests shows (it lags by up to its 10 s window)."""
+    return _recovered([(at, ttft) for at, ttft, _ in rec.done], after, target)
+
+
+def recovered_by_first_token(rec: Recorder, after: float, target: float) -> float | None:
+    """As ``recovered_by_finish``, over the first tokens of the last 10 s: what a dashboard of
+    a TTFT histogram shows (each request's TTFT is observed at its first token, which comes
+    its decode earlier than its end)."""
+    return _recovered(sorted((sent + ttft, ttft) for sent, ttft in rec.sent), after, target)
+
+
+def _recovered(events: list[tuple[float, float]], after: float, target: float) -> float | None:
+    """The first time past ``after`` at which the TTFT p95 of the (time, TTFT) ``events`` of
+    the 10 s before it is back under ``target``, after it had been above it."""
+    times = [at for at, _ in events]
     breached = False
-    for at, _, _ in rec.done:
-        p = rec.p95(at - 10, at)
+    for at in times:
+        window = events[bisect.bisect_left(times, at - 10) : bisect.bisect_left(times, at)]
+        p = percentile([ttft for _, ttft in window], 95) if len(window) >= 5 else None
         if p is not None and p > target:
             breached = True
         elif breached and p is not None and p <= target and at > after:
@@ -225,6 +242,9 @@ async def step_phases(
     serving = next((at for at, _, b in rec.done if b and b not in first_backends), None)
     recovered = None if decision is None else recovered_by_finish(rec, decision, s.target_ttft_s)
     by_arrival = recovered_by_arrival(rec, step_at, s.target_ttft_s)
+    by_first = (
+        None if decision is None else recovered_by_first_token(rec, decision, s.target_ttft_s)
+    )
     settle = step_at + min(s.minutes * 60 / 4, 120)
     steady = [x.replicas for x in rec.samples if x.t >= settle]
     out.update({
@@ -233,6 +253,9 @@ async def step_phases(
         "step_to_new_replica_serving_s": None if serving is None else round(serving - step_at, 1),
         "step_to_ttft_p95_under_target_s": (
             None if recovered is None else round(recovered - step_at, 1)
+        ),
+        "step_to_ttft_p95_under_target_by_first_token_s": (
+            None if by_first is None else round(by_first - step_at, 1)
         ),
         "step_to_ttft_p95_under_target_by_arrival_s": (
             None if by_arrival is None else round(by_arrival - step_at, 1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from conveyor.bench.autoscale.command import parse, parser
 from conveyor.bench.autoscale.load import describe_status
 
@@ -130,9 +132,14 @@ def recorder(requests: list[tuple[float, float]]):
 def test_ttft_recovery_is_measured_by_finish_window_and_by_arrival():
     """Ten requests a second; those sent in [2 s, 14 s) wait for a replica that is ready at
     14 s (TTFT up to 12 s), then all are served at once. A window of finished requests lags:
-    the slow ones finish until about 26 s. By arrival, a user sent from 14 s on is served
+    the slow ones finish until about 26 s. A window of first tokens lags by as much less as
+    each request's decode (0.2 s here). By arrival, a user sent from 14 s on is served
     within target."""
-    from conveyor.bench.autoscale.run import recovered_by_arrival, recovered_by_finish
+    from conveyor.bench.autoscale.run import (
+        recovered_by_arrival,
+        recovered_by_finish,
+        recovered_by_first_token,
+    )
 
     requests = []
     for i in range(400):
@@ -144,7 +151,10 @@ def test_ttft_recovery_is_measured_by_finish_window_and_by_arrival():
     assert by_arrival is not None and 12 <= by_arrival <= 14
     by_finish = recovered_by_finish(rec, 1.0, target=2.0)
     assert by_finish is not None and by_finish > 20
+    by_first = recovered_by_first_token(rec, 1.0, target=2.0)
+    assert by_first is not None and by_first == pytest.approx(by_finish - 0.2, abs=0.15)
     # never above target: nothing to recover from
     calm = recorder([(i / 10, 0.3) for i in range(400)])
     assert recovered_by_arrival(calm, 0.0, 2.0) is None
     assert recovered_by_finish(calm, 1.0, 2.0) is None
+    assert recovered_by_first_token(calm, 1.0, 2.0) is None
