@@ -87,8 +87,8 @@ class Holding:
         ``--max-held-requests``), a 503 when ``--hold-timeout`` passed since ``arrival``.
 
         Only the oldest request looks for room: when a request of the pool ends here
-        (``room_freed``), or each load poll interval, since other gateways' requests end too
-        and replicas come and go. Once it has gone, the next looks at once: the one gone has
+        (``room_freed``), when replicas come, go or turn ready, and each load poll interval,
+        since other gateways' requests end too. Once it has gone, the next looks at once: the one gone has
         its replica's in-flight count raised by then (``Upstream.attempt`` does it before
         its first wait), so no more are let go than there is room for.
         """
@@ -107,6 +107,8 @@ class Holding:
         deadline = arrival + self._s.hold_timeout_s
         turn = asyncio.Event()
         pool.queue.append(turn)
+        if not pool.saturated(self.view()):
+            pool.queue[0].set()  # room already: the oldest need not wait for its next look
         pending = self._metrics.pending.labels(pool.model)
         pending.inc()
         pool.held += 1
@@ -119,9 +121,12 @@ class Holding:
                 if remaining <= 0 or self._registry.pools.get(pool.model) is not pool:
                     break
                 turn.clear()
+                if first:  # a replica that becomes ready (or goes) wakes the oldest too
+                    self._registry.wake_on_change(turn)
                 timeout = min(remaining, self._s.load_poll_interval_s) if first else remaining
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(turn.wait(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await turn.wait()
         finally:
             was_first = pool.queue[0] is turn
             pool.queue.remove(turn)

@@ -102,6 +102,7 @@ class Registry:
         self.listeners: list[Callable[[list[Replica], list[Replica]], None]] = []
         """Called with (added, removed) replicas after every change."""
         self._changed = asyncio.Event()
+        self._wake: set[asyncio.Event] = set()
 
     def changed(self) -> asyncio.Event:
         """An event set at the next change of membership or readiness: take it, check what you
@@ -109,9 +110,17 @@ class Registry:
         return self._changed
 
     def notify(self) -> None:
-        """A replica became ready, or pools changed: wake everything waiting on ``changed()``."""
+        """A replica became ready, or pools changed: wake everything waiting on ``changed()``
+        and set the events given to ``wake_on_change``."""
         event, self._changed = self._changed, asyncio.Event()
         event.set()
+        woken, self._wake = self._wake, set()
+        for turn in woken:
+            turn.set()
+
+    def wake_on_change(self, turn: asyncio.Event) -> None:
+        """Set ``turn`` at the next change (once)."""
+        self._wake.add(turn)
 
     def sync(
         self,

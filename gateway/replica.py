@@ -60,13 +60,15 @@ class Replica:
 
     def has_room(self, now: float, stale_after: float, queue: int) -> bool:
         """Room for one more request: fewer on the replica than its batch plus ``queue``
-        waiting, as best the gateway knows, and, where its last report says it queues (a
-        batch short of KV blocks queues whatever its slots), fewer than ``queue`` waiting with
-        what was sent since. Without a load report there is nothing to hold against: room."""
+        waiting, as best the gateway knows, and its queue not at its own bound. Without a load
+        report there is nothing to hold against: room.
+
+        Its reported ``waiting`` alone is no sign of a full batch: a Conveyor replica writes
+        the load header of a stream as it takes the request in, counting that request as
+        waiting until its engine's next step."""
         if self.load is None:
             return True
-        known = self.load_known(now, stale_after)
-        if known and self.load.waiting > 0 and self.load.waiting + self.sent_since() >= queue:
+        if self.queue_full(now, stale_after):
             return False
         return self.outstanding(now, stale_after) < self.load.max_running_requests + queue
 

@@ -184,8 +184,12 @@ class Upstream:
                 # The replica wrote the report as it began its answer, which for a stream
                 # that queued is seconds after the send: what this gateway sent before then is
                 # in it, so ``in_flight`` is counted now, not at the send (else the requests
-                # sent in between count twice, and the replica looks busier than it is).
-                self._read_load(replica, response, sent_at, replica.in_flight)
+                # sent in between count twice, and the replica looks busier than it is). A
+                # whole answer (or a refusal) is written once the request is done on the
+                # replica, so its report leaves this request out.
+                streamed = status == 200 and response.content_type == "text/event-stream"
+                counted = replica.in_flight - (0 if streamed else 1)
+                self._read_load(replica, response, sent_at, counted)
             if status >= 500:
                 return self._eject(pool, replica, f"{replica.url} answered {status}", response)
             if status == 429:

@@ -161,7 +161,9 @@ class Observation:
     @property
     def queued(self) -> int:
         """Requests queued on ready replicas or held at the gateways: the queue depth. A gateway
-        that queues (``--queue-at-gateway``) holds what would otherwise wait on the replicas."""
+        that queues (``--queue-at-gateway``) holds what would otherwise wait on the replicas;
+        one that does not holds only while it sees no replica ready, which a tick may catch
+        for a moment after the first one turned ready (its requests then go at once)."""
         return self.waiting + self.pending_requests
 
     @property

@@ -155,8 +155,10 @@ async def test_a_replica_that_comes_up_takes_the_held_requests(
             )
             return "".join([c.choices[0].text async for c in stream]).split()[0]
 
-        long = [asyncio.create_task(answered_by("pace 1000", 120)) for _ in range(2)]
-        await asyncio.to_thread(wait_running, busy_port, 2)
+        long = []
+        for i in range(2):  # one after the other: each one's load header is in before the next
+            long.append(asyncio.create_task(answered_by("pace 1000", 120)))
+            await asyncio.to_thread(wait_running, busy_port, i + 1)
         short = []
         for i in range(3):
             short.append(asyncio.create_task(answered_by("pace 1", 3)))
@@ -172,3 +174,31 @@ async def test_a_replica_that_comes_up_takes_the_held_requests(
             task.cancel()
         await asyncio.gather(*long, return_exceptions=True)
     assert pending(gw, MODEL) == 0
+
+
+async def test_a_held_request_that_leaves_lets_the_next_one_look() -> None:
+    """The oldest held request's client goes away: the next one becomes the oldest and goes
+    as soon as there is room, not at its own hold timeout."""
+    holding, registry, replica = one_replica()
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=1)
+    now = asyncio.get_running_loop().time()
+    first = asyncio.create_task(holding.until_room(pool, now))
+    second = asyncio.create_task(holding.until_room(pool, now))
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    assert len(pool.queue) == 1 and pool.held == 1
+    report(replica, running=0, waiting=0)
+    Holding.room_freed(pool)
+    assert await asyncio.wait_for(second, 5) is None
+    assert pool.held == 0 and not pool.queue
+
+
+async def test_a_replica_over_its_own_queue_bound_has_no_room() -> None:
+    """A --replica-queue above a replica's own queue bound does not send it requests it would
+    refuse with a 429: they stay held."""
+    holding, registry, replica = one_replica(replica_queue=4)
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=2, max_queued=2)  # at its bound, under batch + 4
+    assert pool.saturated(holding.view())
