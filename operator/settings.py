@@ -54,8 +54,8 @@ class OperatorSettings:
     room (``conveyor gateway --queue-at-gateway``): a replica that a scale-up adds takes the
     oldest requests at once, where they would otherwise wait on the busy replica they were
     sent to. Fairer (the longest wait is shorter), but while a backlog drains every new
-    request waits behind it, so the TTFT p95 of the requests sent then is higher (the
-    autoscale bench: back under target 23 s after a step by arrival, against 14 s without)."""
+    request waits behind it, so the TTFT p95 of the requests sent then is higher (README,
+    "Benchmarks", has the autoscale bench's runs)."""
 
     gateway_hold_timeout_s: float = 120.0
     """Seconds the gateway holds a request for a model with no ready replica (scale from zero:
