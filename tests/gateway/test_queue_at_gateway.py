@@ -14,13 +14,14 @@ import httpx
 import openai
 import pytest
 from gateway_helpers import Processes, gateway, stub
+from prometheus_client.parser import text_string_to_metric_families
 from test_holding import pending, wait_pending
 
 from conveyor.bench.procs import free_port
 from conveyor.bench.wait import wait_until
 from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.holding import Holding
-from conveyor.gateway.metrics import GatewayMetrics
+from conveyor.gateway.metrics import BACKEND_LOAD, GatewayMetrics
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.replica import Replica
 from conveyor.gateway.routing import make_policy
@@ -115,6 +116,24 @@ async def test_without_the_flag_nothing_is_held() -> None:
     assert await holding.until_room(registry.pools[MODEL], 0.0) is None
 
 
+def wait_gateway_sees_running(gw, port: int, count: int) -> None:
+    """Until the gateway's last load report of the replica at ``port`` says ``count`` running."""
+
+    def check() -> bool:
+        text = httpx.get(gw.url + "/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            if family.name == BACKEND_LOAD:
+                for sample in family.samples:
+                    labels = sample.labels
+                    if labels.get("backend", "").endswith(f":{port}") and (
+                        labels.get("signal") == "running"
+                    ):
+                        return sample.value == count
+        return False
+
+    wait_until(check, 30, f"the gateway to see {count} running at port {port}")
+
+
 def wait_running(port: int, count: int) -> None:
     def check() -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/load", timeout=5).json()["running"] == count
@@ -159,6 +178,9 @@ async def test_a_replica_that_comes_up_takes_the_held_requests(
         for i in range(2):  # one after the other: each one's load header is in before the next
             long.append(asyncio.create_task(answered_by("pace 1000", 120)))
             await asyncio.to_thread(wait_running, busy_port, i + 1)
+        # A report the gateway took while the second was on its way said one: wait for one
+        # that says two (the poll after it, or the second's header).
+        await asyncio.to_thread(wait_gateway_sees_running, gw, busy_port, 2)
         short = []
         for i in range(3):
             short.append(asyncio.create_task(answered_by("pace 1", 3)))
