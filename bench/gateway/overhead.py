@@ -37,6 +37,9 @@ RAMP_PACE_MS = 1000
 connections rather than chunk throughput on shared cores."""
 PROBE_TOKENS = 16
 """Chunks of a streamed probe (sent back to back) and words of a non-streamed one."""
+OPEN_TIMEOUT_S = 120
+"""How long the held streams get to open, and a probe to be answered, before they count as
+broken."""
 
 
 def _body(prompt: str, max_tokens: int, stream: bool) -> bytes:
@@ -64,64 +67,92 @@ class Probes:
     """Streamed: request sent to first chunk."""
     e2e: list[float] = field(default_factory=list)
     """Streamed: request sent to last chunk."""
-    broken: int = 0
-    """Held streams that broke while the probes ran."""
+    errors: Counter[str] = field(default_factory=Counter)
+    """Held streams that broke or never opened, and probes that failed, by what happened."""
+
+    @property
+    def broken(self) -> int:
+        return self.errors.total()
+
+    def broke(self, what: str, exc: BaseException) -> None:
+        status = f"HTTP {exc.status}" if isinstance(exc, aiohttp.ClientResponseError) else ""
+        self.errors[f"{what}: {status or type(exc).__name__}"] += 1
 
     def extend(self, other: Probes) -> None:
         self.whole += other.whole
         self.ttft += other.ttft
         self.e2e += other.e2e
-        self.broken += other.broken
+        self.errors += other.errors
 
 
 async def probe_under_load(url: str, background: int, probes: int) -> Probes:
     """``probes`` non-streamed and ``probes`` streamed requests, alternating and one at a
-    time, while ``background`` streams (a chunk every 250 ms each) stay open on the path."""
+    time, while ``background`` streams (a chunk every 250 ms each) stay open on the path.
+    A held stream that breaks or never opens, and a probe that fails, count as broken:
+    they are the path's result, not the bench's failure."""
     out = Probes()
     hold_body = _body(f"pace {HOLD_PACE_MS}", 100000, True)
     whole_body = _body("x", PROBE_TOKENS, False)
     stream_body = _body("x", PROBE_TOKENS, True)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
-    ) as session:
-        opened = asyncio.Event()
-        open_count = 0
+    timeout = aiohttp.ClientTimeout(sock_connect=OPEN_TIMEOUT_S, sock_read=OPEN_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        all_settled = asyncio.Event()
+        settled = 0  # held streams that opened or broke before they did
+
+        def settle() -> None:
+            nonlocal settled
+            settled += 1
+            if settled == background:
+                all_settled.set()
 
         async def hold() -> None:
-            nonlocal open_count
+            counted = False
             try:
                 async with session.post(
                     url + "/v1/completions", data=hold_body, headers=HEADERS
                 ) as r:
+                    r.raise_for_status()
                     async for _chunk in r.content.iter_any():
-                        if not opened.is_set():
-                            open_count += 1
-                            if open_count == background:
-                                opened.set()
-            except (aiohttp.ClientError, TimeoutError):
-                out.broken += 1
+                        if not counted:
+                            counted = True
+                            settle()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                out.broke("held stream", exc)
+                if not counted:
+                    settle()
+
+        async def timed(body: bytes, stream: bool) -> None:
+            start = time.perf_counter()
+            try:
+                async with session.post(url + "/v1/completions", data=body, headers=HEADERS) as r:
+                    r.raise_for_status()
+                    if stream:
+                        await r.content.readany()
+                        first = time.perf_counter() - start
+                    await r.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                out.broke("probe", exc)
+                return
+            if stream:
+                out.ttft.append(first)
+                out.e2e.append(time.perf_counter() - start)
+            else:
+                out.whole.append(time.perf_counter() - start)
 
         holders = [asyncio.create_task(hold()) for _ in range(background)]
         try:
             if background:
-                async with asyncio.timeout(120):
-                    await opened.wait()
+                try:
+                    async with asyncio.timeout(OPEN_TIMEOUT_S):
+                        await all_settled.wait()
+                except TimeoutError:
+                    out.errors[f"held stream not open in {OPEN_TIMEOUT_S} s"] += (
+                        background - settled
+                    )
             for _ in range(probes):
-                start = time.perf_counter()
-                async with session.post(
-                    url + "/v1/completions", data=whole_body, headers=HEADERS
-                ) as r:
-                    await r.read()
-                out.whole.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                async with session.post(
-                    url + "/v1/completions", data=stream_body, headers=HEADERS
-                ) as r:
-                    await r.content.readany()
-                    out.ttft.append(time.perf_counter() - start)
-                    await r.read()
-                out.e2e.append(time.perf_counter() - start)
+                await timed(whole_body, stream=False)
+                await timed(stream_body, stream=True)
         finally:
             for task in holders:
                 task.cancel()
@@ -190,10 +221,13 @@ def added_latency(
                 per_round[t.name].append(asyncio.run(probe_under_load(t.url, c, requests)))
         figures: dict[str, dict[str, float | None]] = {}
         rows = []
+        broke: dict[str, Counter[str]] = {}
         for t in targets:
             p = Probes()
             for probes in per_round[t.name]:
                 p.extend(probes)
+            if p.errors:
+                broke[t.name] = p.errors
             row: dict[str, float | None] = {"broken": float(p.broken)}
             for kind in ("whole", "ttft", "e2e"):
                 for q in (50, 99):
@@ -221,6 +255,8 @@ def added_latency(
              "+whole p50", "+whole p99", "+TTFT p50", "+TTFT p99", "+TTFT p99 range", "broken"],
             rows,
         ), flush=True)  # fmt: skip
+        for name, errors in broke.items():
+            print(f"  {name} broke: " + ", ".join(f"{k} x{v}" for k, v in errors.items()))
     return results
 
 
