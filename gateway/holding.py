@@ -92,9 +92,12 @@ class Holding:
         its replica's in-flight count raised by then (``Upstream.attempt`` does it before
         its first wait), so no more are let go than there is room for.
         """
-        if not self._s.queue_at_gateway or (not pool.queue and not pool.saturated(self.view())):
+        if not self._s.queue_at_gateway:
             return None
-        bound = pool.queue_bound(self.view(), self._s.max_held_requests)
+        view = self.view()
+        if not pool.queue and not pool.saturated(view):
+            return None
+        bound = pool.queue_bound(view, self._s.max_held_requests)
         if len(pool.queue) >= bound:
             return Failure(
                 429,
@@ -107,7 +110,7 @@ class Holding:
         deadline = arrival + self._s.hold_timeout_s
         turn = asyncio.Event()
         pool.queue.append(turn)
-        if not pool.saturated(self.view()):
+        if not pool.saturated(view):
             pool.queue[0].set()  # room already: the oldest need not wait for its next look
         pending = self._metrics.pending.labels(pool.model)
         pending.inc()

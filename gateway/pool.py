@@ -60,8 +60,9 @@ class Pool:
         admitted = self._admitted(view, tried)
         candidates = [r for r in admitted if not r.queue_full(view.now, view.stale_after)]
         if candidates:
-            with_room = [r for r in candidates if view.has_room(r)]
-            return self.policy.choose(with_room or candidates, request, view)
+            if view.replica_queue is not None:  # queueing at the gateway: room first
+                candidates = [r for r in candidates if view.has_room(r)] or candidates
+            return self.policy.choose(candidates, request, view)
         return NoCandidate.QUEUES_FULL if admitted else NoCandidate.NONE_READY
 
     def _admitted(self, view: LoadView, tried: Set[str] = frozenset()) -> list[Replica]:

@@ -76,14 +76,19 @@ class Recorder:
     def p95(self, since: float, until: float) -> float | None:
         """Client-side TTFT p95 of the requests finished in [since, until)."""
         ends = [at for at, _, _ in self.done]  # appended as they finish: sorted
-        lo, hi = bisect.bisect_left(ends, since), bisect.bisect_left(ends, until)
-        ttfts = [t for _, t, _ in self.done[lo:hi]]
-        return percentile(ttfts, 95) if len(ttfts) >= 5 else None
+        return window_p95(ends, [t for _, t, _ in self.done], since, until)
 
     def p95_sent(self, since: float, until: float) -> float | None:
         """Client-side TTFT p95 of the requests sent in [since, until) (and finished)."""
         ttfts = [t for at, t in self.sent if since <= at < until]
         return percentile(ttfts, 95) if len(ttfts) >= 5 else None
+
+
+def window_p95(times: list[float], ttfts: list[float], since: float, until: float) -> float | None:
+    """TTFT p95 of the events at sorted ``times`` in [since, until); None under 5 of them."""
+    lo, hi = bisect.bisect_left(times, since), bisect.bisect_left(times, until)
+    window = ttfts[lo:hi]
+    return percentile(window, 95) if len(window) >= 5 else None
 
 
 async def one_request(client: Any, rec: Recorder, max_tokens: int) -> None:

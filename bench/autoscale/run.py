@@ -4,7 +4,6 @@ zero; and the chart of the run."""
 from __future__ import annotations
 
 import asyncio
-import bisect
 import itertools
 import time
 from pathlib import Path
@@ -17,10 +16,10 @@ from conveyor.bench.autoscale.load import (
     closed_loop,
     open_loop,
     watch,
+    window_p95,
 )
 from conveyor.bench.autoscale.settings import BenchSettings
 from conveyor.bench.autoscale.wake import spans, wake_timeline
-from conveyor.bench.stats import percentile
 
 
 def direction_changes(replicas: list[int]) -> int:
@@ -82,11 +81,10 @@ def recovered_by_first_token(rec: Recorder, after: float, target: float) -> floa
 def _recovered(events: list[tuple[float, float]], after: float, target: float) -> float | None:
     """The first time past ``after`` at which the TTFT p95 of the (time, TTFT) ``events`` of
     the 10 s before it is back under ``target``, after it had been above it."""
-    times = [at for at, _ in events]
+    times, ttfts = [at for at, _ in events], [ttft for _, ttft in events]
     breached = False
     for at in times:
-        window = events[bisect.bisect_left(times, at - 10) : bisect.bisect_left(times, at)]
-        p = percentile([ttft for _, ttft in window], 95) if len(window) >= 5 else None
+        p = window_p95(times, ttfts, at - 10, at)
         if p is not None and p > target:
             breached = True
         elif breached and p is not None and p <= target and at > after:
