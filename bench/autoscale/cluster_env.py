@@ -86,6 +86,7 @@ class Env:
                 "--namespace", self.namespace, "--no-leader-election", "--host", "127.0.0.1",
                 "--port", str(port), "--autoscale-interval", str(s.interval_s),
                 "--gateway-cpu", "300m", "--resync-interval", "10",
+                "--gateway-queue" if s.gateway_queue else "--no-gateway-queue",
             ]  # fmt: skip
 
         # Not waited for: the LLMService turning Ready is what says the operator works.

@@ -66,6 +66,10 @@ OPTIONS: tuple[tuple[str, str, str], ...] = (
      "turn the autoscaler on only at the step; by default it runs from the start, held at one "
      "replica while that replica's capacity is measured (as a running service's autoscaler has "
      "seen its replicas busy before a step)"),
+    ("--gateway-queue", "gateway_queue",
+     "run the operator with --gateway-queue: its gateways hold requests in arrival order while "
+     "every replica is full, and a replica that a scale-up adds takes the oldest (off by "
+     "default, as in the operator)"),
     ("--max-tokens", "max_tokens", "max_tokens of each request"),
     ("--png", "png", "where to write the chart of replicas, queue and TTFT p95 over time"),
     ("--keep", "keep", "keep the namespace afterwards, for a look with kubectl"),

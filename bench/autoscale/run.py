@@ -246,6 +246,8 @@ async def step_phases(
     settle = step_at + min(s.minutes * 60 / 4, 120)
     steady = [x.replicas for x in rec.samples if x.t >= settle]
     out.update({
+        "gateway_queue": s.gateway_queue,
+        "backlog_drain_s": s.backlog_drain_s,
         "step_rps": round(s.step_factor * capacity, 2),
         "step_to_decision_s": None if decision is None else round(decision - step_at, 1),
         "step_to_new_replica_serving_s": None if serving is None else round(serving - step_at, 1),

@@ -45,6 +45,10 @@ class BenchSettings:
     replica (maxReplicas 1) while that replica's capacity is measured, as the autoscaler of a
     running service has seen its replicas busy before a step; from the step alone it can
     measure only an overloaded replica."""
+    gateway_queue: bool = False
+    """Run the operator with ``--gateway-queue``: its gateways hold requests while every
+    replica is full, so a replica a scale-up adds takes the oldest (the operator's default is
+    off; this measures the two side by side)."""
     max_tokens: int = 24
     """max_tokens of each request: short, so one replica's capacity is many requests/s."""
     png: Path = Path("autoscale.png")

@@ -18,6 +18,7 @@ def test_every_option_has_a_help_text_and_reaches_the_settings():
         assert action.help and action.help.strip(), f"{action.option_strings} has no help"
     s = parse(["--minutes", "1", "--step-factor", "3", "--progress-every", "5", "--keep"])
     assert (s.minutes, s.step_factor, s.progress_every_s, s.keep) == (1.0, 3.0, 5.0, True)
+    assert not s.gateway_queue and parse(["--gateway-queue"]).gateway_queue
 
 
 def test_a_progress_line_says_replicas_and_the_autoscalers_estimates():
