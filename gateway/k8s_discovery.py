@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import httpx
 
 from conveyor.contracts import endpoint_slice
+from conveyor.contracts.engine_load import NO_LIMITS, Limits
 from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.pool import Registry
 from conveyor.gateway.static_discovery import fetch_models
@@ -105,6 +106,9 @@ class K8sPoolSpec:
     """Routing policy of the pool; None is the gateway's default."""
     port_name: str | None = None
     """Which EndpointSlice port to use; None takes the slice's first port."""
+    limits: Limits = NO_LIMITS
+    """Batch and queue bounds of the pool's replicas, for those whose load is read from
+    ``/metrics`` (vLLM, SGLang), which do not say them there."""
 
     @property
     def source(self) -> str:
@@ -224,7 +228,7 @@ class KubernetesDiscovery:
             model = await self._learn_model(spec, urls)
         if model is None:
             return  # no replica has told us its model yet; the next event asks again
-        self._registry.sync(spec.source, {model: urls}, {model: spec.policy})
+        self._registry.sync(spec.source, {model: urls}, {model: spec.policy}, {model: spec.limits})
 
     async def _learn_model(self, spec: K8sPoolSpec, urls: set[str]) -> str | None:
         for url in sorted(urls):

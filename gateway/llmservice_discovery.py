@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
+from conveyor.contracts.engine_load import Limits
 from conveyor.gateway.k8s_discovery import (
     WATCH_TIMEOUT_S,
     ApiTimeouts,
@@ -47,6 +48,7 @@ def pool_spec(namespace: str, llmservice: dict[str, Any]) -> K8sPoolSpec | None:
         model=(spec.get("model") or {}).get("servedName") or name,
         policy=(spec.get("routing") or {}).get("policy"),
         port_name=PORT_NAME,
+        limits=Limits.of_spec(spec),
     )
 
 

@@ -127,7 +127,7 @@ class LoadPoller:
             upstream_url(url, path), headers=self._headers, timeout=self._timeout
         ) as response:
             response.raise_for_status()
-            return read_load(path, await response.read())
+            return read_load(path, await response.read(), self._registry.limits_of(url))
 
     async def _read(self, url: str) -> ReplicaLoad:
         """The replica's load from where it was last read (``/load`` at first). Where that

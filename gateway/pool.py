@@ -15,6 +15,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Set
 
+from conveyor.contracts.engine_load import NO_LIMITS, Limits
 from conveyor.gateway.prefix_key import RouteRequest
 from conveyor.gateway.replica import Replica
 from conveyor.gateway.routing import Decision, LoadView, RoutingPolicy
@@ -100,6 +101,7 @@ class Registry:
         self.replicas: dict[str, Replica] = {}
         self._sources: dict[str, dict[str, set[str]]] = {}
         self._policies: dict[str, str | None] = {}
+        self._limits: dict[str, Limits] = {}
         self.listeners: list[Callable[[list[Replica], list[Replica]], None]] = []
         """Called with (added, removed) replicas after every change."""
         self._changed = asyncio.Event()
@@ -128,12 +130,15 @@ class Registry:
         source: str,
         members: Mapping[str, set[str]],
         policies: Mapping[str, str | None] | None = None,
+        limits: Mapping[str, Limits] | None = None,
     ) -> None:
         """Replace everything ``source`` knows with ``members`` (model -> replica URLs).
 
         A model listed with no URLs keeps its pool (known model, no replica: 503, not 404).
         ``policies`` names a pool's routing policy; None means the gateway's default.
+        ``limits`` are the batch and queue bounds of a pool's replicas (``limits_of``).
         """
+        self._limits.update(limits or {})
         self._sources[source] = {model: set(urls) for model, urls in members.items()}
         for model, policy in (policies or {}).items():
             if self._policies.get(model) != policy and model in self.pools:
@@ -181,6 +186,15 @@ class Registry:
             for listener in self.listeners:
                 listener(added, removed)
         self.notify()
+
+    def limits_of(self, url: str) -> Limits:
+        """The batch and queue bounds the replica at ``url`` was given by its pool's
+        LLMService, for a load read from ``/metrics``, which does not say them."""
+        replica = self.replicas.get(url)
+        for model in sorted(replica.pools if replica is not None else ()):
+            if model in self._limits:
+                return self._limits[model]
+        return NO_LIMITS
 
     def served_models(self) -> list[str]:
         return sorted(self.pools)

@@ -44,7 +44,9 @@ import httpx
 from conveyor.contracts.engine_load import (
     METRICS_ENGINES,
     METRICS_PATH,
+    NO_LIMITS,
     EngineMetrics,
+    Limits,
     load_from_metrics,
 )
 from conveyor.operator import signals
@@ -167,8 +169,9 @@ class AutoscalerTimer:
             self._endpoints(namespace, name), self._endpoints(namespace, GATEWAY_NAME)
         )
         engine = METRICS_ENGINES.get(spec.get("engine") or "conveyor")
+        limits = Limits.of_spec(spec)
         replicas, (pending, in_flight, rejected) = await asyncio.gather(
-            asyncio.gather(*(self._scrape_replica(e, engine) for e in runtime)),
+            asyncio.gather(*(self._scrape_replica(e, engine, limits) for e in runtime)),
             self._gateways(gateways, model),
         )
         current = int(spec.get("replicas", policy.min_replicas))
@@ -229,13 +232,14 @@ class AutoscalerTimer:
         return ready_endpoints(slices, PORT_NAME)
 
     async def _scrape_replica(
-        self, endpoint: Endpoint, engine: EngineMetrics | None = None
+        self, endpoint: Endpoint, engine: EngineMetrics | None = None, limits: Limits = NO_LIMITS
     ) -> ReplicaScrape:
         """One replica's load, TTFT histogram and counters: from ``/load`` and ``/metrics``
         (Conveyor), or all from ``/metrics`` for an engine that has no ``/load`` (vLLM,
-        SGLang), read through ``conveyor.contracts.engine_load``."""
+        SGLang), read through ``conveyor.contracts.engine_load`` with the batch and queue
+        bounds its LLMService gave it (``limits``), which such an engine does not export."""
         if engine is not None:
-            return await self._scrape_metrics_only(endpoint, engine)
+            return await self._scrape_metrics_only(endpoint, engine, limits)
         load_text, metrics_text = await asyncio.gather(
             self.scraper.get_text(f"{endpoint.url}/load"),
             self.scraper.get_text(f"{endpoint.url}/metrics"),
@@ -256,7 +260,7 @@ class AutoscalerTimer:
         return ReplicaScrape(endpoint, load, ready, ttft, counters)
 
     async def _scrape_metrics_only(
-        self, endpoint: Endpoint, engine: EngineMetrics
+        self, endpoint: Endpoint, engine: EngineMetrics, limits: Limits
     ) -> ReplicaScrape:
         result: str | BaseException
         try:
@@ -266,7 +270,7 @@ class AutoscalerTimer:
         load, ready, ttft, counters = None, False, None, None
         if (text := _answered(result, f"replica {endpoint.url}: /metrics")) is not None:
             try:
-                load, ready = load_signals(load_from_metrics(text, engine))
+                load, ready = load_signals(load_from_metrics(text, engine, limits))
                 ttft = signals.parse_histogram(text, engine.ttft)
                 counters = signals.parse_counters(
                     text, engine.requests, engine.prompt_tokens, engine.generation_tokens

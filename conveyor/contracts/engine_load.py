@@ -13,9 +13,10 @@ Each engine says these things its own way:
 
 A replica that answers ``/metrics`` at all has loaded its model (neither vLLM's nor SGLang's
 server listens before), so it is ready. Neither exports its batch capacity
-(``--max-num-seqs`` / ``--max-running-requests``) as a gauge; the record carries the engine's
-documented default, which only scales how waiting requests weigh against KV usage when one
-replica is compared with another of the same pool.
+(``--max-num-seqs`` / ``--max-running-requests``) or SGLang its queue bound
+(``--max-queued-requests``) as a gauge: the gateway and the autoscaler know them from the
+LLMService that started the replica (:class:`Limits`, ``spec.runtime``), and where it leaves
+them unset the record carries the engine's documented default batch and no queue bound.
 
 The autoscaler also reads the TTFT histogram and the finished-request and token counters from
 ``/metrics``: :class:`EngineMetrics` names them for vLLM and SGLang (Conveyor's own names live
@@ -29,8 +30,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from conveyor.contracts.load import ReplicaLoad
 
@@ -96,6 +98,30 @@ METRICS_ENGINES: dict[str, EngineMetrics] = {e.engine: e for e in (VLLM, SGLANG)
 """The engines whose load is read from ``/metrics``, by ``spec.engine``."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """The batch and queue bounds a replica was started with, for a record read from
+    ``/metrics``, where the engine does not say them. None: the engine's own default."""
+
+    max_running: int | None = None
+    """``spec.runtime.maxRunningRequests`` (vLLM's ``--max-num-seqs``)."""
+    max_queued: int | None = None
+    """``spec.runtime.maxQueuedRequests`` (SGLang's ``--max-queued-requests``)."""
+
+    @classmethod
+    def of_spec(cls, spec: Mapping[str, Any]) -> Limits:
+        """The limits an LLMService's ``spec`` gives its replicas."""
+        runtime = spec.get("runtime") or {}
+        running, queued = runtime.get("maxRunningRequests"), runtime.get("maxQueuedRequests")
+        return cls(
+            running if isinstance(running, int) and running > 0 else None,
+            queued if isinstance(queued, int) and queued >= 0 else None,
+        )
+
+
+NO_LIMITS = Limits()
+
+
 def load_path(engine: str) -> str:
     """Where a replica of ``engine`` says its load: ``/load`` for Conveyor, else ``/metrics``."""
     if engine not in ENGINES:
@@ -137,8 +163,11 @@ def samples(text: str, names: Iterable[str]) -> dict[str, list[float]]:
     return found
 
 
-def load_from_metrics(text: str, engine: EngineMetrics | None = None) -> ReplicaLoad:
-    """The load record of a vLLM or SGLang replica from its ``/metrics`` text.
+def load_from_metrics(
+    text: str, engine: EngineMetrics | None = None, limits: Limits = NO_LIMITS
+) -> ReplicaLoad:
+    """The load record of a vLLM or SGLang replica from its ``/metrics`` text, with the batch
+    and queue bounds of ``limits`` (the engine's default batch where it has none).
 
     Running and waiting are summed over label sets (one per engine core or rank), KV usage
     averaged. ValueError when the text is no known engine's or lacks a gauge the record needs.
@@ -159,15 +188,16 @@ def load_from_metrics(text: str, engine: EngineMetrics | None = None) -> Replica
         running=_count(values[engine.running]),
         waiting=_count(values[engine.waiting]),
         kv_cache_usage=min(1.0, max(0.0, usage)) if math.isfinite(usage) else 0.0,
-        max_running_requests=engine.default_max_running,
-        max_queued_requests=None,
+        max_running_requests=limits.max_running or engine.default_max_running,
+        max_queued_requests=limits.max_queued,
         ready=True,
     )
 
 
-def read_load(path: str, body: str | bytes) -> ReplicaLoad:
+def read_load(path: str, body: str | bytes, limits: Limits = NO_LIMITS) -> ReplicaLoad:
     """The load record from what ``path`` (``/load`` or ``/metrics``) answered; ValueError
-    naming what is wrong."""
+    naming what is wrong. ``limits`` fill in what ``/metrics`` does not say (``/load`` says
+    its own)."""
     text = body.decode(errors="replace") if isinstance(body, bytes) else body
     if path == LOAD_PATH:
         try:
@@ -176,7 +206,7 @@ def read_load(path: str, body: str | bytes) -> ReplicaLoad:
             raise ValueError(f"/load is not JSON: {exc}") from None
         return ReplicaLoad.from_json(doc)
     if path == METRICS_PATH:
-        return load_from_metrics(text)
+        return load_from_metrics(text, limits=limits)
     raise ValueError(f"no load is read from {path!r}: {LOAD_PATH} or {METRICS_PATH}")
 
 

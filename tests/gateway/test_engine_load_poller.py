@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 from loopback import serve
 
-from conveyor.contracts.engine_load import SGLANG, VLLM, load_from_metrics
+from conveyor.contracts.engine_load import SGLANG, VLLM, Limits, load_from_metrics
 from conveyor.gateway.load_poller import LoadPoller
 from conveyor.gateway.metrics import GatewayMetrics
 from conveyor.gateway.pool import Registry
@@ -61,7 +61,7 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
             urls = {n: await stack.enter_async_context(serve(engine(n)))
                     for n in ("vllm", "sglang", "conveyor")}  # fmt: skip
             registry = Registry(lambda _name: RoundRobin())
-            registry.sync("test", {"m": set(urls.values())})
+            registry.sync("test", {"m": set(urls.values())}, limits={"m": Limits(8, 5)})
             session = await stack.enter_async_context(aiohttp.ClientSession())
             poller = LoadPoller(
                 registry=registry, session=session, metrics=metrics,
@@ -72,11 +72,16 @@ def test_vllm_replica_is_read_from_metrics_and_conveyor_from_load() -> None:
                     await poller._poll(replica)
             now = asyncio.get_running_loop().time()
             vllm = registry.replicas[urls["vllm"]]
-            assert vllm.admitted(now) and vllm.load == load_from_metrics(VLLM_TEXT)
+            assert vllm.admitted(now)
+            assert vllm.load == load_from_metrics(VLLM_TEXT, limits=Limits(8, 5))
             sglang = registry.replicas[urls["sglang"]].load
             assert sglang is not None and (sglang.running, sglang.waiting) == (3, 1)
+            # the bounds the engines do not export are the pool's LLMService's ...
+            assert (sglang.max_running_requests, sglang.max_queued_requests) == (8, 5)
+            # ... and a Conveyor replica's are its own
             conveyor = registry.replicas[urls["conveyor"]].load
             assert conveyor is not None and conveyor.max_running_requests == 4
+            assert conveyor.max_queued_requests is None
             return urls["vllm"]
 
     vllm_url = asyncio.run(run())

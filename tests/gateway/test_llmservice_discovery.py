@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from conveyor.contracts.engine_load import Limits
 from conveyor.gateway.k8s_discovery import KubernetesDiscovery
 from conveyor.gateway.llmservice_discovery import LLMServiceWatcher, pool_spec
 from conveyor.gateway.pool import Registry
@@ -89,6 +90,15 @@ def test_pool_spec_takes_model_and_policy_from_the_llmservice() -> None:
     default = pool_spec("ns", llmservice("chat"))
     assert default is not None and default.model == "chat" and default.policy is None
     assert pool_spec("ns", llmservice("chat", deleting=True)) is None
+    assert default.limits == Limits()
+
+
+def test_pool_spec_takes_the_batch_and_queue_bounds_the_replicas_were_started_with() -> None:
+    obj = llmservice("chat")
+    obj["spec"]["engine"] = "sglang"
+    obj["spec"]["runtime"] = {"maxRunningRequests": 8, "maxQueuedRequests": 0}
+    spec = pool_spec("ns", obj)
+    assert spec is not None and spec.limits == Limits(max_running=8, max_queued=0)
 
 
 async def test_pools_follow_llmservices_added_changed_and_deleted() -> None:

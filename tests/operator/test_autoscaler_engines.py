@@ -98,3 +98,30 @@ async def test_engine_ttft_and_counters_feed_the_same_signals() -> None:
     # the counters demand and capacity are measured from, under vLLM's names
     scrape = await w.timer._scrape_replica(Endpoint("tiny-a", "http://198.18.0.5:8000"), VLLM)
     assert scrape.counters == (20.0, 300.0) and scrape.ready
+
+
+@pytest.mark.parametrize("limit", [None, 4], ids=["engine-default", "maxRunningRequests-4"])
+async def test_the_batch_an_engine_replica_was_given_is_its_llmservices(limit: int | None) -> None:
+    """vLLM does not export ``--max-num-seqs``: the autoscaler reads the batch it gave the
+    replica (``spec.runtime.maxRunningRequests``) rather than vLLM's default of 256, so eight
+    running on a batch of four call for a second replica."""
+    w = World()
+    llmservice(w.kube, replicas=1, targetQueueDepthPerReplica=100)
+    spec = w.kube.objects[llmservice_path(NS, "tiny")]["spec"]
+    spec["engine"] = "vllm"
+    if limit is not None:
+        spec["runtime"] = {"maxRunningRequests": limit}
+    w.kube.slices = [
+        endpoint_slice("tiny", 8000, ("tiny-a", "198.18.0.5", True)),
+        endpoint_slice("conveyor-gateway", 8080, ("gw-a", "198.18.0.9", True)),
+    ]
+    w.scraper.pages = {
+        "http://198.18.0.5:8000/metrics": engine_metrics(VLLM, running=8, waiting=0, kv=0.1),
+        "http://198.18.0.9:8080/metrics": gateway_metrics(tiny=0),
+    }
+    decision = await w.timer.tick(NS, "tiny")
+    assert decision is not None
+    if limit is None:
+        assert (decision.desired, decision.direction) == (1, "none")
+    else:
+        assert (decision.desired, decision.direction, decision.reason) == (2, "up", "running")

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from conveyor.contracts.engine_load import (
     SGLANG,
     VLLM,
+    Limits,
     engine_of,
     load_from_metrics,
     load_path,
@@ -101,6 +102,17 @@ def test_vllm_scrape_reads_as_one_load_record() -> None:
         VLLM.generation_tokens,
         f"{VLLM.ttft}_count",
     }
+
+
+def test_the_bounds_an_engine_does_not_export_come_from_the_llmservice() -> None:
+    limits = Limits.of_spec({"runtime": {"maxRunningRequests": 8, "maxQueuedRequests": 0}})
+    assert limits == Limits(max_running=8, max_queued=0)
+    load = load_from_metrics(VLLM_TEXT, limits=limits)
+    assert (load.max_running_requests, load.max_queued_requests) == (8, 0)
+    assert read_load("/metrics", VLLM_TEXT, limits) == load
+    assert Limits.of_spec({}) == Limits.of_spec({"runtime": {}}) == Limits()
+    unset = load_from_metrics(VLLM_TEXT, limits=Limits.of_spec({"runtime": {"dtype": "auto"}}))
+    assert (unset.max_running_requests, unset.max_queued_requests) == (256, None)
 
 
 def test_sglang_text_from_its_metric_definitions_reads_as_one_load_record() -> None:
