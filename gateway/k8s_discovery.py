@@ -174,38 +174,57 @@ class KubernetesDiscovery:
         self._timeout = timeout_s
         self._headers = backend_headers(backend_api_key)
         self._sleep = sleep
-        self._tasks: dict[K8sPoolSpec, asyncio.Task[None]] = {}
-        self._models: dict[K8sPoolSpec, str] = {}
+        # Each pool's state by its watch (``K8sPoolSpec.source``): its task, the spec it now
+        # publishes with (a changed routing policy or limits replaces it in place), the model
+        # learned from a replica, and its slices.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._specs: dict[str, K8sPoolSpec] = {}
+        self._models: dict[str, str] = {}
+        self._trackers: dict[str, EndpointSliceTracker] = {}
         self.synced = asyncio.Event()
         """Set once every pool has been listed at least once."""
-        self._listed: set[K8sPoolSpec] = set()
+        self._listed: set[str] = set()
 
     def add_pool(self, spec: K8sPoolSpec) -> None:
-        if spec not in self._tasks:
+        if spec.source not in self._tasks:
             self.synced.clear()
-            self._tasks[spec] = asyncio.create_task(self._run_pool(spec), name=spec.source)
+            self._specs[spec.source] = spec
+            self._tasks[spec.source] = asyncio.create_task(self._run_pool(spec), name=spec.source)
+
+    async def update_pool(self, spec: K8sPoolSpec) -> None:
+        """A pool's routing policy or limits changed (its watch, port and model did not): the
+        pool is published again with them, its watch, replicas and their load kept."""
+        if spec.source not in self._tasks:
+            self.add_pool(spec)
+            return
+        self._specs[spec.source] = spec
+        tracker = self._trackers.get(spec.source)
+        if spec.source in self._listed and tracker is not None:
+            await self._publish(spec.source, tracker)
 
     async def remove_pool(self, spec: K8sPoolSpec) -> None:
-        task = self._tasks.pop(spec, None)
+        task = self._tasks.pop(spec.source, None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        self._listed.discard(spec)
-        self._models.pop(spec, None)
+        for state in (self._specs, self._models, self._trackers):
+            state.pop(spec.source, None)
+        self._listed.discard(spec.source)
         self._registry.forget(spec.source)
 
     async def close(self) -> None:
-        for spec in list(self._tasks):
+        for spec in list(self._specs.values()):
             await self.remove_pool(spec)
 
     async def _run_pool(self, spec: K8sPoolSpec) -> None:
-        tracker = EndpointSliceTracker(spec.port_name)
+        source = spec.source
+        tracker = self._trackers[source] = EndpointSliceTracker(spec.port_name)
 
         async def list_slices() -> str:
             slices, version = await self._source.list(spec.namespace, spec.label_selector)
             tracker.reset(slices)
-            await self._publish(spec, tracker)
-            self._listed.add(spec)
+            await self._publish(source, tracker)
+            self._listed.add(source)
             if self._listed >= self._tasks.keys():
                 self.synced.set()
             return version
@@ -215,20 +234,21 @@ class KubernetesDiscovery:
                 spec.namespace, spec.label_selector, version
             ):
                 tracker.apply(event_type, slice_)
-                await self._publish(spec, tracker)
+                await self._publish(source, tracker)
 
         await list_and_watch(
-            f"EndpointSlice watch {spec.source}", list_slices, watch_slices, self._sleep
+            f"EndpointSlice watch {source}", list_slices, watch_slices, self._sleep
         )
 
-    async def _publish(self, spec: K8sPoolSpec, tracker: EndpointSliceTracker) -> None:
+    async def _publish(self, source: str, tracker: EndpointSliceTracker) -> None:
+        spec = self._specs[source]
         urls = tracker.urls()
-        model = spec.model or self._models.get(spec)
+        model = spec.model or self._models.get(source)
         if model is None and urls:
             model = await self._learn_model(spec, urls)
         if model is None:
             return  # no replica has told us its model yet; the next event asks again
-        self._registry.sync(spec.source, {model: urls}, {model: spec.policy}, {model: spec.limits})
+        self._registry.sync(source, {model: urls}, {model: spec.policy}, {model: spec.limits})
 
     async def _learn_model(self, spec: K8sPoolSpec, urls: set[str]) -> str | None:
         for url in sorted(urls):
@@ -237,7 +257,7 @@ class KubernetesDiscovery:
             except (httpx.HTTPError, ValueError):
                 continue
             if models:
-                self._models[spec] = models[0]
+                self._models[spec.source] = models[0]
                 return models[0]
         return None
 

@@ -52,6 +52,11 @@ def pool_spec(namespace: str, llmservice: dict[str, Any]) -> K8sPoolSpec | None:
     )
 
 
+def same_pool(a: K8sPoolSpec, b: K8sPoolSpec) -> bool:
+    """The same watch, port and model: what differs (routing policy, limits) changes in place."""
+    return (a.source, a.port_name, a.model) == (b.source, b.port_name, b.model)
+
+
 class LLMServiceSource(Protocol):
     """The Kubernetes boundary: LLMServices as plain API dicts."""
 
@@ -123,6 +128,16 @@ class LLMServiceWatcher:
     async def _set(self, name: str, spec: K8sPoolSpec | None) -> None:
         old = self._pools.get(name)
         if old == spec:
+            return
+        if old is not None and spec is not None and same_pool(old, spec):
+            # Only its routing policy or limits changed: the pool keeps its replicas, their
+            # load and the requests held for it at the gateway.
+            self._pools[name] = spec
+            await self._discovery.update_pool(spec)
+            log.info(
+                "LLMService %s/%s: pool %s now routing %s, %s",
+                self._namespace, name, spec.model, spec.policy, spec.limits,
+            )  # fmt: skip
             return
         if old is not None:
             await self._discovery.remove_pool(old)

@@ -101,7 +101,8 @@ class Registry:
         self.replicas: dict[str, Replica] = {}
         self._sources: dict[str, dict[str, set[str]]] = {}
         self._policies: dict[str, str | None] = {}
-        self._limits: dict[str, Limits] = {}
+        self._source_limits: dict[str, dict[str, Limits]] = {}
+        self._url_limits: dict[str, Limits] = {}
         self.listeners: list[Callable[[list[Replica], list[Replica]], None]] = []
         """Called with (added, removed) replicas after every change."""
         self._changed = asyncio.Event()
@@ -136,9 +137,10 @@ class Registry:
 
         A model listed with no URLs keeps its pool (known model, no replica: 503, not 404).
         ``policies`` names a pool's routing policy; None means the gateway's default.
-        ``limits`` are the batch and queue bounds of a pool's replicas (``limits_of``).
+        ``limits`` are the batch and queue bounds of the replicas ``source`` lists for a model
+        (``limits_of``).
         """
-        self._limits.update(limits or {})
+        self._source_limits[source] = dict(limits or {})
         self._sources[source] = {model: set(urls) for model, urls in members.items()}
         for model, policy in (policies or {}).items():
             if self._policies.get(model) != policy and model in self.pools:
@@ -148,6 +150,7 @@ class Registry:
 
     def forget(self, source: str) -> None:
         self._sources.pop(source, None)
+        self._source_limits.pop(source, None)
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -155,6 +158,14 @@ class Registry:
         for members in self._sources.values():
             for model, urls in members.items():
                 wanted.setdefault(model, set()).update(urls)
+
+        self._url_limits = {}
+        for source in sorted(self._sources):
+            for model, urls in sorted(self._sources[source].items()):
+                limits = self._source_limits.get(source, {}).get(model, NO_LIMITS)
+                if limits != NO_LIMITS:  # a source that knows none does not hide another's
+                    for url in urls:
+                        self._url_limits.setdefault(url, limits)
 
         all_urls = set().union(*wanted.values()) if wanted else set()
         added = [Replica(url) for url in sorted(all_urls - self.replicas.keys())]
@@ -188,13 +199,9 @@ class Registry:
         self.notify()
 
     def limits_of(self, url: str) -> Limits:
-        """The batch and queue bounds the replica at ``url`` was given by its pool's
-        LLMService, for a load read from ``/metrics``, which does not say them."""
-        replica = self.replicas.get(url)
-        for model in sorted(replica.pools if replica is not None else ()):
-            if model in self._limits:
-                return self._limits[model]
-        return NO_LIMITS
+        """The batch and queue bounds the replica at ``url`` was given by the LLMService that
+        lists it, for a load read from ``/metrics``, which does not say them."""
+        return self._url_limits.get(url, NO_LIMITS)
 
     def served_models(self) -> list[str]:
         return sorted(self.pools)

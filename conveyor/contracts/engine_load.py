@@ -114,8 +114,8 @@ class Limits:
         runtime = spec.get("runtime") or {}
         running, queued = runtime.get("maxRunningRequests"), runtime.get("maxQueuedRequests")
         return cls(
-            running if isinstance(running, int) and running > 0 else None,
-            queued if isinstance(queued, int) and queued >= 0 else None,
+            running if type(running) is int and running > 0 else None,
+            queued if type(queued) is int and queued >= 0 else None,
         )
 
 

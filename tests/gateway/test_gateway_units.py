@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conveyor.contracts.engine_load import Limits
 from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.auth import ApiKeyAuth, load_api_keys
 from conveyor.gateway.cli import parse_settings
@@ -216,3 +217,22 @@ def test_the_error_event_ends_the_stream() -> None:
     from conveyor.gateway.sse import DONE, error_event
 
     assert error_event("gone").endswith(DONE)
+
+
+def test_a_replica_has_the_limits_of_the_source_that_lists_it() -> None:
+    """Two LLMServices serving one model name: each replica has its own LLMService's bounds,
+    and they go with the source that gave them."""
+    registry = Registry(
+        lambda name: make_policy(name or "round-robin", bounded_load_factor=1.25, ring_vnodes=10)
+    )
+    small, large = Limits(max_running=4), Limits(max_running=64, max_queued=8)
+    registry.sync("a", {"m": {"http://a:1"}}, limits={"m": small})
+    registry.sync("b", {"m": {"http://b:1"}}, limits={"m": large})
+    registry.sync("static", {"m": {"http://a:1", "http://s:1"}})  # knows no limits
+    assert registry.limits_of("http://a:1") == small
+    assert registry.limits_of("http://b:1") == large
+    assert registry.limits_of("http://s:1") == Limits()
+    registry.forget("a")
+    assert registry.limits_of("http://a:1") == Limits()  # still listed, by static alone
+    registry.sync("b", {"m": {"http://b:1"}})
+    assert registry.limits_of("http://b:1") == Limits()

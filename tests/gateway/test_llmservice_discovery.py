@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -82,6 +83,32 @@ async def until(condition, what: str) -> None:
     assert condition(), what
 
 
+@contextlib.asynccontextmanager
+async def watching(
+    services: FakeServices, slices: FakeSlices
+) -> AsyncIterator[tuple[Registry, LLMServiceWatcher]]:
+    """A registry fed by a running watcher over the fake sources, listed once; stopped and
+    its pools closed on the way out."""
+    registry = Registry(
+        lambda name: make_policy(name or "prefix-aware", bounded_load_factor=1.25, ring_vnodes=10)
+    )
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda r: httpx.Response(500))
+    ) as client:
+        discovery = KubernetesDiscovery(
+            registry=registry, source=slices, client=client, timeout_s=1.0, backend_api_key=None
+        )
+        watcher = LLMServiceWatcher(namespace="ns", source=services, discovery=discovery)
+        task = asyncio.create_task(watcher.run())
+        try:
+            await until(watcher.synced.is_set, "first list of LLMServices and their slices")
+            yield registry, watcher
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await discovery.close()
+
+
 def test_pool_spec_takes_model_and_policy_from_the_llmservice() -> None:
     spec = pool_spec("ns", llmservice("chat", served="qwen", policy="least-load"))
     assert spec is not None
@@ -102,20 +129,9 @@ def test_pool_spec_takes_the_batch_and_queue_bounds_the_replicas_were_started_wi
 
 
 async def test_pools_follow_llmservices_added_changed_and_deleted() -> None:
-    registry = Registry(
-        lambda name: make_policy(name or "prefix-aware", bounded_load_factor=1.25, ring_vnodes=10)
-    )
     services = FakeServices([llmservice("chat"), llmservice("code", policy="round-robin")])
     slices = FakeSlices({"chat": "198.18.0.5", "code": "198.18.0.6", "embed": "198.18.0.7"})
-    async with httpx.AsyncClient(
-        transport=httpx.MockTransport(lambda r: httpx.Response(500))
-    ) as client:
-        discovery = KubernetesDiscovery(
-            registry=registry, source=slices, client=client, timeout_s=1.0, backend_api_key=None
-        )
-        watcher = LLMServiceWatcher(namespace="ns", source=services, discovery=discovery)
-        task = asyncio.create_task(watcher.run())
-        await until(watcher.synced.is_set, "first list of LLMServices and their slices")
+    async with watching(services, slices) as (registry, watcher):
         assert registry.served_models() == ["chat", "code"]
         assert list(registry.pools["chat"].replicas) == ["http://198.18.0.5:8000"]
         assert registry.pools["code"].policy.name == "round-robin"
@@ -143,9 +159,31 @@ async def test_pools_follow_llmservices_added_changed_and_deleted() -> None:
         await until(lambda: "e5" in registry.pools, "an LLMService added after a bookmark")
         assert services.lists == 1
 
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await discovery.close()
+
+def with_runtime(obj: dict[str, Any], **runtime: int) -> dict[str, Any]:
+    obj["spec"]["engine"] = "vllm"
+    obj["spec"]["runtime"] = runtime
+    return obj
+
+
+async def test_a_changed_policy_or_limit_keeps_the_pool_its_replicas_and_their_watch() -> None:
+    services = FakeServices([with_runtime(llmservice("chat"), maxRunningRequests=8)])
+    slices = FakeSlices({"chat": "198.18.0.5"})
+    url = "http://198.18.0.5:8000"
+    async with watching(services, slices) as (registry, _watcher):
+        pool, replica = registry.pools["chat"], registry.replicas[url]
+        assert registry.limits_of(url) == Limits(max_running=8)
+
+        edited = with_runtime(llmservice("chat", policy="least-load"), maxRunningRequests=4)
+        await services.events.put(("MODIFIED", edited))
+        await until(lambda: registry.limits_of(url) == Limits(max_running=4), "the new limit")
+        assert registry.pools["chat"] is pool and registry.replicas[url] is replica
+        assert pool.policy.name == "least-load"
+        await services.events.put(("MODIFIED", llmservice("chat", policy="least-load")))
+        await until(lambda: registry.limits_of(url) == Limits(), "the limit unset")
+        assert registry.pools["chat"] is pool
+        assert len(slices.selectors) == 1, "the slices were listed once: the watch went on"
+    assert registry.limits_of(url) == Limits() and registry.pools == {}
 
 
 async def test_a_namespace_without_llmservices_is_synced_with_no_pools() -> None:
