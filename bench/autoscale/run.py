@@ -230,11 +230,12 @@ async def step_phases(
         f"step to {s.step_factor:g}x: {s.step_factor * capacity:.2f} requests/s for "
         f"{s.minutes:g} minutes"
     )
-    if s.minutes * 60 <= s.scale_down_window_s:
+    if s.minutes * 60 < s.scale_down_window_s + 60:
         progress.say(
             f"note: --minutes {s.minutes:g} is within the scale-down window "
-            f"({s.scale_down_window_s} s): a replica the step added beyond what the load needs "
-            "cannot go before the end, so replicas_at_end shows no settling down"
+            f"({s.scale_down_window_s} s) and a minute for the backlog to drain: a replica the "
+            "step added beyond what the load needs may not go before the end, so "
+            "replicas_at_end may show no settling down"
         )
     step_at = time.monotonic()
     load = asyncio.create_task(open_loop(client, rec, s.step_factor * capacity, stop, s))

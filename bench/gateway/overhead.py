@@ -99,6 +99,7 @@ async def probe_under_load(url: str, background: int, probes: int) -> Probes:
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         all_settled = asyncio.Event()
         settled = 0  # held streams that opened or broke before they did
+        gave_up = False  # those not open by then are counted once, as never open
 
         def settle() -> None:
             nonlocal settled
@@ -118,7 +119,8 @@ async def probe_under_load(url: str, background: int, probes: int) -> Probes:
                             counted = True
                             settle()
             except (aiohttp.ClientError, TimeoutError) as exc:
-                out.broke("held stream", exc)
+                if counted or not gave_up:
+                    out.broke("held stream", exc)
                 if not counted:
                     settle()
 
@@ -147,6 +149,7 @@ async def probe_under_load(url: str, background: int, probes: int) -> Probes:
                     async with asyncio.timeout(OPEN_TIMEOUT_S):
                         await all_settled.wait()
                 except TimeoutError:
+                    gave_up = True
                     out.errors[f"held stream not open in {OPEN_TIMEOUT_S} s"] += (
                         background - settled
                     )

@@ -10,7 +10,7 @@ import json
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from conveyor.bench.gateway.overhead import probe_under_load
+from conveyor.bench.gateway.overhead import Probes, probe_under_load
 
 
 class _FlakyReplica:
@@ -39,15 +39,47 @@ class _FlakyReplica:
         return response
 
 
-async def test_refused_streams_and_failed_probes_count_as_broken_not_as_the_bench_failing() -> None:
+async def _probe(replica: _FlakyReplica | _SilentReplica, background: int, probes: int) -> Probes:
+    """``probe_under_load`` against ``replica``, whose held handlers are let go afterwards."""
     app = web.Application()
-    app.router.add_post("/v1/completions", _FlakyReplica().handle)
+    app.router.add_post("/v1/completions", replica.handle)
     async with TestServer(app) as server:
         url = str(server.make_url("")).rstrip("/")
-        probes = await probe_under_load(url, background=6, probes=8)
-    assert probes.errors["held stream: HTTP 503"] == 3
-    failed_probes = probes.errors["probe: HTTP 503"]
-    assert 0 < failed_probes < 16
-    assert len(probes.whole) + len(probes.ttft) == 16 - failed_probes
-    assert len(probes.ttft) == len(probes.e2e)
-    assert probes.broken == 3 + failed_probes
+        try:
+            return await probe_under_load(url, background=background, probes=probes)
+        finally:
+            replica.never.set()
+
+
+async def test_refused_streams_and_failed_probes_count_as_broken_not_as_the_bench_failing() -> None:
+    probes = await _probe(_FlakyReplica(), background=6, probes=8)
+    # the six held streams come first (1-6, the odd ones refused), then the 16 probes in
+    # turn, whole (7, 9, ...) and streamed (8, 10, ...), every fourth refused: 8, 12, 16, 20
+    assert probes.errors == {"held stream: HTTP 503": 3, "probe: HTTP 503": 4}
+    assert (len(probes.whole), len(probes.ttft), len(probes.e2e)) == (8, 4, 4)
+    assert probes.broken == 7
+
+
+class _SilentReplica:
+    """Never answers a held stream (no headers); answers probes at once."""
+
+    def __init__(self) -> None:
+        self.never = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        doc = json.loads(await request.read())
+        if str(doc["prompt"]).startswith("pace"):
+            await self.never.wait()
+        return web.json_response({"choices": [{"text": "x"}]})
+
+
+async def test_held_streams_that_never_open_are_counted_once(monkeypatch) -> None:
+    from conveyor.bench.gateway import overhead
+
+    monkeypatch.setattr(overhead, "OPEN_TIMEOUT_S", 0.3)
+    probes = await _probe(_SilentReplica(), background=3, probes=2)
+    # each of the three counted once, whether its own read timed out or the wait for all
+    # of them to open did first
+    held = {kind: n for kind, n in probes.errors.items() if kind.startswith("held stream")}
+    assert sum(held.values()) == 3, probes.errors
+    assert len(probes.whole) == 2
