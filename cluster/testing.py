@@ -1,18 +1,34 @@
 """Helpers for tests against a cluster (``e2e/`` and any test given a cluster): no pytest inside.
 
 ``KubeUnderTest`` is the cluster a test run uses, ours or the one ``KUBECONFIG`` names;
-``leftovers_of`` lists what a cluster left on the host.
+``leftovers_of`` lists what a cluster left on the host; ``end_on_sigterm`` makes a stopped
+run take its clusters down.
 """
 
 from __future__ import annotations
 
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 from conveyor.cluster.api import ApiClient, kubeconfig, write_kubeconfig
 from conveyor.cluster.cluster import Cluster
 from conveyor.cluster.leftovers import find_leftovers
+
+
+def end_on_sigterm() -> None:
+    """Make a SIGTERM end this process as Ctrl-C does, by a ``KeyboardInterrupt``: pytest then
+    tears its fixtures down, so the clusters they started (in sessions of their own, which a
+    signal to the test run's process group does not reach) are stopped. Otherwise a run
+    stopped by a CI timeout or a cancel leaves its cluster up, and the next run on the machine
+    finds one running and cannot start its own. Call from the main thread (``pytest_configure``)."""
+
+    def interrupt(signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"stopped by signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def leftovers_of(cluster: Cluster) -> dict[str, list[str]]:

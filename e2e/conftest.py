@@ -36,7 +36,7 @@ from real_nodes_helpers import cannot_run, why_no_real_nodes
 from conveyor.cluster import Cluster, ClusterAlreadyRunning, ClusterSettings
 from conveyor.cluster.leftovers import rulesets
 from conveyor.cluster.real_nodes import default_node_images
-from conveyor.cluster.testing import KubeUnderTest
+from conveyor.cluster.testing import KubeUnderTest, end_on_sigterm
 
 E2E_DIR = Path(__file__).parent
 _KUBE = pytest.StashKey[KubeUnderTest]()
@@ -235,3 +235,7 @@ def running_pods(kube: KubeUnderTest, namespace: str, request: pytest.FixtureReq
         stash[_PODS_RUN] = pods_run(kube, namespace) or ""
     if stash[_PODS_RUN]:
         pytest.skip(stash[_PODS_RUN])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    end_on_sigterm()  # a stopped run takes its clusters down (conveyor.cluster.testing)

@@ -12,3 +12,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config: object) -> None:
+    from conveyor.cluster.testing import end_on_sigterm
+
+    end_on_sigterm()  # a stopped run takes its clusters down
