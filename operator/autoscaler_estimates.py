@@ -51,11 +51,17 @@ def update_capacity(obs: Observation, policy: AutoscalingPolicy, history: Histor
     requests it cannot serve yet, on the CPU its engine uses (a quarter-core replica
     finished 7.2 requests/s under a 2x step, 8.05 under a steady queue, so the step read as
     2.2 replicas and settled at 3). Such measurements are used only until one without
-    overload comes, which replaces them; after that they are left out."""
+    overload comes, which replaces them; after that they are left out. A measurement covers
+    the panic window, so one is steady only a panic window after the last overload: one
+    taken as the backlog drains still holds the overloaded seconds (7.5 where the replicas
+    then did 8), and averaged in, the steady figure would take minutes to come."""
     sample = obs.demand.saturated if obs.demand is not None else None
     if sample is None or sample.requests <= 0:
         return
-    steady = not overloaded(obs, sample)
+    if overloaded(obs, sample):
+        history.last_overload = obs.time
+    last = history.last_overload
+    steady = last is None or obs.time - last >= policy.panic_window
     if not steady and history.capacity_steady:
         return
     old, then = history.capacity, history.capacity_time

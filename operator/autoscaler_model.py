@@ -116,6 +116,11 @@ class Demand:
     """Mean throughput of the replicas that have a queue now, since their queue began (within
     the panic window): capacity from a shorter span, for when nothing was measured yet. None
     when no replica had a queue at its last two scrapes."""
+    arrivals_recent: Rates | None = None
+    """Over the last half of the panic window: a step shows here whole while the panic window
+    still averages it with the load before. None without scrapes to measure it."""
+    recent_growth: float = 0.0
+    """Requests/s the backlog grew over that last half."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,8 @@ class History:
     """When ``capacity`` was last measured."""
     capacity_steady: bool = False
     """``capacity`` holds a measurement taken without overload (``update_capacity``)."""
+    last_overload: float | None = None
+    """When a measurement was last taken under overload."""
     last_panic: float | None = None
     """Last time the panic window called for more than ready and starting replicas carry."""
     breaches: deque[tuple[float, float, str, int]] = field(default_factory=deque)

@@ -238,7 +238,8 @@ def estimate_demand(
     panic_window: float,
     rejected: Mapping[str, Sequence[Counters]] | None = None,
 ) -> Demand | None:
-    """Arrivals over ``window`` and ``panic_window`` and what saturated replicas did.
+    """Arrivals over ``window``, ``panic_window`` and its last half, and what saturated replicas
+    did.
 
     ``replicas`` holds each replica's scrapes, oldest first (those of the last window at
     least; a replica gone within the window stays, so that what it finished counts);
@@ -250,6 +251,7 @@ def estimate_demand(
     panic = _arrivals(replicas, rejected or {}, backlog, now - panic_window)
     if stable is None or panic is None:
         return None
+    recent = _arrivals(replicas, rejected or {}, backlog, now - panic_window / 2)
     saturated, busy = [], []
     for series in replicas.values():
         rate, base = throughput(series, now - panic_window), baseline(series, now - panic_window)
@@ -267,4 +269,6 @@ def estimate_demand(
         backlog_growth=panic[1],
         saturated=_mean(saturated),
         busy=_mean(busy),
+        arrivals_recent=None if recent is None else recent[0],
+        recent_growth=0.0 if recent is None else recent[1],
     )

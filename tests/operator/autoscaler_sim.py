@@ -5,6 +5,7 @@ every period; and the policy the simulations are sized for (``SIZED``)."""
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections import deque
 from typing import Any
@@ -23,6 +24,17 @@ from conveyor.operator.signals import Backlog, Counters, estimate_demand
 
 def replicas(n: int, waiting: int = 0, running: int = 0, kv: float = 0.1, max_running: int = 8):
     return tuple(ReplicaSignals(waiting, running, max_running, kv) for _ in range(n))
+
+
+def poisson(rng: random.Random, mean: float) -> int:
+    """A Poisson draw (Knuth's: fine for the few arrivals of a 0.1 s step). A normal draw
+    clipped at zero, as this was, overstates arrivals where the mean is near its spread: 6.8
+    requests/s came out as 7.7."""
+    limit, k, p = math.exp(-mean), 0, rng.random()
+    while p > limit:
+        k += 1
+        p *= rng.random()
+    return k
 
 
 SIZED = AutoscalingPolicy(
@@ -156,8 +168,8 @@ class Service(Simulated):
                 self.ready[self.next_id] = 0.0
                 self.next_id += 1
             arrived = rate * dt
-            if self.rng is not None:  # Poisson arrivals' spread
-                arrived = max(0.0, self.rng.gauss(arrived, arrived**0.5))
+            if self.rng is not None:  # Poisson arrivals
+                arrived = float(poisson(self.rng, arrived))
             if clients is not None:
                 arrived = max(0.0, clients - self.in_system)
             self.in_system += arrived

@@ -4,11 +4,13 @@ queue target on a saturated fleet, over simulated services (``autoscaler_sim``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import deque
 
 import pytest
 from autoscaler_sim import SIZED, Clients, Service, replicas
 
+from conveyor.operator import autoscaler
 from conveyor.operator.autoscaler import decide
 from conveyor.operator.autoscaler_estimates import update_capacity
 from conveyor.operator.autoscaler_model import Decision, Demand, History, Observation, Rates
@@ -92,7 +94,7 @@ def test_constant_noisy_load_never_changes_direction(seed):
     """
     svc = Service(SIZED, seed=seed)
     svc.run(rate=0.0, seconds=10)
-    svc.run(rate=13.6, seconds=180)
+    svc.run(rate=13.6, seconds=360)  # the step from zero settles (a third may come and go)
     start = len(svc.decisions)
     svc.run(rate=13.6, seconds=600)
     moves = [d.direction for d in svc.decisions[start:] if d.direction != "none"]
@@ -141,15 +143,62 @@ def test_a_step_while_a_replica_starts_panics_on_what_is_ready():
     assert svc.current == 2
 
 
+def step_at_gpu_rates(factor: float) -> tuple[list[int], list[float]]:
+    """Replicas and backlog every 2 s after a step from 84% of one replica of 50 requests/s."""
+    svc = Service(dataclasses.replace(SIZED, max_replicas=1), start_s=10.0, capacity=50.0, seed=3)
+    svc.run(rate=0.0, seconds=30, clients=30)  # measured at 50
+    svc.run(rate=0.84 * 50, seconds=60)
+    svc.policy = SIZED
+    step, backlog = len(svc.decisions), []
+    for _ in range(30):
+        svc.run(rate=factor * 50, seconds=2)
+        backlog.append(svc.in_system)
+    return svc.replicas[step:], backlog
+
+
+def test_a_step_shows_in_the_last_half_of_the_panic_window(monkeypatch):
+    """A 2x step at 50 requests/s a replica: the last half of the panic window reads it whole a
+    tick or two before the panic window does, so the replicas it needs are asked for sooner
+    and the backlog is drained sooner. Without the half window, a tick later each."""
+    replicas, backlog = step_at_gpu_rates(2.0)
+    monkeypatch.setattr(autoscaler, "BURST_Z", math.inf)
+    late_replicas, late_backlog = step_at_gpu_rates(2.0)
+    assert replicas.index(3) < late_replicas.index(3) and max(replicas) == 3, (
+        replicas,
+        late_replicas,
+    )
+    assert max(backlog) < max(late_backlog)
+    drained = next(i for i, b in enumerate(backlog) if i > 2 and b < 10)
+    assert drained < next(i for i, b in enumerate(late_backlog) if i > 2 and b < 10)
+
+
+@pytest.mark.parametrize(
+    ("recent", "recent_growth", "read"),
+    [
+        (16.0, 4.0, 16.0),  # a step: 10/s over 6/s, 7 deviations of 6/s over 3 s
+        (9.5, 4.0, 9.0),  # within the noise of 6/s: the panic window's
+        (16.0, -1.0, 9.0),  # the backlog shrank over the half window: no burst
+    ],
+)
+def test_the_half_window_stands_for_the_panic_window_only_for_a_step(recent, recent_growth, read):
+    demand = Demand(
+        Rates(6.0), Rates(9.0), 2.0, arrivals_recent=Rates(recent), recent_growth=recent_growth
+    )
+    assert autoscaler.burst_arrivals(demand, SIZED).requests == read
+
+
 def test_a_starting_guess_sizes_before_anything_is_measured():
     policy = dataclasses.replace(SIZED, capacity_requests_per_second=8.0)
     svc = Service(policy)
     svc.run(rate=0.0, seconds=10)
     start = len(svc.decisions)
     svc.run(rate=16.0, seconds=6)
-    (d,) = [d for d in svc.decisions[start:] if d.direction == "up"]
-    assert d.estimate is not None and d.estimate.capacity_source == "guess"
-    assert (d.desired, d.reason) == (2, "panic")
+    ups = [d for d in svc.decisions[start:] if d.direction == "up"]
+    assert ups and all(d.estimate and d.estimate.capacity_source == "guess" for d in ups)
+    # two carry the step; a third, while they start, drains what waited on the first
+    assert [(d.desired, d.reason) for d in ups] in ([(2, "panic")], [(2, "panic"), (3, "panic")])
+    svc.run(rate=16.0, seconds=300)
+    assert svc.replicas[-1] == 2
 
 
 def breach_trace(low: int, seconds: int = 120) -> list[Decision]:

@@ -172,6 +172,12 @@ def test_requests_the_gateways_sent_beyond_what_replicas_count_are_backlog_and_a
     assert later.demand is not None
     assert later.demand.arrivals_panic.requests == pytest.approx(5.0)
     assert later.demand.backlog_growth == pytest.approx(5.0)
+    # the last half of the panic window (3 s) reaches back to the scrape before it, too
+    assert later.demand.arrivals_recent == later.demand.arrivals_panic
+    assert later.demand.recent_growth == pytest.approx(5.0)
+    third = observe(106.0, in_flight=13)  # nothing more came: 10 over 6 s, none over 4 s
+    assert third.demand is not None and third.demand.recent_growth == pytest.approx(0.0)
+    assert third.demand.arrivals_panic.requests == pytest.approx(10 / 6)
 
 
 def test_requests_held_at_a_queueing_gateway_make_a_saturated_replica():
