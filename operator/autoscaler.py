@@ -166,7 +166,8 @@ def sized(
         return replicas_needed(arrivals, cap, u) + drain
 
     need = with_drain(obs.demand.arrivals)
-    need_panic = with_drain(burst_arrivals(obs.demand, policy))
+    burst = burst_arrivals(obs.demand, policy)
+    need_panic = with_drain(burst)
     # Panic: the backlog grows and the last seconds call for well beyond the ready replicas.
     # While a panic is recent, the short window sizes scale-ups too (it sees a step at once,
     # the demand window only as it fills), to more than the ready and starting replicas.
@@ -219,7 +220,7 @@ def sized(
             down = max(down, (floor, "breach-floor"))
     use = replicas_needed(obs.demand.arrivals, cap, 1.0) / obs.num_ready
     estimate = Estimate(
-        obs.demand.arrivals, cap, source, use, need, panic, start_time=history.start_time
+        obs.demand.arrivals, cap, source, use, need, panic, history.start_time, burst, need_panic
     )
     return up, reason, down, estimate
 

@@ -202,6 +202,12 @@ class Estimate:
     panic: bool
     start_time: float | None = None
     """Seconds a replica takes to be ready, as learned; None until one was seen starting."""
+    burst: Rates | None = None
+    """Arrivals over the panic window, or its last half (``burst_arrivals``): what a panic
+    reads."""
+    burst_replicas_needed: float | None = None
+    """What those arrivals and the backlog's drain call for; a panic is above 1.5x the ready
+    replicas."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ ESTIMATE_SIGNALS = (
     "replicasNeeded",
     "panic",
     "replicaStartSeconds",
+    "burstRequestsPerSecond",
+    "burstReplicasNeeded",
 )
 """Keys of ``status.autoscaler.signals`` that only a capacity-sized decision has."""
 
@@ -66,6 +68,9 @@ def autoscaler_status(
         })  # fmt: skip
         if est.start_time is not None:
             status["signals"]["replicaStartSeconds"] = round(est.start_time, 1)
+        if est.burst is not None and est.burst_replicas_needed is not None:
+            status["signals"]["burstRequestsPerSecond"] = round(est.burst.requests, 3)
+            status["signals"]["burstReplicasNeeded"] = round(est.burst_replicas_needed, 3)
         capacity: dict[str, Any] = {
             "requestsPerSecond": round(est.capacity.requests, 3),
             "tokensPerSecond": round(est.capacity.tokens, 1),

@@ -45,6 +45,11 @@ def describe_status(obj: dict[str, Any]) -> str:
             f"utilization {sig.get('utilization', 0.0):.2f}"
             + (", panic" if sig.get("panic") else "")
         )
+    if "burstReplicasNeeded" in sig:
+        parts.append(
+            f"replicas needed {sig.get('replicasNeeded', 0.0):.2f} (panic window "
+            f"{sig['burstReplicasNeeded']:.2f})"
+        )
     if auto.get("reason"):
         parts.append(f"last decision {auto.get('direction')} ({auto['reason']})")
     if auto.get("scaleDownHeldBy"):
@@ -59,6 +64,10 @@ class Sample:
     ready: int
     queue: float
     ttft_p95: float | None
+    need: float | None = None
+    """``status.autoscaler.signals.replicasNeeded``: what the demand window calls for."""
+    burst_need: float | None = None
+    """``burstReplicasNeeded``: what the panic window (or its last half) calls for."""
 
 
 @dataclass
@@ -155,6 +164,7 @@ async def watch(
             time.monotonic(), int(obj["spec"].get("replicas", 0)),
             int((obj.get("status") or {}).get("readyReplicas", 0)),
             float(sig.get("queueDepthPerReplica", 0.0)), sig.get("ttftP95Seconds"),
+            sig.get("replicasNeeded"), sig.get("burstReplicasNeeded"),
         ))  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), 0.5)

@@ -64,6 +64,24 @@ def plot(rec: Recorder, step_at: float, path: Path, s: BenchSettings) -> None:
     fig.savefig(path, dpi=100)
 
 
+TRACE_S = 30.0
+"""Seconds after the step that ``step_trace`` covers."""
+
+
+def step_trace(rec: Recorder, step_at: float) -> list[list[Any]]:
+    """[seconds since the step, desired, ready, queue per replica, replicas the demand window
+    calls for, replicas the panic window calls for] at each change within ``TRACE_S`` of the
+    step: where the time to the decision went."""
+    rows: list[list[Any]] = []
+    for x in rec.samples:
+        if not step_at - 1 <= x.t <= step_at + TRACE_S:
+            continue
+        row = [x.replicas, x.ready, x.queue, x.need, x.burst_need]
+        if not rows or rows[-1][1:] != row:
+            rows.append([round(x.t - step_at, 1), *row])
+    return rows
+
+
 def recovered_by_finish(rec: Recorder, after: float, target: float) -> float | None:
     """When the client-side TTFT p95 over the last 10 s of finished requests came back under
     ``target``, after it had been above it, past ``after`` (the scale-up decision): what a
@@ -273,6 +291,7 @@ async def step_phases(
         "constant_load_minutes_counted": round((s.minutes * 60 - (settle - step_at)) / 60, 1),
         "requests": len(rec.done),
         "failed_requests": rec.failures,
+        "step_trace": step_trace(rec, step_at),
     })  # fmt: skip
     final = ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("capacity")
     out["autoscaler_capacity_rps"] = None if not final else final.get("requestsPerSecond")

@@ -209,6 +209,9 @@ async def test_demand_capacity_and_utilization_in_status_and_metrics_and_remembe
     assert sig["demandTokensPerSecond"] == pytest.approx(800.0)
     assert sig["utilization"] == pytest.approx(1.0) and sig["panic"] is False
     assert sig["replicasNeeded"] == pytest.approx(1.0 + 1 / (30 * 8), abs=1e-3)
+    # a steady load: the panic window reads what the demand window does
+    assert sig["burstRequestsPerSecond"] == pytest.approx(8.0)
+    assert sig["burstReplicasNeeded"] == pytest.approx(sig["replicasNeeded"], abs=1e-3)
     capacity = status["capacity"]
     assert (capacity["requestsPerSecond"], capacity["tokensPerSecond"], capacity["source"]) == (
         8.0,

@@ -34,6 +34,8 @@ def test_a_progress_line_says_replicas_and_the_autoscalers_estimates():
                     "demandRequestsPerSecond": 16.7,
                     "utilization": 1.0,
                     "panic": True,
+                    "replicasNeeded": 1.24,
+                    "burstReplicasNeeded": 2.61,
                 },
                 "capacity": {"requestsPerSecond": 8.35, "source": "measured"},
             },
@@ -42,7 +44,8 @@ def test_a_progress_line_says_replicas_and_the_autoscalers_estimates():
     line = describe_status(obj)
     assert line == (
         "replicas 3 desired / 2 ready, queue/replica 12.5, demand 16.70 req/s, capacity "
-        "8.35 req/s/replica (measured), utilization 1.00, panic, last decision up (panic)"
+        "8.35 req/s/replica (measured), utilization 1.00, panic, replicas needed 1.24 "
+        "(panic window 2.61), last decision up (panic)"
     )
     assert (
         describe_status({"spec": {"replicas": 1}})
@@ -159,3 +162,22 @@ def test_ttft_recovery_is_measured_by_finish_window_and_by_arrival():
     assert recovered_by_arrival(calm, 0.0, 2.0) is None
     assert recovered_by_finish(calm, 1.0, 2.0) is None
     assert recovered_by_first_token(calm, 1.0, 2.0) is None
+
+
+def test_the_step_trace_keeps_each_change_within_its_seconds_of_the_step():
+    from conveyor.bench.autoscale.load import Recorder, Sample
+    from conveyor.bench.autoscale.run import TRACE_S, step_trace
+
+    rec = Recorder()
+    step = 100.0
+    for i in range(-10, 90):  # twice a second, from 5 s before the step to 45 s after
+        t = step + i / 2
+        asked = 1 if t < step + 3 else 3
+        burst = None if t < step else round(min(2.5, 1.0 + (t - step) / 2), 2)
+        rec.samples.append(Sample(t, asked, 1 if t < step + 15 else 3, 0.0, None, 1.0, burst))
+    trace = step_trace(rec, step)
+    assert trace[0] == [-1.0, 1, 1, 0.0, 1.0, None]  # a second before the step
+    assert [-1.0, 1, 1, 0.0, 1.0, None] not in trace[1:]  # unchanged samples are left out
+    assert [3.0, 3, 1, 0.0, 1.0, 2.5] in trace  # the decision, with what the panic window read
+    assert [15.0, 3, 3, 0.0, 1.0, 2.5] in trace  # the replicas ready
+    assert trace[-1][0] <= TRACE_S
