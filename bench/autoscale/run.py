@@ -226,7 +226,13 @@ async def step_phases(
     """Phases 1-3 into ``out``: one replica's capacity, the step, constant load."""
     # 1. one replica's capacity
     capacity = await one_replica_capacity(client, s, progress, out)
-    known = ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("capacity")
+    # The load it carries goes on until the step, as a running service's would: a lull while
+    # maxReplicas is raised emptied the panic window, which then read the step seconds late
+    # (the step's trace: what the panic window called for fell from 0.9 to 0.55 replicas).
+    before_step = asyncio.Event()
+    bridge = asyncio.create_task(open_loop(client, Recorder(), capacity, before_step, s))
+    status = await asyncio.to_thread(env.llmservice)
+    known = ((status.get("status") or {}).get("autoscaler") or {}).get("capacity")
     before = known.get("requestsPerSecond") if known else None
     out["autoscaler_capacity_before_step_rps"] = before
     progress.say(
@@ -234,8 +240,9 @@ async def step_phases(
         f"{'none' if before is None else f'{before} requests/s'}; maxReplicas "
         f"{s.max_replicas} from the step"
     )
-    env.apply(s, min_replicas=1)
-    env.wait(
+    await asyncio.to_thread(env.apply, s, min_replicas=1)
+    await asyncio.to_thread(
+        env.wait,
         "the autoscaler to take over",
         lambda: ((env.llmservice().get("status") or {}).get("autoscaler") or {}).get("reason"),
     )
@@ -257,9 +264,10 @@ async def step_phases(
         )
     step_at = time.monotonic()
     load = asyncio.create_task(open_loop(client, rec, s.step_factor * capacity, stop, s))
+    before_step.set()  # the step's arrivals take over from here
     await asyncio.sleep(s.minutes * 60)
     stop.set()
-    await asyncio.gather(load, watcher)
+    await asyncio.gather(load, watcher, bridge)
     first_backends = {b for _, _, b in rec.done[:1]}
     decision = next((x.t for x in rec.samples if x.replicas > 1), None)
     serving = next((at for at, _, b in rec.done if b and b not in first_backends), None)
