@@ -194,7 +194,8 @@ class Estimate:
     capacity: Rates
     """One replica's, as used for this decision."""
     capacity_source: str
-    """"measured", "guess" (the spec's) or "lower-bound" (busy replicas' throughput now)."""
+    """"measured", "guess" (the spec's) or "lower-bound" (the highest throughput a busy
+    replica showed)."""
     utilization: float
     """Demand / (ready replicas x capacity), by the tighter of requests and tokens."""
     replicas_needed: float
@@ -244,6 +245,9 @@ class History:
     """``capacity`` holds a measurement taken without overload (``update_capacity``)."""
     last_overload: float | None = None
     """When a measurement was last taken under overload."""
+    capacity_floor: Rates | None = None
+    """The highest throughput a busy replica was seen to have: a lower bound of capacity, for
+    until one is measured (lower bounds of one figure combine by their maximum)."""
     last_panic: float | None = None
     """Last time the panic window called for more than ready and starting replicas carry."""
     breaches: deque[tuple[float, float, str, int]] = field(default_factory=deque)

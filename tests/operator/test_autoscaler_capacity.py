@@ -12,7 +12,7 @@ from autoscaler_sim import SIZED, Clients, Service, replicas
 
 from conveyor.operator import autoscaler
 from conveyor.operator.autoscaler import decide
-from conveyor.operator.autoscaler_estimates import update_capacity
+from conveyor.operator.autoscaler_estimates import capacity_for, update_capacity
 from conveyor.operator.autoscaler_model import Decision, Demand, History, Observation, Rates
 from conveyor.operator.signals import Backlog, Counters, estimate_demand
 
@@ -337,3 +337,21 @@ def test_a_decision_says_what_holds_the_scale_down():
     assert (held.direction, held.held_by) == ("none", "queue-depth")
     later = decide(dataclasses.replace(obs, time=75.0), SIZED, history)
     assert (later.direction, later.held_by) == ("down", None)
+
+
+def test_a_lower_bound_of_capacity_is_the_highest_a_busy_replica_showed():
+    """Nothing measured and no guess: a busy replica's throughput is a lower bound of capacity.
+    At 85% of one replica spread over two, one had a queue for a tick at 1.6 requests/s; taken
+    alone, demand over it asked for 5 replicas (Poisson seed 3, a tick a second)."""
+    history = History(capacity_floor=Rates(8.0, 800.0))
+    demand = Demand(Rates(6.8, 680.0), Rates(6.8, 680.0), 0.5, busy=Rates(1.6, 160.0))
+    obs = Observation(500.0, 2, replicas(2, waiting=1, running=1), demand=demand, counting=True)
+    assert capacity_for(obs, SIZED, history) == (Rates(8.0, 800.0), "lower-bound")
+    faster = dataclasses.replace(demand, busy=Rates(9.0, 900.0))
+    obs = dataclasses.replace(obs, demand=faster)
+    assert capacity_for(obs, SIZED, history) == (Rates(9.0, 900.0), "lower-bound")
+
+    svc = Service(SIZED, seed=3, period=1.0)
+    svc.run(rate=0.0, seconds=10)
+    svc.run(rate=6.8, seconds=600)
+    assert max(svc.replicas) <= 2, [d for d in svc.decisions if d.direction != "none"]
