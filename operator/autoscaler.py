@@ -13,8 +13,8 @@ on the replicas and at the gateways, plus what will pile up on the ready replica
 the replicas asked for are ready (their start time is learned). ``spec.replicas`` counts
 replicas that are still starting, so they are capacity to come: the backlog that piles up
 on the ready ones while they start is not read again as demand for more. Within 10% of the
-current count is no change (the HPA's tolerance), and the count is rounded up only past
-10% of a replica, on the way up and down alike. Both the demand window and the panic window
+current count is no change (the HPA's tolerance): a scale-up rounds up only past 10% of a
+replica, a scale-down keeps what demand calls for, rounded up past 5% (``DOWN_TOLERANCE``). Both the demand window and the panic window
 must call for more, and something must be running, waiting or held, for a scale-up; the
 demand window sizes a scale-down, or the panic window once it reads below the demand window's
 by the panic threshold (it forgets a load that is gone within seconds; its noise around the
@@ -76,6 +76,11 @@ SCALE_DOWN_MARGIN = 0.8
 """Signals must be below target x this for a scale-down (hysteresis against flapping)."""
 TOLERANCE = 0.1
 """Ignore a computed change of less than 10% of the ready replicas (the HPA's default)."""
+DOWN_TOLERANCE = 0.05
+"""A scale-down keeps what demand calls for, rounded up past a twentieth of a replica (the
+demand window's noise around a whole count). Rounded as a scale-up is, past a tenth, 2.07
+replicas' worth went down to 2 (at 103%), whose backlog then panicked up to 4: at 70% of three
+replicas, 2 runs in 12 changed direction (Poisson arrivals, a tick every 2 s)."""
 PANIC_THRESHOLD = 1.5
 """Panic when the panic window calls for this many times the ready replicas. KPA's default
 is 2.0; a replica is a large unit here, and one to two is a burst to answer at once, while a
@@ -219,7 +224,7 @@ def sized(
     dropped = need_panic * PANIC_THRESHOLD < need and obs.num_ready >= current
     down = (0, "idle")
     if obs.busy:
-        by_demand = math.ceil((need_panic if dropped else need) / (1 + TOLERANCE))
+        by_demand = math.ceil((need_panic if dropped else need) - DOWN_TOLERANCE)
         down = max((by_demand, "demand"), guard_down, (1, "busy"))
     if history.guard_floor is not None:
         floor, at = history.guard_floor

@@ -355,3 +355,18 @@ def test_a_lower_bound_of_capacity_is_the_highest_a_busy_replica_showed():
     svc.run(rate=0.0, seconds=10)
     svc.run(rate=6.8, seconds=600)
     assert max(svc.replicas) <= 2, [d for d in svc.decisions if d.direction != "none"]
+
+
+@pytest.mark.parametrize("seed", [7, 11])
+def test_a_scale_down_keeps_what_demand_calls_for(seed):
+    """16.8 requests/s is 2.1 replicas' worth. Rounded down as a scale-up rounds (past a tenth
+    of a replica), it went from 3 to 2 (105%), whose backlog panicked up to 4 and back down to
+    3 (Poisson arrivals, a tick every 2 s: these seeds did)."""
+    svc = Service(SIZED, seed=seed, period=2.0)
+    svc.run(rate=0.0, seconds=10)
+    svc.run(rate=16.8, seconds=360)
+    start = len(svc.decisions)
+    svc.run(rate=16.8, seconds=600)
+    assert set(svc.replicas[start:]) == {3}, [
+        d for d in svc.decisions[start:] if d.direction != "none"
+    ]
