@@ -14,8 +14,8 @@ the replicas asked for are ready (their start time is learned). ``spec.replicas`
 replicas that are still starting, so they are capacity to come: the backlog that piles up
 on the ready ones while they start is not read again as demand for more. Within 10% of the
 current count is no change (the HPA's tolerance): a scale-up rounds up only past 10% of a
-replica, a scale-down keeps what demand calls for, rounded up past 5% (``DOWN_TOLERANCE``). Both the demand window and the panic window
-must call for more, and something must be running, waiting or held, for a scale-up; the
+replica, a scale-down keeps what demand calls for, rounded up past 5% (``DOWN_TOLERANCE``).
+Both the demand window and the panic window must call for more, and something must be running, waiting or held, for a scale-up; the
 demand window sizes a scale-down, or the panic window once it reads below the demand window's
 by the panic threshold (it forgets a load that is gone within seconds; its noise around the
 same load does not remove a replica), and an idle service calls for none.

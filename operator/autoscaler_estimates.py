@@ -55,6 +55,14 @@ def update_capacity(obs: Observation, policy: AutoscalingPolicy, history: Histor
     the panic window, so one is steady only a panic window after the last overload: one
     taken as the backlog drains still holds the overloaded seconds (7.5 where the replicas
     then did 8), and averaged in, the steady figure would take minutes to come."""
+    busy = obs.demand.busy if obs.demand is not None else None
+    floor = history.capacity_floor
+    if busy is not None and busy.requests > 0 and (floor is None or busy.requests > floor.requests):
+        # Each busy reading is a lower bound of one figure: the tightest is the highest seen.
+        # A replica at 40% that had a queue for one tick reads far below its capacity (1.6
+        # requests/s at 85% of one replica of 8, spread over two), and taken alone it asked
+        # for 5 replicas where the step before had shown 8.
+        history.capacity_floor = busy
     sample = obs.demand.saturated if obs.demand is not None else None
     if sample is None or sample.requests <= 0:
         return
@@ -89,14 +97,8 @@ def capacity_for(
     if guess is not None and guess.requests > 0:
         return guess, "guess"
     busy = obs.demand.busy if obs.demand is not None else None
-    if busy is not None and busy.requests > 0:
-        # Each busy reading is a lower bound of one figure: the tightest is the highest seen. A
-        # replica at 40% that had a queue for one tick reads far below its capacity (1.6
-        # requests/s at 85% of one replica of 8, spread over two), and taken alone it asked
-        # for 5 replicas where the step before had shown 8.
-        floor = history.capacity_floor
-        if floor is None or busy.requests > floor.requests:
-            floor = history.capacity_floor = busy
+    floor = history.capacity_floor  # the highest a busy replica showed (update_capacity)
+    if busy is not None and floor is not None:
         return floor, "lower-bound"
     return None
 

@@ -346,9 +346,11 @@ def test_a_lower_bound_of_capacity_is_the_highest_a_busy_replica_showed():
     history = History(capacity_floor=Rates(8.0, 800.0))
     demand = Demand(Rates(6.8, 680.0), Rates(6.8, 680.0), 0.5, busy=Rates(1.6, 160.0))
     obs = Observation(500.0, 2, replicas(2, waiting=1, running=1), demand=demand, counting=True)
+    update_capacity(obs, SIZED, history)
     assert capacity_for(obs, SIZED, history) == (Rates(8.0, 800.0), "lower-bound")
     faster = dataclasses.replace(demand, busy=Rates(9.0, 900.0))
     obs = dataclasses.replace(obs, demand=faster)
+    update_capacity(obs, SIZED, history)
     assert capacity_for(obs, SIZED, history) == (Rates(9.0, 900.0), "lower-bound")
 
     svc = Service(SIZED, seed=3, period=1.0)
