@@ -8,7 +8,7 @@ import math
 from collections import deque
 
 import pytest
-from autoscaler_sim import SIZED, Clients, Service, replicas
+from autoscaler_sim import CARRIED, SIZED, Clients, Service, replicas
 
 from conveyor.operator import autoscaler
 from conveyor.operator.autoscaler import decide
@@ -23,7 +23,7 @@ def test_a_step_settles_at_the_capacity_it_needs(factor, most):
     svc.run(rate=4.0, seconds=60)  # half of one replica: nothing measured yet
     assert svc.replicas[-1] == 1
     before = len(svc.replicas)
-    svc.run(rate=factor * 8.0, seconds=300)
+    svc.run(rate=factor * CARRIED * 8.0, seconds=300)
     settling = svc.replicas[before:]
     assert max(settling) <= most, settling
     assert settling[-1] == factor, settling
@@ -33,20 +33,20 @@ def test_a_step_settles_at_the_capacity_it_needs(factor, most):
     assert est is not None and est.capacity_source == "measured"
     assert est.capacity.requests == pytest.approx(8.0, rel=0.05)
     assert est.capacity.tokens == pytest.approx(800.0, rel=0.05)
-    assert est.demand.requests == pytest.approx(factor * 8.0, rel=0.05)
+    assert est.demand.requests == pytest.approx(factor * CARRIED * 8.0, rel=0.05)
 
 
 def test_a_replica_slowed_by_an_overload_does_not_lower_a_steady_measurement():
     """A CPU replica under a 2x step also accepts the requests it cannot serve yet, and
-    finishes fewer (7.2/s here, 8/s under a steady queue): measured then, the step reads as 2.2
-    replicas and settles at 3. A steady measurement is kept through an overload, however long,
-    and the step settles at 2."""
+    finishes fewer (7.2/s here, 8/s under a steady queue): measured then, a step of two
+    replicas' worth reads as 2.2 and settles at 3. A steady measurement is kept through an
+    overload, however long, and the step settles at 2."""
     svc = Service(SIZED, overload_capacity=7.2)
     svc.run(rate=0.0, seconds=60, clients=6)  # a steady queue: measured at 8
     est = svc.decisions[-1].estimate
     assert est is not None and est.capacity.requests == pytest.approx(8.0, rel=0.02)
     before = len(svc.replicas)
-    svc.run(rate=16.0, seconds=300)
+    svc.run(rate=2 * CARRIED * 8.0, seconds=300)
     settling = svc.replicas[before:]
     assert max(settling) <= 3 and settling[-1] == 2, settling
 
@@ -101,6 +101,24 @@ def test_constant_noisy_load_never_changes_direction(seed):
     assert moves == [] and set(svc.replicas[start:]) == {2}, moves
 
 
+@pytest.mark.parametrize(("load", "count"), [(0.95, 2), (2.85, 4), (3.9, 5)])
+def test_a_load_near_a_whole_count_keeps_the_replica_that_spares_it(load, count):
+    """Poisson arrivals at 92-100% of a whole count of replicas, for 30 minutes after
+    settling, with the CRD's scale-down window (300 s) and the operator's tick (2 s). Sized
+    at 100% for a scale-down, the count went down to the whole count, whose queue then grew
+    until a panic brought the replica back: 17 of 24 seeds at 2.85 replicas' worth, 20 of 24
+    at 3.9. A scale-down sizes at 90% (``DOWN_UTILIZATION``), so the replica stays."""
+    policy = dataclasses.replace(SIZED, scale_down_stabilization=300)
+    for seed in range(4):
+        svc = Service(policy, seed=seed, period=2.0)
+        svc.run(rate=0.0, seconds=10)
+        svc.run(rate=load * 8.0, seconds=360)
+        start = len(svc.decisions)
+        svc.run(rate=load * 8.0, seconds=1800)
+        moves = [d.direction for d in svc.decisions[start:] if d.direction != "none"]
+        assert moves == [] and set(svc.replicas[start:]) == {count}, (seed, moves)
+
+
 def test_a_burst_panics_up_to_what_capacity_calls_for_and_holds_the_count():
     svc = Service(SIZED, start_s=10.0)
     svc.run(rate=7.0, seconds=120)  # one replica nearly full
@@ -124,7 +142,8 @@ def test_a_step_while_a_replica_starts_panics_on_what_is_ready():
     near one replica's capacity). Two carry the step with little to spare, so the backlog that
     piles up on the one ready replica while the second starts needs a third to drain: the
     panic window sees the step against the one ready replica and asks for it at once, not
-    after the demand window has filled; it settles at 2."""
+    after the demand window has filled. The third stays: two would run at 95%, where Poisson
+    arrivals queue up (``DOWN_UTILIZATION``)."""
     svc = Service(dataclasses.replace(SIZED, max_replicas=1))
     svc.run(rate=0.0, seconds=60, clients=6)  # capacity measured at 8, held at one replica
     svc.run(rate=7.6, seconds=30)
@@ -140,7 +159,7 @@ def test_a_step_while_a_replica_starts_panics_on_what_is_ready():
     drained = next(i for i, b in enumerate(backlog) if i > 5 and b < 4) * svc.period
     assert drained <= 45, backlog  # two alone drained it 76 s after the step
     svc.run(rate=15.2, seconds=300)
-    assert svc.current == 2
+    assert svc.current == 3
 
 
 def step_at_gpu_rates(factor: float) -> tuple[list[int], list[float]]:
@@ -198,12 +217,12 @@ def test_a_starting_guess_sizes_before_anything_is_measured():
     svc = Service(policy)
     svc.run(rate=0.0, seconds=10)
     start = len(svc.decisions)
-    svc.run(rate=16.0, seconds=6)
+    svc.run(rate=2 * CARRIED * 8.0, seconds=6)
     ups = [d for d in svc.decisions[start:] if d.direction == "up"]
     assert ups and all(d.estimate and d.estimate.capacity_source == "guess" for d in ups)
     # two carry the step; a third, while they start, drains what waited on the first
     assert [(d.desired, d.reason) for d in ups] in ([(2, "panic")], [(2, "panic"), (3, "panic")])
-    svc.run(rate=16.0, seconds=300)
+    svc.run(rate=2 * CARRIED * 8.0, seconds=300)
     assert svc.replicas[-1] == 2
 
 
@@ -257,7 +276,7 @@ def test_a_closed_loop_of_clients_is_relieved_by_the_queue_target():
 def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
     svc = Service(SIZED, start_s=10.0)
     svc.run(rate=0.0, seconds=10)
-    svc.run(rate=15.0, seconds=240)
+    svc.run(rate=14.4, seconds=240)
     assert svc.current == 2
     # The new operator: capacity read back from status, no counters or backlog yet; the
     # replicas have a queue of 6 each (3x the target) when it looks first.
@@ -265,7 +284,7 @@ def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
     svc.history, svc.series, svc.backlog = History(capacity=capacity), {}, deque()
     svc.in_system += 12
     start = len(svc.decisions)
-    svc.run(rate=15.0, seconds=60)
+    svc.run(rate=14.4, seconds=60)
     after = svc.decisions[start:]
     assert (after[0].direction, after[0].reason) == ("none", "measuring-demand")
     assert after[1].estimate is not None and after[1].estimate.capacity_source == "status"

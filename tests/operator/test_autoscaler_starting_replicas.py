@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from autoscaler_sim import SIZED, Service, replicas
+from autoscaler_sim import CARRIED, SIZED, Service, replicas
 
 from conveyor.operator.autoscaler import decide
 from conveyor.operator.autoscaler_model import Decision, Demand, History, Observation, Rates
@@ -57,7 +57,7 @@ def test_a_known_start_time_drains_what_piles_up_while_replicas_start(factor, mo
     assert svc.history.capacity == Rates(pytest.approx(8.0), pytest.approx(800.0))
     start, waits = len(svc.decisions), []
     for _ in range(150):
-        svc.run(rate=factor * 8.0, seconds=2)
+        svc.run(rate=factor * CARRIED * 8.0, seconds=2)
         waits.append(queue_wait(svc))
     assert max(svc.replicas[start:]) == most, svc.replicas[start:]
     assert svc.replicas[start:].index(most) <= 4, "asked for at once, not as the queue grew"
@@ -115,12 +115,12 @@ def test_a_busy_service_keeps_a_starting_replica_even_when_one_would_do():
     start, kept raising the capacity estimate, demand over it hovered near one replica, and
     the starting replica was removed before it was ready, three times. While busy, a replica
     still starting stays; once it is ready, the same load scales down within the window."""
-    seen = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95)
+    seen = starting_trace(panic=[0.85, 0.8, 0.9], demand=0.85)
     assert all(d.direction == "none" for d in seen), [(d.direction, d.reason) for d in seen]
     # the ready replica's gauges read idle at every tick (vLLM's between two steps): the
     # arrivals of the last seconds still say the service is busy
-    gaps = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95, running=0)
+    gaps = starting_trace(panic=[0.85, 0.8, 0.9], demand=0.85, running=0)
     assert all(d.direction == "none" for d in gaps), [(d.direction, d.reason) for d in gaps]
-    ready = starting_trace(panic=[1.0, 0.95, 1.05], demand=0.95, ready=2)
+    ready = starting_trace(panic=[0.85, 0.8, 0.9], demand=0.85, ready=2)
     downs = [i for i, d in enumerate(ready) if d.direction == "down"]
     assert downs and downs[0] <= 12, downs
