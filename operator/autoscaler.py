@@ -59,6 +59,7 @@ from conveyor.operator.autoscaler_estimates import (
     lasting_breach,
     replicas_needed,
     saturated,
+    steady_queue,
     time_to_capacity,
     track_queues,
     track_starts,
@@ -105,14 +106,18 @@ BURST_Z = 4.5
 deviations of Poisson arrivals, to stand for the panic window (``burst_arrivals``)."""
 
 
-def guards(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> tuple[int, str]:
+def guards(
+    obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0, queued: float | None = None
+) -> tuple[int, str]:
     """Replicas that keep queue depth, TTFT p95 and KV usage at ``target x margin``, and the
     signal that calls for the most (as the HPA computes it: ``ceil(ready * signal / target)``).
+    ``queued``: the queue depth to use, if not the tick's (``steady_queue``).
     """
     ready = obs.num_ready
     candidates = [(0, "idle")]
     q_target = policy.target_queue_depth * margin
-    candidates.append((math.ceil(obs.queued / q_target), "queue-depth"))
+    depth = obs.queued if queued is None else queued
+    candidates.append((math.ceil(depth / q_target), "queue-depth"))
     if policy.target_ttft_p95 is not None and obs.ttft_p95 is not None:
         ratio = obs.ttft_p95 / (policy.target_ttft_p95 * margin)
         candidates.append((math.ceil(ready * ratio), "ttft-p95"))
@@ -121,16 +126,19 @@ def guards(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> 
     return max(candidates)
 
 
-def recommend(obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0) -> tuple[int, str]:
+def recommend(
+    obs: Observation, policy: AutoscalingPolicy, margin: float = 1.0, queued: float | None = None
+) -> tuple[int, str]:
     """Replicas the signals alone call for (no capacity figure), and the signal that calls for
     the most.
 
     ``margin`` < 1 lowers every target: the count at which all signals sit
-    below ``target x margin``, which is what a scale-down must satisfy.
+    below ``target x margin``, which is what a scale-down must satisfy (with the queue depth
+    ``queued`` averaged over the panic window, ``steady_queue``).
     """
     if obs.num_ready == 0:
         return (1 if obs.pending_requests else 0), "pending-requests"
-    candidates = [guards(obs, policy, margin)]
+    candidates = [guards(obs, policy, margin, queued)]
     # Requests in flight need slots: keep enough replicas for them.
     slots = max(1, min(r.max_running for r in obs.ready))
     candidates.append((math.ceil(obs.running / (slots * margin)), "running"))
@@ -223,7 +231,7 @@ def sized(
         history.guard_floor = (current + 1, demand)
         history.breaches.clear()  # one replica per half window, should this one not come
         history.breach_count = (current, obs.time)
-    guard_down = guards(obs, policy, margin=SCALE_DOWN_MARGIN)
+    guard_down = guards(obs, policy, SCALE_DOWN_MARGIN, steady_queue(obs, history))
     # Down follows the demand window, or the panic window once it shows the load has dropped
     # (below the demand window's by the panic threshold: a drop shows there within seconds,
     # while the demand window remembers the load for a minute; its noise around the same load
@@ -276,7 +284,7 @@ def decide(obs: Observation, policy: AutoscalingPolicy, history: History) -> Dec
         up, up_reason, down, estimate = sized(obs, policy, history, capacity)
     else:
         up, up_reason = recommend(obs, policy)
-        down = recommend(obs, policy, margin=SCALE_DOWN_MARGIN)
+        down = recommend(obs, policy, SCALE_DOWN_MARGIN, steady_queue(obs, history))
     keep = max(policy.scale_down_stabilization, policy.scale_up_stabilization)
     history.record(now, up, down, keep)
     floor = policy.min_replicas

@@ -256,6 +256,8 @@ class History:
     target, and the requests queued or held."""
     queued: deque[tuple[float, bool]] = field(default_factory=deque)
     """(time, every ready replica had a queue) at each tick of the last demand window."""
+    queue_depths: deque[tuple[float, int]] = field(default_factory=deque)
+    """(time, requests queued or held) at each tick of the last panic window."""
     breach_count: tuple[int, float] | None = None
     """(replicas, since): the count ``breaches`` were taken at, and its first tick with
     every replica ready; a new count starts them afresh."""
