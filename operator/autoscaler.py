@@ -14,9 +14,10 @@ the replicas asked for are ready (their start time is learned). ``spec.replicas`
 replicas that are still starting, so they are capacity to come: the backlog that piles up
 on the ready ones while they start is not read again as demand for more. Within 10% of the
 current count is no change (the HPA's tolerance): a scale-up rounds up only past 10% of a
-replica, a scale-down keeps what demand calls for at no more than 90% utilization
-(``DOWN_UTILIZATION``: at 92-100% Poisson arrivals queue up, and a panic brings the replica
-back), rounded up past 5% (``DOWN_TOLERANCE``).
+replica, a scale-down keeps what demand calls for, rounded up past 5% (``DOWN_TOLERANCE``),
+and never more than 90% utilization (``DOWN_UTILIZATION``: at 92-100% Poisson arrivals queue
+up, and a panic brings the replica back); its backlog is the queue averaged over the panic
+window (``steady_queue``), not one tick's.
 Both the demand window and the panic window must call for more, and something must be running, waiting or held, for a scale-up; the
 demand window sizes a scale-down, or the panic window once it reads below the demand window's
 by the panic threshold (it forgets a load that is gone within seconds; its noise around the
@@ -86,7 +87,8 @@ replicas' worth went down to 2 (at 103%), whose backlog then panicked up to 4: a
 replicas, 2 runs in 12 changed direction (Poisson arrivals, a tick every 2 s)."""
 DOWN_UTILIZATION = 0.9
 """A scale-down sizes at no more than this utilization, whatever ``targetUtilization`` is: it
-keeps a tenth of the remaining replicas' capacity spare. Capacity is what a saturated replica
+keeps a tenth of the remaining replicas' capacity spare (``DOWN_TOLERANCE``'s rounding does
+not loosen it). Capacity is what a saturated replica
 finishes, and at 92-100% of it Poisson arrivals queue without bound; sized at 1.0, a scale-down
 to such a count was followed by a panic or a queue breach back up (in the simulation, 30
 minutes of constant load at a tick every 2 s, the default 300 s window: 17 runs in 24 at
@@ -190,9 +192,9 @@ def sized(
     coming = time_to_capacity(obs, history)
     ready_rate = obs.num_ready * cap.requests
 
-    def with_drain(arrivals: Rates, u: float = u) -> float:
-        """Replicas that carry ``arrivals`` at ``u`` and drain the backlog in time."""
-        expected = obs.backlog + max(0.0, arrivals.requests - ready_rate) * coming
+    def with_drain(arrivals: Rates, u: float = u, backlog: float = obs.backlog) -> float:
+        """Replicas that carry ``arrivals`` at ``u`` and drain ``backlog`` in time."""
+        expected = backlog + max(0.0, arrivals.requests - ready_rate) * coming
         drain = expected / (policy.backlog_drain * cap.requests * u)
         return replicas_needed(arrivals, cap, u) + drain
 
@@ -231,7 +233,8 @@ def sized(
         history.guard_floor = (current + 1, demand)
         history.breaches.clear()  # one replica per half window, should this one not come
         history.breach_count = (current, obs.time)
-    guard_down = guards(obs, policy, SCALE_DOWN_MARGIN, steady_queue(obs, history))
+    queued = steady_queue(obs, history)
+    guard_down = guards(obs, policy, SCALE_DOWN_MARGIN, queued)
     # Down follows the demand window, or the panic window once it shows the load has dropped
     # (below the demand window's by the panic threshold: a drop shows there within seconds,
     # while the demand window remembers the load for a minute; its noise around the same load
@@ -244,9 +247,11 @@ def sized(
     dropped = need_panic * PANIC_THRESHOLD < need and obs.num_ready >= current
     down = (0, "idle")
     if obs.busy:
-        u_down = min(u, DOWN_UTILIZATION)
-        kept = with_drain(burst if dropped else obs.demand.arrivals, u_down)
-        by_demand = math.ceil(kept - DOWN_TOLERANCE)
+        level, backlog = burst if dropped else obs.demand.arrivals, queued + obs.unseen_requests
+        by_demand = max(
+            math.ceil(with_drain(level, u, backlog) - DOWN_TOLERANCE),
+            math.ceil(with_drain(level, min(u, DOWN_UTILIZATION), backlog)),
+        )
         down = max((by_demand, "demand"), guard_down, (1, "busy"))
     if history.guard_floor is not None:
         floor, at = history.guard_floor

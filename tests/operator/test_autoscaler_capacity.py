@@ -101,7 +101,7 @@ def test_constant_noisy_load_never_changes_direction(seed):
     assert moves == [] and set(svc.replicas[start:]) == {2}, moves
 
 
-@pytest.mark.parametrize(("load", "count"), [(0.95, 2), (2.85, 4), (3.9, 5)])
+@pytest.mark.parametrize(("load", "count"), [(0.93, 2), (2.85, 4), (3.9, 5)])
 def test_a_load_near_a_whole_count_keeps_the_replica_that_spares_it(load, count):
     """Poisson arrivals at 92-100% of a whole count of replicas, for 30 minutes after
     settling, with the CRD's scale-down window (300 s) and the operator's tick (2 s). Sized
@@ -295,7 +295,7 @@ def test_a_closed_loop_of_clients_is_relieved_by_the_queue_target():
 def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
     svc = Service(SIZED, start_s=10.0)
     svc.run(rate=0.0, seconds=10)
-    svc.run(rate=14.4, seconds=240)
+    svc.run(rate=2 * CARRIED * 8.0, seconds=240)
     assert svc.current == 2
     # The new operator: capacity read back from status, no counters or backlog yet; the
     # replicas have a queue of 6 each (3x the target) when it looks first.
@@ -303,7 +303,7 @@ def test_an_operator_restart_under_load_waits_for_demand_instead_of_the_queue():
     svc.history, svc.series, svc.backlog = History(capacity=capacity), {}, deque()
     svc.in_system += 12
     start = len(svc.decisions)
-    svc.run(rate=14.4, seconds=60)
+    svc.run(rate=2 * CARRIED * 8.0, seconds=60)
     after = svc.decisions[start:]
     assert (after[0].direction, after[0].reason) == ("none", "measuring-demand")
     assert after[1].estimate is not None and after[1].estimate.capacity_source == "status"

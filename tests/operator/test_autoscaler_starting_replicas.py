@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from autoscaler_sim import CARRIED, SIZED, Service, replicas
+from autoscaler_sim import SIZED, Service, replicas
 
 from conveyor.operator.autoscaler import decide
 from conveyor.operator.autoscaler_model import Decision, Demand, History, Observation, Rates
@@ -45,10 +45,15 @@ def queue_wait(svc: Service) -> float:
     return max(0.0, svc.in_system - len(svc.ready) * svc.slots) / (len(svc.ready) * svc.capacity)
 
 
-@pytest.mark.parametrize(("factor", "most", "recovered_s"), [(2, 3, 40), (3, 4, 56)])
-def test_a_known_start_time_drains_what_piles_up_while_replicas_start(factor, most, recovered_s):
+@pytest.mark.parametrize(
+    ("rate", "factor", "most", "recovered_s"), [(14.0, 2, 3, 40), (21.0, 3, 4, 56)]
+)
+def test_a_known_start_time_drains_what_piles_up_while_replicas_start(
+    rate, factor, most, recovered_s
+):
     """As the benchmark runs it: the LLMService created (its first start is learned, 14 s), a
-    saturating closed loop (capacity measured), a pause, then the step."""
+    saturating closed loop (capacity measured), a pause, then a step to ``rate`` (1.75x and
+    2.6x the 8/s a replica finishes: what 2 and 3 replicas carry)."""
     svc = Service(SIZED, fresh=True, start_s=14.0)
     svc.run(rate=0.0, seconds=20)
     svc.run(rate=0.0, seconds=30, clients=4)
@@ -57,7 +62,7 @@ def test_a_known_start_time_drains_what_piles_up_while_replicas_start(factor, mo
     assert svc.history.capacity == Rates(pytest.approx(8.0), pytest.approx(800.0))
     start, waits = len(svc.decisions), []
     for _ in range(150):
-        svc.run(rate=factor * CARRIED * 8.0, seconds=2)
+        svc.run(rate=rate, seconds=2)
         waits.append(queue_wait(svc))
     assert max(svc.replicas[start:]) == most, svc.replicas[start:]
     assert svc.replicas[start:].index(most) <= 4, "asked for at once, not as the queue grew"
