@@ -247,10 +247,10 @@ def sized(
     dropped = need_panic * PANIC_THRESHOLD < need and obs.num_ready >= current
     down = (0, "idle")
     if obs.busy:
-        level, backlog = burst if dropped else obs.demand.arrivals, queued + obs.unseen_requests
+        arrivals, backlog = burst if dropped else obs.demand.arrivals, queued + obs.unseen_requests
         by_demand = max(
-            math.ceil(with_drain(level, u, backlog) - DOWN_TOLERANCE),
-            math.ceil(with_drain(level, min(u, DOWN_UTILIZATION), backlog)),
+            math.ceil(with_drain(arrivals, u, backlog) - DOWN_TOLERANCE),
+            math.ceil(with_drain(arrivals, min(u, DOWN_UTILIZATION), backlog)),
         )
         down = max((by_demand, "demand"), guard_down, (1, "busy"))
     if history.guard_floor is not None:
