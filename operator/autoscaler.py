@@ -17,9 +17,9 @@ current count is no change (the HPA's tolerance): a scale-up rounds up only past
 replica, a scale-down keeps what demand calls for, rounded up past 5% (``DOWN_TOLERANCE``),
 and never more than 90% utilization (``DOWN_UTILIZATION``: at 92-100% Poisson arrivals queue
 up, and a panic brings the replica back); its backlog is the queue averaged over the panic
-window (``steady_queue``), not one tick's.
-Both the demand window and the panic window must call for more, and something must be running, waiting or held, for a scale-up; the
-demand window sizes a scale-down, or the panic window once it reads below the demand window's
+window (``steady_queue``), not one tick's. Both the demand window and the panic window must
+call for more, and something must be running, waiting or held, for a scale-up; the demand
+window sizes a scale-down, or the panic window once it reads below the demand window's
 by the panic threshold (it forgets a load that is gone within seconds; its noise around the
 same load does not remove a replica), and an idle service calls for none.
 
@@ -88,9 +88,8 @@ replicas, 2 runs in 12 changed direction (Poisson arrivals, a tick every 2 s).""
 DOWN_UTILIZATION = 0.9
 """A scale-down sizes at no more than this utilization, whatever ``targetUtilization`` is: it
 keeps a tenth of the remaining replicas' capacity spare (``DOWN_TOLERANCE``'s rounding does
-not loosen it). Capacity is what a saturated replica
-finishes, and at 92-100% of it Poisson arrivals queue without bound; sized at 1.0, a scale-down
-to such a count was followed by a panic or a queue breach back up (in the simulation, 30
+not loosen it). Capacity is what a saturated replica finishes, and at 92-100% of it Poisson
+arrivals queue without bound; sized at 1.0, a scale-down to such a count was followed by a panic or a queue breach back up (in the simulation, 30
 minutes of constant load at a tick every 2 s, the default 300 s window: 17 runs in 24 at
 2.85 replicas' worth changed direction, 20 in 24 at 3.9, 16 in 24 at 4.9; with this, none
 at any load from 0.5 to 4.9). With a scale-up sized at ``targetUtilization`` (1.0 by default)
@@ -247,6 +246,7 @@ def sized(
     dropped = need_panic * PANIC_THRESHOLD < need and obs.num_ready >= current
     down = (0, "idle")
     if obs.busy:
+        # Rounded past DOWN_TOLERANCE at targetUtilization, and never above DOWN_UTILIZATION.
         arrivals, backlog = burst if dropped else obs.demand.arrivals, queued + obs.unseen_requests
         by_demand = max(
             math.ceil(with_drain(arrivals, u, backlog) - DOWN_TOLERANCE),
