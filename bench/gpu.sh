@@ -9,6 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-export CONVEYOR_CACHE="${CONVEYOR_CACHE:-$(mktemp -d)}"  # the built-in model, made on the spot
+if [[ -z "${CONVEYOR_CACHE:-}" ]]; then  # the built-in model, made on the spot and removed after
+  CONVEYOR_CACHE="$(mktemp -d -t conveyor-gpu-bench.XXXXXX)"
+  trap 'rm -rf "$CONVEYOR_CACHE"' EXIT
+  export CONVEYOR_CACHE
+fi
 "${PYTHON:-python3}" -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'
-exec "${PYTHON:-python3}" -m conveyor bench gpu --out "${OUT:-gpu-bench-out}" "$@"
+"${PYTHON:-python3}" -m conveyor bench gpu --out "${OUT:-gpu-bench-out}" "$@"
