@@ -56,8 +56,10 @@ class TritonAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
-        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
+        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D);
+        ``window`` > 0: a sliding-window layer's (``AttentionBackend.forward``)."""
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D), contiguous
@@ -71,6 +73,7 @@ class TritonAttentionBackend:
                 meta.decode_context_lens,
                 scale,
                 out=out[:nd],
+                window=window,
             )
         if meta.num_prefills:
             paged_prefill_attention(
@@ -83,5 +86,6 @@ class TritonAttentionBackend:
                 meta.max_prefill_query_len,
                 scale,
                 out=out[nd:],
+                window=window,
             )
         return out

@@ -53,12 +53,15 @@ class AttentionCase:
     """Context length of each decode, including its new token."""
     prefills: tuple[tuple[int, int], ...]
     """(cached prefix, chunk length) of each prefill."""
+    window: int = 0
+    """A sliding window (keys a query sees, its own included); 0: every key before it."""
 
     @property
     def id(self) -> str:
         return (
             f"bs{self.block_size}-h{self.num_q_heads}kv{self.num_kv_heads}-d{self.head_dim}"
             f"-dec{len(self.decode_lens)}-pre{len(self.prefills)}"
+            + (f"-w{self.window}" if self.window else "")
         )
 
 
@@ -90,6 +93,10 @@ def attention_cases(gpu_sweep: bool = False) -> list[AttentionCase]:
                 cases.append(AttentionCase(bs, hq, hkv, 64, _lengths(bs), _prefills(bs)))
         cases.append(AttentionCase(16, 8, 2, 128, (1, 17, 64), ((5, 40),)))
         cases.append(AttentionCase(1, 28, 4, 64, (1, 2, 9), ((0, 5), (6, 7))))  # page size 1, GQA 7
+        # Sliding windows: one token, one inside a block, one past a block and a prefill's
+        # 64-query task, each shorter than some contexts and chunks and longer than others.
+        for window in (1, 7, 70):
+            cases.append(AttentionCase(16, 8, 2, 64, _lengths(16), _prefills(16), window))
         return cases
     cases = []
     for bs in (1, 16, 32, 64):
@@ -98,6 +105,7 @@ def attention_cases(gpu_sweep: bool = False) -> list[AttentionCase]:
                 lens = (*_lengths(bs), 1000, 4097)
                 pre = (*_prefills(bs), (1000, 333), (0, 2048))
                 cases.append(AttentionCase(bs, hq, hkv, d, lens, pre))
+                cases.append(AttentionCase(bs, hq, hkv, d, lens, pre, window=1000))
     return cases
 
 
@@ -193,9 +201,9 @@ def check_attention_backend(
     scale = case.head_dim**-0.5
     ref_k, ref_v = k_cache.float(), v_cache.float()
     expected = TorchAttentionBackend().forward(
-        q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale
+        q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale, window=case.window
     )
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window=case.window)
     # The cache writes are copies: exact.
     _assert_close(k_cache, ref_k, (0.0, 0.0), f"{case.id} {dtype} k_cache")
     _assert_close(v_cache, ref_v, (0.0, 0.0), f"{case.id} {dtype} v_cache")
@@ -211,13 +219,14 @@ def check_decode_splits(
     from conveyor.runtime.layers.attention import TorchAttentionBackend
 
     case = AttentionCase(
-        case.block_size, case.num_q_heads, case.num_kv_heads, case.head_dim, case.decode_lens, ()
-    )
+        case.block_size, case.num_q_heads, case.num_kv_heads, case.head_dim, case.decode_lens, (),
+        case.window,
+    )  # fmt: skip
     q, k, v, k_cache, v_cache, meta = _paged_step(case, dtype, device, seed)
     scale = case.head_dim**-0.5
     ref_k, ref_v = k_cache.float(), v_cache.float()
     expected = TorchAttentionBackend().forward(
-        q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale
+        q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale, window=case.window
     )
     n = q.shape[0]
     pad = torch.zeros(2, *q.shape[1:], dtype=dtype, device=device)
@@ -225,8 +234,9 @@ def check_decode_splits(
     tables = torch.cat([meta.decode_block_tables, meta.decode_block_tables[:2] * 0])
     lens = torch.cat([meta.decode_context_lens, torch.zeros(2, dtype=torch.int32, device=device)])
     out = paged_decode_attention(
-        q_padded, ref_k.to(dtype), ref_v.to(dtype), tables, lens, scale, num_splits=num_splits
-    )
+        q_padded, ref_k.to(dtype), ref_v.to(dtype), tables, lens, scale, num_splits=num_splits,
+        window=case.window,
+    )  # fmt: skip
     _assert_close(out[n:], torch.zeros_like(out[n:]), (0.0, 0.0), f"{case.id} padded slots")
     return _assert_close(
         out[:n], expected, ATTENTION_TOL[dtype], f"{case.id} {dtype} splits={num_splits}"

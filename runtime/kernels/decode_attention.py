@@ -7,7 +7,8 @@ log-sum-exp; stage 2 merges the splits. Splitting keeps the GPU busy when
 the batch is small and the contexts long. The number of splits depends only
 on the batch size and the device, never on context lengths, so a captured
 CUDA graph stays valid as sequences grow; it is a runtime argument, so batch
-sizes that split differently share one compiled kernel.
+sizes that split differently share one compiled kernel. A sliding window (``window`` > 0)
+splits only the last ``window`` tokens of each context; it is a runtime argument too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ BLOCK_N = 64  # keys per tile
 MAX_SPLITS = 32  # stage 2 reads this many (masked) partial results per head
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_stage1_kernel(
     q_ptr,
     k_cache_ptr,
@@ -40,6 +41,7 @@ def _decode_stage1_kernel(
     stride_lb,
     stride_lh,
     num_splits,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -53,9 +55,10 @@ def _decode_stage1_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(context_lens_ptr + b)
-    per_split = (ctx + num_splits - 1) // num_splits
+    first = tl.where(window > 0, tl.maximum(ctx - window, 0), 0)  # the window's first key
+    per_split = (ctx - first + num_splits - 1) // num_splits
     per_split = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N  # whole tiles
-    start = split * per_split
+    start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     g = tl.arange(0, BLOCK_H)  # query heads of this KV head's group (padded to >= 16 for tl.dot)
@@ -164,9 +167,11 @@ def paged_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q (B, Hq, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks) int32;
-    context_lens (B,) int32, 0 for a padded slot (its output is zeros) -> (B, Hq, D)."""
+    context_lens (B,) int32, 0 for a padded slot (its output is zeros) -> (B, Hq, D).
+    ``window`` > 0: each query sees only the last ``window`` tokens of its context."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -206,6 +211,7 @@ def paged_decode_attention(
         lse.stride(0),
         lse.stride(1),
         splits,
+        window,
         GROUP=group,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,

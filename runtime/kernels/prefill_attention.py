@@ -5,7 +5,9 @@ chunk); query ``i`` sits at position ``ctx - q_len + i`` and sees every key up
 to and including its own, so attention is causal inside the chunk and full
 over the prefix. Keys and values are read from the paged cache, where the
 step's own tokens were written first. One program per (tile of queries,
-sequence, query head), with an online softmax over tiles of keys.
+sequence, query head), with an online softmax over tiles of keys. With a sliding window
+(``window`` > 0) query ``i`` sees only the keys ``pos - window + 1 .. pos`` of its position
+``pos``: a tile's loop starts at its first query's window.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ BLOCK_M = 64  # queries per program
 BLOCK_N = 64  # keys per tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -34,6 +36,7 @@ def _prefill_kernel(
     stride_slot,
     stride_ot,
     stride_oh,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -65,13 +68,16 @@ def _prefill_kernel(
         q = q.to(tl.float32)
 
     # Keys past this tile's last query are masked for every row: stop there. A tile
-    # wholly past the chunk has no keys to read.
+    # wholly past the chunk has no keys to read. Keys before its first query's window are
+    # masked for every row: start at the tile of keys that holds the first one seen.
     last = tl.minimum(ctx - q_len + (tile + 1) * BLOCK_M, ctx)
     end = tl.where(tile * BLOCK_M < q_len, last, 0)
+    first_pos = ctx - q_len + tile * BLOCK_M
+    begin = tl.where(window > 0, tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N, 0)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    for n0 in range(begin, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)  # key positions
         t_mask = t < end
         block = tl.load(block_tables_ptr + seq * stride_bt + t // PAGE_SIZE, mask=t_mask, other=0)
@@ -84,11 +90,15 @@ def _prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
-        # Key 0 is visible to every row, so after the first tile each row's max is finite.
-        s = tl.where((t[None, :] <= q_pos[:, None]) & t_mask[None, :], s, float("-inf"))
+        seen = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
+        seen &= (window <= 0) | (t[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        # A row whose window starts after this tile has seen no key yet: its max stays -inf,
+        # and is taken as 0 so that its weights come out 0, not NaN.
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -111,10 +121,12 @@ def paged_prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """q (T, Hq, D): the chunks back to back; caches (num_blocks, block_size, Hkv, D) already
     holding the chunks' K/V; block_tables (P, max_blocks) int32; query_start_loc (P + 1,) int32;
-    context_lens (P,) int32 = cached prefix + chunk -> (T, Hq, D)."""
+    context_lens (P,) int32 = cached prefix + chunk -> (T, Hq, D). ``window`` > 0: a query
+    sees only the last ``window`` positions up to its own."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -145,6 +157,7 @@ def paged_prefill_attention(
         k_cache.stride(1),
         out.stride(0),
         out.stride(1),
+        window,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,

@@ -51,9 +51,11 @@ class AttentionBackend(Protocol):
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D),
-        written into ``out`` (T, Hq, D) where given."""
+        written into ``out`` (T, Hq, D) where given. ``window`` > 0: a query at position ``i``
+        sees only keys ``i - window + 1 .. i`` (a sliding-window layer)."""
         ...
 
 
@@ -93,15 +95,16 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
         if meta.num_prefills:
-            self._prefill(q[nd:], out[nd:], k_cache, v_cache, meta, scale)
+            self._prefill(q[nd:], out[nd:], k_cache, v_cache, meta, scale, window)
         return out
 
     @staticmethod
@@ -111,12 +114,15 @@ class TorchAttentionBackend:
         flat = blocks.flatten(-4, -3)  # (..., M*bs, H, D)
         return flat[..., :length, :, :]
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int):
         length = meta.max_decode_context_len
         keys = self._gather(k_cache, meta.decode_block_tables, length)  # (B, L, Hkv, D)
         values = self._gather(v_cache, meta.decode_block_tables, length)
         pos = torch.arange(length, device=q.device)
-        mask = pos[None, :] < meta.decode_context_lens[:, None].to(pos.dtype)  # (B, L)
+        lens = meta.decode_context_lens[:, None].to(pos.dtype)
+        mask = pos[None, :] < lens  # (B, L)
+        if window:
+            mask &= pos[None, :] >= lens - window
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2),  # (B, Hq, 1, D)
             keys.transpose(1, 2),  # (B, Hkv, L, D)
@@ -127,7 +133,9 @@ class TorchAttentionBackend:
         )  # (B, Hq, 1, D)
         return out.squeeze(2)
 
-    def _prefill(self, q, out, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def _prefill(
+        self, q, out, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int
+    ):
         start = 0
         for i, (qlen, ctx) in enumerate(
             zip(meta.prefill_query_lens_host, meta.prefill_context_lens_host, strict=True)
@@ -138,6 +146,8 @@ class TorchAttentionBackend:
             qpos = torch.arange(ctx - qlen, ctx, device=q.device)
             kpos = torch.arange(ctx, device=q.device)
             mask = kpos[None, :] <= qpos[:, None]  # (qlen, ctx)
+            if window:
+                mask &= kpos[None, :] > qpos[:, None] - window
             o = F.scaled_dot_product_attention(
                 q[start : start + qlen].transpose(0, 1),  # (Hq, qlen, D)
                 keys.transpose(0, 1),  # (Hkv, ctx, D)

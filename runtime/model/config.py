@@ -30,16 +30,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": dict(
         vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096 * 32,
-        bos_token_id=1, eos_token_id=2,
+        bos_token_id=1, eos_token_id=2, sliding_window=4096,
     ),
     "qwen2": dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768,
+        sliding_window=4096, max_window_layers=28,
     ),
     "qwen3": dict(
         vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-        max_position_embeddings=32768,
+        max_position_embeddings=32768, sliding_window=4096, max_window_layers=28,
     ),
 }  # fmt: skip
 
@@ -75,6 +76,14 @@ class ModelConfig:
     """The checkpoint's dtype name (``float32``, ``bfloat16``); None where it says none."""
     rope_freq_factors: list[float] | None = None
     """Per-frequency rope factors of a Llama 3.x GGUF (``layers/rotary.py``)."""
+    sliding_window: int | None = None
+    """Keys a query sees, its own included, in a sliding-window layer (``layer_windows``);
+    Qwen2's and Qwen3's only with ``use_sliding_window``."""
+    use_sliding_window: bool = False
+    max_window_layers: int = 0
+    """Qwen2/Qwen3: layers from this index on slide, where ``layer_types`` is not given."""
+    layer_types: list[str] | None = None
+    """``full_attention`` or ``sliding_attention`` per layer (Qwen2, Qwen3)."""
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> ModelConfig | None:
@@ -112,3 +121,25 @@ def _plain_rope(values: dict[str, Any]) -> dict[str, Any] | None:
     rope.setdefault("rope_theta", values.get("rope_theta", DEFAULT_ROPE_THETA))
     rope.setdefault("rope_type", rope.get("type", "default"))
     return rope if rope["rope_type"] == "default" and rope["rope_theta"] is not None else None
+
+
+def layer_windows(config: Any) -> tuple[int, ...]:
+    """Per layer, how many keys a query sees, its own included (0: every key before it), as
+    transformers' masks read ``config`` (a ``ModelConfig`` or transformers' own): Mistral
+    slides in every layer when ``sliding_window`` is set (its class default is 4096); Qwen2 and
+    Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
+    those from ``max_window_layers`` on); Llama never. A query at position ``i`` then sees keys
+    ``i - window + 1 .. i``."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or 0
+    if config.model_type == "mistral":
+        return (window,) * layers
+    if config.model_type not in ("qwen2", "qwen3") or not getattr(
+        config, "use_sliding_window", False
+    ):
+        return (0,) * layers
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if window and i >= config.max_window_layers else "full_attention"
+        for i in range(layers)
+    ]
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)

@@ -278,6 +278,11 @@ class GGUFModel:
         )
         if self.model_type in ("llama", "mistral"):
             values["attention_bias"] = "blk.0.attn_q.bias" in self.tensors
+        if self.model_type == "mistral":
+            # A window only where the file names one, as llama.cpp reads it (transformers'
+            # MistralConfig would default to 4096).
+            window = self.arch_field("attention.sliding_window")
+            values["sliding_window"] = int(window) if window else None
         if scaling := self._rope_scaling():
             values["rope_scaling"] = scaling
         return values

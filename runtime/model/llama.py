@@ -22,6 +22,7 @@ from conveyor.runtime.layers.linear import packed_linear
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
+from conveyor.runtime.model.config import layer_windows
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -72,15 +73,19 @@ class DecoderShape:
         self.qk_norm = self.model_type == "qwen3"
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.inv_freq, self.rope_scaling = rope_inv_freq(config, self.head_dim)
+        self.windows = layer_windows(config)
+        """Per layer, the keys a query sees (its own included); 0: all before it."""
 
 
 class LlamaAttention(nn.Module):
     """Called in three parts (``project``, ``attend``, ``output``): piecewise CUDA graphs
     capture the parts around ``attend``."""
 
-    def __init__(self, s: DecoderShape, backend: AttentionBackend):
+    def __init__(self, s: DecoderShape, backend: AttentionBackend, window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.window = window
+        """Keys a query sees, its own included (a sliding-window layer); 0: all before it."""
         self.q_size = s.num_heads * s.head_dim
         self.kv_size = s.num_kv_heads * s.head_dim
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
@@ -118,7 +123,9 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """The step's K/V into the cache, and attention over each sequence's context: the
         part that depends on the batch's sequences -> (T, Hq, D), into ``out`` if given."""
-        return self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, out)
+        return self.backend.forward(
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, out, window=self.window
+        )
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """(T, Hq, D) -> (T, hidden), summed over the ranks' heads."""
@@ -142,9 +149,9 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Called in halves around its attention (``before_attention``, ``after_attention``)."""
 
-    def __init__(self, s: DecoderShape, backend: AttentionBackend):
+    def __init__(self, s: DecoderShape, backend: AttentionBackend, window: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(s, backend)
+        self.self_attn = LlamaAttention(s, backend, window)
         self.mlp = LlamaMLP(s)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -186,7 +193,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         s = self.shape = DecoderShape(config, tp)
         self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend) for _ in range(s.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend, w) for w in s.windows)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
         self.tied_head_packed: torch.Tensor | None = None

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QWEN2
 from gguf_files import write_gguf
+from model_shapes import QWEN2
 from test_correctness import assert_matches_reference, make_engine, run_staggered, workload
 
 from conveyor.runtime import SamplingParams

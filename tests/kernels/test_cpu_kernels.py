@@ -77,7 +77,7 @@ def test_bad_inputs_raise_not_crash(backend):
     with pytest.raises(RuntimeError, match="int32"):
         ops.paged_decode_attention(
             torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int64),
-            torch.ones(2, dtype=torch.int32), 0.125,
+            torch.ones(2, dtype=torch.int32), 0.125, 0,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="rotary table"):
         cos = torch.ones(8, 64)

@@ -38,8 +38,10 @@ class CpuAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
-        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D)."""
+        """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D);
+        ``window`` > 0: a sliding-window layer's (``AttentionBackend.forward``)."""
         ops = self.ops
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
@@ -48,12 +50,12 @@ class CpuAttentionBackend:
         if nd:
             ops.paged_decode_attention(
                 out[:nd], q[:nd], k_cache, v_cache,
-                meta.decode_block_tables, meta.decode_context_lens, scale,
+                meta.decode_block_tables, meta.decode_context_lens, scale, window,
             )  # fmt: skip
         if meta.num_prefills:
             ops.paged_prefill_attention(
                 out[nd:], q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_context_lens, scale,
+                meta.prefill_query_start_loc, meta.prefill_context_lens, scale, window,
             )  # fmt: skip
         return out
 
@@ -89,6 +91,7 @@ class CpuAttentionBackend:
         if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
         s, scale = shape, shape.head_dim**-0.5  # LlamaAttention.scale
+        windows = list(shape.windows)
 
         def run(x, positions, kv_caches, meta: AttentionMetadata):
             return ops.decoder_layers(
@@ -96,7 +99,7 @@ class CpuAttentionBackend:
                 meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
                 meta.num_prefills > 0, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, s.num_heads, s.num_kv_heads, s.head_dim,
-                s.rms_norm_eps, scale,
+                s.rms_norm_eps, scale, windows,
             )  # fmt: skip
 
         return run

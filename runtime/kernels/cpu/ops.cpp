@@ -5,6 +5,8 @@
 //   (sequence, KV head); the query heads that share a KV head read each key once.
 // - paged_prefill_attention: chunks against their cached prefix, causal inside the chunk,
 //   also in place, parallel over (sequence, KV head, 64 query tokens), keys in tiles.
+//   Both take a sliding window: window > 0 lets a query at position i see keys
+//   i - window + 1 .. i only (Mistral's, and Qwen2's sliding layers); 0 sees every key.
 // - rotary_embedding: rotate q and k in place (rotate-half layout); store_kv: k, v into
 //   the cache at their slots.
 // - fused_add_rms_norm / rms_norm, silu_and_mul: elementwise work fused into one pass.
@@ -226,19 +228,21 @@ struct Scratch {
   std::vector<const float*> k_rows, v_rows;
 };
 
-// Pointers to the first `len` token rows of the cache, block by block through `table`, each
+// Pointers to the token rows [first, len) of the cache, block by block through `table`, each
 // at KV head h0: in place for float32; heads [h0, h1) converted into `buf` for half types.
-// Head h of token t is then at rows[t] + (h - h0) * D.
+// Head h of token first + t is then at rows[t] + (h - h0) * D.
 template <typename T>
-void context_rows(const T* cache, const int32_t* table, int64_t len, int64_t block_size,
-                  int64_t token_stride, int64_t block_stride, int64_t h0, int64_t h1,
-                  int64_t D, std::vector<const float*>& rows, std::vector<float>& buf) {
-  rows.resize(len);
+void context_rows(const T* cache, const int32_t* table, int64_t first, int64_t len,
+                  int64_t block_size, int64_t token_stride, int64_t block_stride, int64_t h0,
+                  int64_t h1, int64_t D, std::vector<const float*>& rows,
+                  std::vector<float>& buf) {
+  const int64_t n = len - first;
+  rows.resize(n);
   const int64_t width = (h1 - h0) * D;
-  if constexpr (!std::is_same_v<T, float>) buf.resize(len * width);
-  for (int64_t b = 0, t = 0; t < len; ++b) {
+  if constexpr (!std::is_same_v<T, float>) buf.resize(n * width);
+  for (int64_t b = first / block_size, j0 = first % block_size, t = 0; t < n; ++b, j0 = 0) {
     const T* block = cache + int64_t(table[b]) * block_stride + h0 * D;
-    for (int64_t j = 0; j < block_size && t < len; ++j, ++t) {
+    for (int64_t j = j0; j < block_size && t < n; ++j, ++t) {
       const T* r = block + j * token_stride;
       if constexpr (std::is_same_v<T, float>) {
         rows[t] = r;
@@ -251,16 +255,16 @@ void context_rows(const T* cache, const int32_t* table, int64_t len, int64_t blo
 }
 
 // Attention of the query heads of KV heads [h0, h1) (sc.q: (h1 - h0) * G x D, pre-scaled)
-// over the first `len` tokens of one sequence's context; writes the same shape to sc.acc.
+// over the tokens [first, end) of one sequence's context; writes the same shape to sc.acc.
 // Token rows are read whole and in order (all the task's heads at once).
 template <typename T>
 void attend(int64_t h0, int64_t h1, int64_t G, int64_t D, const T* k_cache, const T* v_cache,
             const int32_t* table, int64_t block_size, int64_t token_stride,
-            int64_t block_stride, int64_t len, Scratch& sc) {
-  const int64_t nh = h1 - h0, rows_q = nh * G;
-  context_rows(k_cache, table, len, block_size, token_stride, block_stride, h0, h1, D,
+            int64_t block_stride, int64_t first, int64_t end, Scratch& sc) {
+  const int64_t nh = h1 - h0, rows_q = nh * G, len = end - first;
+  context_rows(k_cache, table, first, end, block_size, token_stride, block_stride, h0, h1, D,
                sc.k_rows, sc.k_f);
-  context_rows(v_cache, table, len, block_size, token_stride, block_stride, h0, h1, D,
+  context_rows(v_cache, table, first, end, block_size, token_stride, block_stride, h0, h1, D,
                sc.v_rows, sc.v_f);
   sc.scores.resize(rows_q * len);
   sc.acc.resize(rows_q * D);
@@ -319,14 +323,16 @@ struct PagedCache {
         token_stride(k_cache.stride(1)), block_stride(k_cache.stride(0)),
         kv_heads(k_cache.size(2)), head_dim(k_cache.size(3)) {}
 
-  // One query row (G query heads per KV head, for KV heads [h0, h0 + n)) against the first
-  // `len` tokens of the context behind `table`, written to `out_row`.
+  // One query row (G query heads per KV head, for KV heads [h0, h0 + n)) against the tokens
+  // [first, len) of the context behind `table`, written to `out_row`.
   void attend_row(const T* q_row, T* out_row, int64_t h0, int64_t n, int64_t G,
-                  const int32_t* table, int64_t len, double scale, Scratch& sc) const {
+                  const int32_t* table, int64_t first, int64_t len, double scale,
+                  Scratch& sc) const {
     const int64_t width = n * G * head_dim;
     sc.q.resize(width);
     for (int64_t j = 0; j < width; ++j) sc.q[j] = to_f(q_row[j]) * float(scale);
-    attend(h0, h0 + n, G, head_dim, k, v, table, block_size, token_stride, block_stride, len, sc);
+    attend(h0, h0 + n, G, head_dim, k, v, table, block_size, token_stride, block_stride, first,
+           len, sc);
     for (int64_t j = 0; j < width; ++j) out_row[j] = from_f<T>(sc.acc[j]);
   }
 };
@@ -334,7 +340,7 @@ struct PagedCache {
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                 const at::Tensor& context_lens, double scale) {
+                 const at::Tensor& context_lens, double scale, int64_t window) {
   const PagedCache<T> cache(k_cache, v_cache);
   const int64_t B = q.size(0), Hkv = cache.kv_heads, G = q.size(1) / Hkv, D = cache.head_dim;
   const T* qp = q.data_ptr<T>();
@@ -345,8 +351,9 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
   parallel_tasks(B * tasks_per_seq, [&](int64_t i, Scratch& sc) {
     const int64_t b = i / tasks_per_seq, h0 = (i % tasks_per_seq) * per;
     if (lens[b] <= 0) return;
+    const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
     cache.attend_row(qp + b * q.stride(0) + h0 * G * D, op + b * out.stride(0) + h0 * G * D,
-                     h0, per, G, tables + b * block_tables.stride(0), lens[b], scale, sc);
+                     h0, per, G, tables + b * block_tables.stride(0), first, lens[b], scale, sc);
   });
 }
 
@@ -388,12 +395,13 @@ inline void tile_scores(const float* __restrict q, int64_t rows, int64_t D,
 // Chunks of queries against their cached prefix and themselves (causal). One task per
 // (sequence, KV head, 64 query tokens): the task's keys are transposed once into tiles of W
 // keys, so a query row's scores come W at a time from plain multiply-adds; the values are
-// then read once per query token for its G query heads.
+// then read once per query token for its G query heads. With a window, the task reads keys
+// from its first query's window on, and each query's softmax covers its own window.
 template <typename T>
 void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                  double scale) {
+                  double scale, int64_t window) {
   const PagedCache<T> cache(k_cache, v_cache);
   const int64_t Hkv = cache.kv_heads, G = q.size(1) / Hkv, D = cache.head_dim;
   const int64_t S = context_lens.size(0);
@@ -416,12 +424,17 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     const int64_t qlen = starts[s + 1] - starts[s], prefix = ctx[s] - qlen;
     const int64_t j0 = local / Hkv * kPrefillTaskQueries;
     const int64_t j1 = std::min(qlen, j0 + kPrefillTaskQueries);
-    const int64_t keys = prefix + j1, padded = (keys + W - 1) / W * W;
+    // Query j sees keys [lo(j), prefix + j + 1); the task reads them from its first query's
+    // lo on (k0), and key k0 + t is at row t.
+    auto lo = [&](int64_t j) {
+      return window > 0 ? std::max<int64_t>(0, prefix + j + 1 - window) : int64_t(0);
+    };
+    const int64_t k0 = lo(j0), keys = prefix + j1 - k0, padded = (keys + W - 1) / W * W;
     const int32_t* table = tables + s * block_tables.stride(0);
-    context_rows(cache.k, table, keys, cache.block_size, cache.token_stride, cache.block_stride,
-                 h, h + 1, D, sc.k_rows, sc.k_f);
-    context_rows(cache.v, table, keys, cache.block_size, cache.token_stride, cache.block_stride,
-                 h, h + 1, D, sc.v_rows, sc.v_f);
+    context_rows(cache.k, table, k0, k0 + keys, cache.block_size, cache.token_stride,
+                 cache.block_stride, h, h + 1, D, sc.k_rows, sc.k_f);
+    context_rows(cache.v, table, k0, k0 + keys, cache.block_size, cache.token_stride,
+                 cache.block_stride, h, h + 1, D, sc.v_rows, sc.v_f);
     // Keys transposed in tiles of W (zeros past the last key).
     sc.kt.assign(padded * D, 0.f);
     for (int64_t t = 0; t < keys; ++t) {
@@ -431,7 +444,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     }
     for (int64_t a = j0; a < j1; a += kPrefillPassQueries) {
       const int64_t b = std::min(j1, a + kPrefillPassQueries), rows = (b - a) * G;
-      const int64_t n = (prefix + b + W - 1) / W * W;  // keys the pass's last query sees, padded
+      const int64_t n = (prefix + b - k0 + W - 1) / W * W;  // keys the pass's last query sees, padded
       sc.q.resize(rows * D);
       for (int64_t j = a; j < b; ++j) {
         const T* src = qp + (starts[s] + j) * qstride + h * G * D;
@@ -442,10 +455,10 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       tile_scores(sc.q.data(), rows, D, sc.kt.data(), n, sc.scores.data(), n);
       sc.acc.resize(G * D);
       for (int64_t j = a; j < b; ++j) {
-        const int64_t len = prefix + j + 1;  // query j sees keys [0, len)
-        float* p = sc.scores.data() + (j - a) * G * n;
+        const int64_t first = lo(j) - k0, len = prefix + j + 1 - k0 - first;  // rows of its keys
+        float* p = sc.scores.data() + (j - a) * G * n + first;
         for (int64_t g = 0; g < G; ++g) softmax(p + g * n, len);
-        weighted_sum(p, n, sc.v_rows.data(), 0, len, D, G, sc.acc.data());
+        weighted_sum(p, n, sc.v_rows.data() + first, 0, len, D, G, sc.acc.data());
         T* dst = op + (starts[s] + j) * ostride + h * G * D;
         for (int64_t e = 0; e < G * D; ++e) dst[e] = from_f<T>(sc.acc[e]);
       }
@@ -473,20 +486,22 @@ void check_qo(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 }
 
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                            at::Tensor block_tables, at::Tensor context_lens, double scale) {
+                            at::Tensor block_tables, at::Tensor context_lens, double scale,
+                            int64_t window) {
   check_cache(k_cache, v_cache);
   check_qo(out, q, k_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block tables and context lengths must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
   DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    decode_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
   });
 }
 
 void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                              at::Tensor v_cache, at::Tensor block_tables,
-                             at::Tensor query_start_loc, at::Tensor context_lens, double scale) {
+                             at::Tensor query_start_loc, at::Tensor context_lens, double scale,
+                             int64_t window) {
   check_cache(k_cache, v_cache);
   check_qo(out, q, k_cache);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
@@ -496,7 +511,7 @@ void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
               query_start_loc.is_contiguous());
   DISPATCH_FLOATS(q.scalar_type(), "paged_prefill_attention", [&] {
     prefill_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                           context_lens, scale);
+                           context_lens, scale, window);
   });
 }
 

@@ -6,10 +6,12 @@
 namespace conveyor_cpu {
 
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                            at::Tensor block_tables, at::Tensor context_lens, double scale);
+                            at::Tensor block_tables, at::Tensor context_lens, double scale,
+                            int64_t window);
 void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                              at::Tensor v_cache, at::Tensor block_tables,
-                             at::Tensor query_start_loc, at::Tensor context_lens, double scale);
+                             at::Tensor query_start_loc, at::Tensor context_lens, double scale,
+                             int64_t window);
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
                       at::Tensor sin);
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
