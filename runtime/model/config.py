@@ -69,6 +69,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None

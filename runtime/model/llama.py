@@ -44,6 +44,11 @@ class DecoderShape:
                 f"model type {self.model_type!r} is not supported; "
                 f"Conveyor runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):  # transformers' names for the same function
+            raise ValueError(
+                f"hidden_act {act!r} is not supported; Conveyor's MLP computes silu(gate) * up"
+            )
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
         self.total_num_heads = config.num_attention_heads

@@ -31,12 +31,18 @@ CONFIGS = [
     ("mistral", {**SMALL, "head_dim": 64, "max_position_embeddings": 4096}),
     ("qwen2", {**SMALL, "head_dim": 64, "rope_parameters": {"rope_theta": 1e6}}),
     ("qwen3", {**SMALL, "num_key_value_heads": 1, "torch_dtype": "float16"}),
+    ("mistral", {**SMALL, "sliding_window": 8}),
+    ("mistral", {**SMALL, "sliding_window": None}),
+    ("qwen2", {**SMALL, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+    ("qwen3", {**SMALL, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2}),
+    ("llama", {**SMALL, "hidden_act": "swish"}),
 ]
 
 READ = (
     "model_type", "hidden_size", "num_layers", "total_num_heads", "total_num_kv_heads",
     "head_dim", "total_intermediate_size", "vocab_size", "rms_norm_eps", "max_position",
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings", "rope_scaling",
+    "windows",
 )  # fmt: skip
 """What ``DecoderShape`` takes from a config."""
 
@@ -108,3 +114,14 @@ def test_every_tensor_of_a_model_lives_on_the_device_it_is_built_on(values):
     tensors = [*model.named_parameters(), *model.named_buffers()]
     assert any(name.startswith("rotary.") for name, _ in tensors)
     assert [name for name, t in tensors if t.device.type != "meta"] == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_an_activation_other_than_silu_is_refused_not_run_as_silu(model_type):
+    """The MLP computes silu(gate) * up; a config asking for another activation is refused,
+    whichever config reads it."""
+    values = {**SMALL, "hidden_act": "gelu_pytorch_tanh"}
+    ours = ModelConfig.from_values({**values, "model_type": model_type})
+    for config in (ours, transformers_config(model_type, values)):
+        with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' is not supported"):
+            DecoderShape(config)
