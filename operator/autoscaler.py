@@ -255,8 +255,11 @@ def sized(
         down = max((by_demand, "demand"), guard_down, (1, "busy"))
     if history.guard_floor is not None:
         floor, at = history.guard_floor
-        if demand < at * (1 - TOLERANCE):
-            history.guard_floor = None  # demand fell: the estimate decides again
+        # Demand fell (past the tolerance and two deviations of Poisson arrivals over the
+        # demand window, so that a low reading of the same load does not count): the
+        # estimate decides again.
+        if demand < at * (1 - TOLERANCE) - 2 * math.sqrt(at / policy.demand_window):
+            history.guard_floor = None
         else:
             down = max(down, (floor, "breach-floor"))
     use = replicas_needed(obs.demand.arrivals, cap, 1.0) / obs.num_ready

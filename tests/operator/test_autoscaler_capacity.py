@@ -279,6 +279,24 @@ def test_a_breach_on_a_fleet_often_without_a_queue_is_left_to_the_estimate():
     assert all(d.direction == "none" for d in breach_trace(low=0))
 
 
+@pytest.mark.parametrize(("demand", "kept"), [(4.4, True), (3.8, False)])
+def test_a_breach_floor_goes_when_demand_falls_beyond_its_noise(demand, kept):
+    """The replica a lasting breach added stays while demand holds. 4.4/s is 12% under the
+    5/s it was added at: past the 10% tolerance, but within two deviations of a 60 s window
+    of Poisson arrivals at 5/s (0.58/s), so the count of the breach still holds. With the
+    tolerance alone, a 60 s scale-down window went back down on such a reading and the
+    breach came again (in the simulation at 85% and 90% of one replica, 14 and 13 runs in
+    30 changed direction over 30 minutes; 8 and 4 with this)."""
+    policy = dataclasses.replace(SIZED, capacity_requests_per_second=5.0)
+    history = History()
+    history.guard_floor = (2, 5.0)
+    obs = Observation(
+        0.0, 2, replicas(2, running=1), demand=Demand(Rates(demand), Rates(demand), 0.0)
+    )
+    decide(obs, policy, history)
+    assert (history.guard_floor is not None) == kept
+
+
 def test_a_closed_loop_of_clients_is_relieved_by_the_queue_target():
     """Twelve clients back to back on replicas of 2 slots (as e2e/test_autoscaling): arrivals
     always equal throughput, so demand over capacity never asks for more; the queue target
