@@ -68,8 +68,8 @@ class LLM:
     ) -> list[GenerationResult]:
         """Every prompt is checked before any enters the batch; results keep the prompts' order."""
         prompt_list = _prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # the model's defaults, as vLLM's LLM takes them
+            sampling_params = SamplingParams(**self.engine.default_sampling)
         params = (
             [sampling_params] * len(prompt_list)
             if isinstance(sampling_params, SamplingParams)

@@ -18,6 +18,10 @@ from conveyor.runtime.engine.block_manager import BlockManager
 from conveyor.runtime.engine.model_runner import ModelRunner, Sample
 from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
 from conveyor.runtime.engine.platform import configure_threads
+from conveyor.runtime.engine.sampling_defaults import (
+    GENERATION_CONFIG_CHOICES,
+    sampling_defaults,
+)
 from conveyor.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from conveyor.runtime.engine.sequence import FinishReason, Sequence
 from conveyor.runtime.engine.settings import EngineSettings
@@ -56,6 +60,10 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(
                 open_model(settings.tokenizer) if settings.tokenizer else files
             )
+            self.default_sampling = sampling_defaults(
+                settings.generation_config, files.generation_config
+            )
+            """Sampling parameters a request leaves out take these (``sampling_defaults.py``)."""
         except BaseException:
             if ranks is not None:
                 ranks.close()
@@ -77,6 +85,11 @@ class LLMEngine:
             self.runner.close()
             raise
         self.runner.eos_token_ids = self.state.eos_token_ids
+        if self.default_sampling:
+            progress(
+                f"default sampling parameters from generation_config.json: {self.default_sampling}"
+                " (a request's own values win; --generation-config vllm ignores the file)"
+            )
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.runner.vocab_size, self.state.eos_token_ids
         )
@@ -118,6 +131,12 @@ class LLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.state.max_model_len
+
+    @property
+    def generation_config_given(self) -> bool:
+        """``--generation-config`` named a folder: its max_new_tokens caps every request's
+        max_tokens, not only those that give none (as vLLM)."""
+        return self.settings.generation_config not in GENERATION_CONFIG_CHOICES
 
     def kv_cache_summary(self) -> str:
         st = self.state

@@ -101,6 +101,12 @@ class EngineSettings:
     """CPU threads for torch, shared out evenly among the tensor-parallel ranks; defaults to
     the process's CPU limit (cgroup quota or cores)."""
 
+    generation_config: str = "auto"
+    """Default sampling parameters for requests that leave them out: ``auto`` takes the
+    model's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+    max_new_tokens), as vLLM does; ``vllm`` ignores it; else a folder holding one
+    (``sampling_defaults.py``)."""
+
     tensor_parallel_size: int = 1
     """Ranks one replica's model is split over (one process and one GPU each; on CPU, each
     its share of the cores). 1: no split, no extra process. A model's attention heads, MLP
@@ -265,6 +271,14 @@ class EngineSettings:
             "CPU limit of this process)",
         )
         g.add_argument(
+            "--generation-config",
+            default=d.generation_config,
+            metavar="{auto,vllm,FOLDER}",
+            help="default temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
+            "of requests that leave them out: auto (default) = the model's generation_config.json, "
+            "as vLLM; vllm = ignore it; or a folder holding a generation_config.json",
+        )
+        g.add_argument(
             "--tensor-parallel-size",
             "--tp-size",
             type=int,
@@ -296,6 +310,7 @@ class EngineSettings:
             piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
             num_threads=args.num_threads,
             tensor_parallel_size=args.tensor_parallel_size,
+            generation_config=args.generation_config,
         )
 
     def replace(self, **changes: Any) -> EngineSettings:

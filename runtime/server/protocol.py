@@ -76,26 +76,36 @@ class GenerateRequestBody(BaseModel):
         max_tokens: int,
         logprobs: int | None,
         structured_output: StructuredOutputParams | None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams`` of this request, the one shape they keep down to
-        the sampler. A field left out (None) keeps ``SamplingParams``' default. ValueError
-        (naming the field first) for a value it refuses."""
-        d = SamplingParams  # its class attributes are the defaults
+        the sampler. A field left out (None) takes the model's default from ``defaults``
+        (``engine/sampling_defaults.py``: temperature, top_p, top_k, min_p,
+        repetition_penalty), else ``SamplingParams``' own. ValueError (naming the field
+        first) for a value it refuses."""
+        d = {**{f: getattr(SamplingParams, f) for f in _MODEL_DEFAULTS}, **(defaults or {})}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return d[name] if value is None else value
+
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=d.temperature if self.temperature is None else self.temperature,
-            top_p=d.top_p if self.top_p is None else self.top_p,
-            top_k=d.top_k if self.top_k is None else self.top_k,
-            min_p=d.min_p if self.min_p is None else self.min_p,
-            repetition_penalty=(
-                d.repetition_penalty if self.repetition_penalty is None else self.repetition_penalty
-            ),
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            repetition_penalty=pick("repetition_penalty"),
             presence_penalty=(
-                d.presence_penalty if self.presence_penalty is None else self.presence_penalty
+                SamplingParams.presence_penalty
+                if self.presence_penalty is None
+                else self.presence_penalty
             ),
             frequency_penalty=(
-                d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty
+                SamplingParams.frequency_penalty
+                if self.frequency_penalty is None
+                else self.frequency_penalty
             ),
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -107,6 +117,10 @@ class GenerateRequestBody(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             structured_output=structured_output,
         )
+
+
+_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The fields a model's generation_config.json may give defaults for (besides max_tokens)."""
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:

@@ -163,12 +163,28 @@ class GenerateRequest(ABC, Generic[RequestT]):
     ) -> SamplingParams:
         """The request's ``SamplingParams`` for a prompt of ``prompt_len`` tokens; 400 naming
         the field at fault."""
-        max_tokens, param = self.max_tokens()
+        asked, param = self.max_tokens()
         max_model_len = self.engine.max_model_len
         room = max_model_len - prompt_len
-        if max_tokens is None:
-            max_tokens = max(1, min(self.default_max_tokens(), room))
-        elif max_tokens >= 1 and max_tokens > room:
+        model_default = self.engine.default_sampling.get("max_tokens")
+        if asked is None:
+            max_tokens = max(1, min(model_default or self.default_max_tokens(), room))
+        else:
+            max_tokens = asked
+            if asked >= 1 and model_default and self.engine.generation_config_given:
+                # A generation config given by --generation-config also caps what a request
+                # asks for (vLLM's override_max_tokens); the model's own is only a default.
+                max_tokens = min(asked, model_default)
+        if asked is not None and max_tokens >= 1 and room < 1:
+            # The prompt alone fills the context: no max_tokens fits, so the prompt is at fault.
+            raise bad_request(
+                f"this model's context length is {max_model_len} tokens, but the prompt is "
+                f"{prompt_len} tokens and {param} is {max_tokens}; shorten the prompt to at "
+                f"most {max_model_len - min(max_tokens, max_model_len - 1)} tokens",
+                param=self.prompt_param,
+                code="context_length_exceeded",
+            )
+        if asked is not None and max_tokens >= 1 and max_tokens > room:
             raise bad_request(
                 f"this model's context length is {max_model_len} tokens, but the prompt is "
                 f"{prompt_len} tokens and {param} is {max_tokens}; lower {param} to at most "
@@ -181,6 +197,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 max_tokens=max_tokens,
                 logprobs=self.num_logprobs(),
                 structured_output=structured[0] if structured else None,
+                defaults=self.engine.default_sampling,
             )
         except ValueError as exc:
             err = from_value_error(exc, SAMPLING_PARAM_NAMES)
