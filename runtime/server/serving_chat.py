@@ -13,6 +13,7 @@ from conveyor.runtime.server.chat_template import render_chat
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import ChatCompletionRequest
+from conveyor.runtime.server.reasoning import ReasoningParser, ReasoningStream
 from conveyor.runtime.server.serving_common import tokenize
 from conveyor.runtime.server.serving_generate import Choice, Delta, GenerateRequest, finite
 from conveyor.runtime.server.tool_calls import ToolCalling, ToolCallStream
@@ -40,6 +41,10 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         self.tools: ToolCalling | None = None
         self._tool_streams: dict[int, ToolCallStream] = {}
         """Per choice index, when the request has tools (used when it streams)."""
+        name = ctx.settings.reasoning_parser
+        self.reasoning = ReasoningParser(name) if name is not None else None
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
+        """Per choice index, with ``--reasoning-parser`` (used when it streams)."""
 
     def check(self) -> None:
         req = self.req
@@ -54,6 +59,8 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         self.tools = ToolCalling.from_request(req, self.ctx.settings.tool_call_parser)
         if self.tools is not None:
             self._tool_streams = {i: ToolCallStream(self.tools) for i in range(req.n)}
+        if self.reasoning is not None:
+            self._reasoning_streams = {i: ReasoningStream(self.reasoning) for i in range(req.n)}
 
     def structured_output(self) -> tuple[StructuredOutputParams, str] | None:
         """The request's own constraint, or the one a forced tool choice brings."""
@@ -121,14 +128,20 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         lp = {"content": self._logprobs_content(choice.logprobs)} if choice.want_logprobs else None
-        message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+        reasoning: str | None = None
+        answer: str | None = choice.text
+        if self.reasoning is not None:  # the thinking apart; tool calls are in the answer
+            reasoning, answer = self.reasoning.split(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
         finish_reason = choice.finish_reason
-        calls = self.tools.extract(choice.text) if self.tools is not None else None
+        calls = self.tools.extract(answer or "") if self.tools is not None else None
         if calls is not None and calls[1]:
             message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
             finish_reason = "tool_calls"
         elif calls is not None:  # an empty list of calls: the rest is the answer
             message["content"] = calls[0] or ""
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
         return {
             "index": choice.index,
             "message": message,
@@ -145,11 +158,16 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
 
     def chunk_choices(self, choice: Choice, delta: Delta) -> list[dict[str, Any]]:
         finish = delta.finish_reason
+        text, thought = delta.text, ""
+        if self.reasoning is not None:
+            thought, text = self._reasoning_streams[choice.index].update(text, finish is not None)
         if self.tools is None:
-            deltas = [{"content": delta.text} if delta.text or delta.num_tokens else {}]
+            deltas = [{"content": text} if text or (delta.num_tokens and not thought) else {}]
         else:
-            deltas, called = self._tool_streams[choice.index].update(delta.text, finish is not None)
+            deltas, called = self._tool_streams[choice.index].update(text, finish is not None)
             finish = "tool_calls" if called else finish
+        if thought:  # the thinking first, then the answer's deltas that say something
+            deltas = [{"reasoning_content": thought}, *(d for d in deltas if d)]
         last = len(deltas) - 1
         return [
             self._chunk(

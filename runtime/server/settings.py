@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 from conveyor.runtime.engine.settings import EngineSettings
+from conveyor.runtime.server.reasoning import REASONING_PARSERS
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 TOOL_CALL_PARSERS = ("hermes", "smollm2")
@@ -53,6 +54,10 @@ class ServerSettings:
     """The model's own tool-call format, read when ``tool_choice`` is ``auto`` (vLLM's flag);
     unset: ``auto`` is refused, as nothing could read the calls."""
 
+    reasoning_parser: str | None = None
+    """``qwen3`` or ``deepseek_r1``: a chat completion's thinking goes into
+    ``reasoning_content``, apart from ``content`` (``reasoning.py``); unset: all is content."""
+
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine this server drives."""
 
@@ -73,6 +78,11 @@ class ServerSettings:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                f"got {self.reasoning_parser!r}"
             )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
@@ -134,6 +144,14 @@ class ServerSettings:
             "ignores them; default: auto is refused",
         )
         g.add_argument(
+            "--reasoning-parser",
+            default=None,
+            choices=list(REASONING_PARSERS),
+            help="a reasoning model's <think>...</think>, given apart as reasoning_content in chat "
+            "completions: qwen3 (the model opens <think>) or deepseek_r1 (the template opens it: "
+            "DeepSeek-R1 and its distilled models); default: all output is content",
+        )
+        g.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
             help="accepted as vLLM has it; tool_choice auto needs --tool-call-parser",
@@ -153,5 +171,6 @@ class ServerSettings:
             access_log=args.access_log,
             log_stats_interval=args.log_stats_interval,
             tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
             engine=EngineSettings.from_cli_args(args),
         )
