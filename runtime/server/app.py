@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.contracts.load import LOAD_HEADER, ReplicaLoad
+from conveyor.runtime.server.chat_template import use_chat_template
 from conveyor.runtime.server.context import Drain, ServerContext
 from conveyor.runtime.server.engine_client import EngineClient, EngineDeadError
 from conveyor.runtime.server.errors import (
@@ -73,6 +74,12 @@ def default_engine_factory(
         imported = time.monotonic()
         LOAD_TIMES.clear()
         engine = LLMEngine(settings.engine, on_progress=logging.getLogger("conveyor.runtime").info)
+        if settings.chat_template is not None:
+            try:
+                use_chat_template(engine, settings.chat_template)
+            except ValueError:
+                engine.close()
+                raise
         if timings is not None:
             timings["engine imports"] = imported - started
             timings.update(LOAD_TIMES)

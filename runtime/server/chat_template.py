@@ -7,7 +7,7 @@ import inspect
 import json
 from typing import TYPE_CHECKING, Any
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError
 
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import ChatMessage, FunctionCall
@@ -36,7 +36,9 @@ def render_chat(
     tokenizer = engine.tokenizer
     if tokenizer.chat_template is None:
         raise bad_request(
-            "this model's tokenizer has no chat template; use /v1/completions", param="messages"
+            "this model's tokenizer has no chat template; use /v1/completions, or start the "
+            "server with --chat-template",
+            param="messages",
         )
     _check_template_kwargs(tokenizer, template_kwargs)
     conversation = [_as_dict(m) for m in messages]
@@ -60,6 +62,21 @@ def render_chat(
             f"the chat template rejected these messages: {exc}", param="messages"
         ) from exc
     return engine.encode_prompt(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
+
+
+def use_chat_template(engine: LLMEngine, template: str) -> None:
+    """``--chat-template``: ``template`` replaces the tokenizer's. One user message is
+    rendered with it at start, so that a template that does not parse stops the server
+    there, not at every request (a template may refuse that conversation: that is its own)."""
+    engine.tokenizer.chat_template = template
+    try:
+        engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}], tokenize=False, add_generation_prompt=True
+        )
+    except TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template does not parse: {exc}") from None
+    except (TemplateError, ValueError, TypeError):
+        pass
 
 
 def _check_template_kwargs(tokenizer: Any, template_kwargs: dict[str, Any] | None) -> None:

@@ -94,4 +94,3 @@ def _tag_prefix(text: str, tags: tuple[str, ...]) -> int:
         if any(t.startswith(text[-n:]) for t in tags):
             return n
     return 0
-

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.server.reasoning import REASONING_PARSERS
@@ -13,6 +14,22 @@ API_KEY_ENV = "CONVEYOR_API_KEY"
 TOOL_CALL_PARSERS = ("hermes", "smollm2")
 """Tool-call formats ``--tool-call-parser`` knows (``tool_calls.py`` reads them, and
 ``tool_prompt.py`` writes tools in them for chat templates that ignore ``tools``)."""
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``'s template: a file's text, or the value itself when it is a
+    template (it holds ``{{`` or ``{%``). ValueError for a file that is not there."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(
+        f"--chat-template {value!r} is neither a file nor a Jinja template; give the path of "
+        "a .jinja file or the template itself"
+    )
 
 
 @dataclass(frozen=True)
@@ -53,6 +70,10 @@ class ServerSettings:
     tool_call_parser: str | None = None
     """The model's own tool-call format, read when ``tool_choice`` is ``auto`` (vLLM's flag);
     unset: ``auto`` is refused, as nothing could read the calls."""
+
+    chat_template: str | None = None
+    """A Jinja chat template that replaces the tokenizer's (vLLM's ``--chat-template``, given
+    as a file or inline; the file is read when the flags are parsed)."""
 
     reasoning_parser: str | None = None
     """``qwen3`` or ``deepseek_r1``: a chat completion's thinking goes into
@@ -144,6 +165,13 @@ class ServerSettings:
             "ignores them; default: auto is refused",
         )
         g.add_argument(
+            "--chat-template",
+            default=None,
+            metavar="FILE_OR_TEMPLATE",
+            help="a Jinja chat template (a file, or the template itself) that replaces the "
+            "tokenizer's, e.g. for a base model without one; default: the tokenizer's",
+        )
+        g.add_argument(
             "--reasoning-parser",
             default=None,
             choices=list(REASONING_PARSERS),
@@ -172,5 +200,6 @@ class ServerSettings:
             log_stats_interval=args.log_stats_interval,
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
+            chat_template=read_chat_template(args.chat_template),
             engine=EngineSettings.from_cli_args(args),
         )
