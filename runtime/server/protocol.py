@@ -18,7 +18,10 @@ MAX_N = 128
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    """A last chunk with the request's usage; null is false, as for the body's fields."""
+    continuous_usage_stats: bool | None = None
+    """vLLM's: with ``include_usage``, every chunk carries the usage so far too."""
 
 
 class GenerateRequestBody(BaseModel):

@@ -71,6 +71,15 @@ def check_queue(ctx: ServerContext, num_new: int) -> None:
     if limit is None:
         return
     snap = ctx.client.snapshot()
+    max_running = snap.max_running_requests or ctx.settings.engine.max_running_requests
+    if num_new > max_running + limit:
+        # Refused even by an idle replica: a 429 would have the client retry forever.
+        raise bad_request(
+            f"this request needs {num_new} engine requests (n times the prompts), but this "
+            f"replica runs at most {max_running} and queues at most {limit}; lower n (or "
+            f"send fewer prompts) to at most {max_running + limit} in all",
+            param="n",
+        )
     free_slots = max(0, (snap.max_running_requests or 0) - snap.num_running)
     would_wait = max(0, snap.num_waiting + num_new - free_slots)
     if would_wait > limit:

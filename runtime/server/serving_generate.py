@@ -104,8 +104,12 @@ class GenerateRequest(ABC, Generic[RequestT]):
 
         self.created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EngineStreamingResponse(sse_stream(self._stream(include_usage, stream)), stream)
+            options = req.stream_options
+            include_usage = bool(options and options.include_usage)
+            continuous = include_usage and bool(options and options.continuous_usage_stats)
+            return EngineStreamingResponse(
+                sse_stream(self._stream(include_usage, stream, continuous)), stream
+            )
         body = await unless_disconnected(request, self._collect(stream), stream)
         return JSONResponse(body)
 
@@ -251,12 +255,21 @@ class GenerateRequest(ABC, Generic[RequestT]):
             "usage": usage(self.choices),
         }
 
-    async def _stream(self, include_usage: bool, stream: OutputStream) -> AsyncGenerator[str, None]:
+    async def _stream(
+        self, include_usage: bool, stream: OutputStream, continuous: bool = False
+    ) -> AsyncGenerator[str, None]:
+        """``include_usage``: a last chunk with the usage (``null`` in the others, as OpenAI
+        has it); ``continuous``: every chunk with the usage so far (vLLM's
+        ``continuous_usage_stats``)."""
         head = self._head(self.chunk_object)
-        extra = {"usage": None} if include_usage else {}
+        extra: dict[str, Any] = {"usage": None} if include_usage else {}
         for part in self.first_chunks():
+            if continuous:
+                extra = {"usage": usage(self.choices)}
             yield sse({**head, "choices": [part], **extra})
         async for choice, delta in run_choices(self.ctx, self.choices, stream):
+            if continuous:
+                extra = {"usage": usage(self.choices)}
             for part in self.chunk_choices(choice, delta):
                 yield sse({**head, "choices": [part], **extra})
         if include_usage:

@@ -180,6 +180,38 @@ def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_stream_continuous_usage_stats_and_null_include_usage(client: openai.OpenAI) -> None:
+    """vLLM's ``continuous_usage_stats``: every chunk carries the usage so far (it was
+    ignored); ``include_usage: null`` means its default, as a null field does (it was a 400)."""
+    stream = client.completions.create(
+        model=MODEL,
+        prompt="Count",
+        max_tokens=5,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 10
+    assert {c.usage.prompt_tokens for c in chunks if c.usage is not None} == {
+        chunks[-1].usage.prompt_tokens
+    }
+    assert chunks[-1].choices == []
+
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=3,
+        stream=True,
+        stream_options={"include_usage": None},
+    )
+    chunks = list(stream)
+    assert chunks and all(c.usage is None for c in chunks)
+
+
 def test_stop_string(client: openai.OpenAI) -> None:
     base = client.completions.create(
         model=MODEL,

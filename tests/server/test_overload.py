@@ -99,6 +99,24 @@ async def test_queue_bound_gives_429_with_retry_after(guarded: ChildProcess) -> 
     wait_idle(guarded.url, headers=headers)
 
 
+def test_more_choices_than_the_replica_can_ever_admit_is_a_400(guarded: ChildProcess) -> None:
+    """n above running slots + queue places was a 429 "retry after 1s" on an idle replica,
+    which no retry can get past; it is a 400 that says how far to lower n."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=guarded.url, timeout=60, headers=headers) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 5})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "n" and "at most 4" in err["message"], err
+        r = http.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2, "n": 2})
+        assert r.status_code == 400, r.text
+        # What fits in the slots and the queue together is admitted.
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 4})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"]) == 4
+    wait_idle(guarded.url, headers=headers)
+
+
 async def test_disconnected_streams_are_aborted(server: ChildProcess) -> None:
     """200 streams cut after a few tokens: KV usage and the gauges return to zero."""
     async with httpx.AsyncClient(

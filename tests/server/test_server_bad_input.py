@@ -107,6 +107,33 @@ def test_prompt_longer_than_context(http: httpx.Client) -> None:
     )
 
 
+def test_prompt_that_fills_the_context_is_blamed_not_max_tokens(http: httpx.Client) -> None:
+    """With max_tokens given, a prompt that alone fills the context is what to shorten: the
+    error used to say "lower max_tokens to at most 0", which no request can do."""
+    max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    err = assert_error(
+        http.post(COMPLETIONS, json={"prompt": [5] * (max_len + 10), "max_tokens": 2}),
+        400,
+        "prompt",
+        f"shorten the prompt to at most {max_len - 2} tokens",
+    )
+    assert err["code"] == "context_length_exceeded"
+    assert "at most 0" not in err["message"]
+    err = assert_error(
+        http.post(
+            CHAT,
+            json={
+                "messages": [{"role": "user", "content": "x" * (max_len + 10)}],
+                "max_completion_tokens": 3,
+            },
+        ),
+        400,
+        "messages",
+        "shorten the prompt",
+    )
+    assert "at most 0" not in err["message"]
+
+
 def test_max_tokens_beyond_context(http: httpx.Client) -> None:
     max_len = http.get("/v1/models").json()["data"][0]["max_model_len"]
     assert_error(
