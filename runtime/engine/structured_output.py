@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,9 @@ engine, and a test schema compiles in milliseconds."""
 GRAMMAR_CACHE_BYTES = 512 << 20
 """Compiled grammars kept for reuse, by schema; vLLM's default. Unbounded, a server fed
 ever-new schemas would grow without end."""
+
+ADMITTING_REMEMBERED = 4096
+"""Specs ``compile`` remembers as checked, so that a schema sent again is not checked again."""
 
 _LIBRARY_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's errors start with ``[time] file.cc:line: ``; users need only the reason."""
@@ -57,6 +61,8 @@ class StructuredOutputs:
         self._lock = threading.Lock()
         self._matchers: dict[str, _Match] = {}
         self._vocab: _VocabMasks | None = None  # built with the compiler
+        self._admitting: OrderedDict[StructuredOutputParams, None] = OrderedDict()
+        """Specs whose grammar was seen to admit a first token (``compile``), newest last."""
 
     # -- any thread --------------------------------------------------------------------
 
@@ -66,7 +72,24 @@ class StructuredOutputs:
         self._get_compiler()
 
     def compile(self, spec: StructuredOutputParams) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of ``spec``; GrammarError saying what the library refused."""
+        """The compiled grammar of ``spec``; GrammarError saying what the library refused, or
+        that it admits no output at all."""
+        grammar = self._compile(spec)
+        with self._lock:
+            checked = spec in self._admitting
+        if not checked:
+            if not _admits_a_first_token(grammar):
+                raise GrammarError(
+                    "it admits no output at all (a schema that only refers to itself, or "
+                    "whose constraints exclude every value); give one that some value matches"
+                )
+            with self._lock:
+                self._admitting[spec] = None
+                while len(self._admitting) > ADMITTING_REMEMBERED:
+                    self._admitting.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: StructuredOutputParams) -> xgrammar.CompiledGrammar:
         try:
             compiler = self._get_compiler()
         except (ImportError, RuntimeError, ValueError, TypeError) as exc:
@@ -187,6 +210,18 @@ class _VocabMasks:
                 i for i, t in enumerate(decoded_vocab) if t.endswith(b"\xed")
             ),
         )
+
+
+def _admits_a_first_token(grammar: xgrammar.CompiledGrammar) -> bool:
+    """Whether any token may start an output of ``grammar``. One whose language is empty
+    (``{"$ref": "#"}``) masks every token at the first step, and the sampler then picks a
+    token the grammar refuses: the request ended in an abort with that token as its text."""
+    import xgrammar
+
+    matcher = xgrammar.GrammarMatcher(grammar)
+    mask = xgrammar.allocate_token_bitmask(1, grammar.tokenizer_info.vocab_size)
+    matcher.fill_next_token_bitmask(mask, 0)
+    return bool(mask.any())
 
 
 def _pack(allowed: list[bool]) -> torch.Tensor:

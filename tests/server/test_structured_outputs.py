@@ -191,6 +191,8 @@ def test_constrained_and_free_requests_in_one_batch(client: openai.OpenAI) -> No
         ({"response_format": {"type": "json_schema"}}, "response_format", "schema"),
         ({"structured_outputs": {"xml": "a"}}, "structured_outputs", "unknown"),
         ({"guided_regex": "a+", "ignore_eos": True}, "guided_regex", "ignore_eos"),
+        # compiles, but no value matches: was a 200 that aborted with a refused token as text
+        ({"guided_json": {"$ref": "#"}}, "guided_json", "admits no output"),
     ],
 )
 def test_bad_constraints_are_400s(
