@@ -153,13 +153,10 @@ class ToolCalling:
                 return None
             return None, [_call(self.name or "", text)]
         if self.mode == "required":
-            try:  # the grammar's shape, unless a stop string cut the text short
-                return None, [
-                    _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                    for c in json.loads(text)
-                ]
-            except (ValueError, RecursionError, KeyError, TypeError):
-                return None
+            # The grammar's array; its complete calls, should max_tokens or a stop string
+            # have cut it short (a streamed choice has sent them as they closed).
+            calls = [c for e in ArrayElements().feed(text) if (c := _required_call(e))]
+            return (None, calls) if calls else None
         if self.mode == "auto":
             return _parse_hermes(text)
         return None
@@ -179,6 +176,9 @@ class ToolCallStream:
         self.sent = 0
         """Characters of ``text`` already sent (as content or as arguments)."""
         self.call_id: str | None = None
+        self.elements = ArrayElements()
+        """``required``: the forced array's elements, each sent as a call once it closes."""
+        self.calls_sent = 0
 
     def update(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
         """The deltas to send for ``new_text`` (at least one), and whether the choice ended
@@ -186,6 +186,8 @@ class ToolCallStream:
         self.text += new_text
         if self.tools.mode == "named":
             return self._named(new_text, finished)
+        if self.tools.mode == "required":
+            return self._required(new_text, finished)
         visible = self.tools.visible_len(self.text)
         deltas: list[dict[str, Any]] = []
         if finished:
@@ -204,6 +206,18 @@ class ToolCallStream:
         self.sent = max(self.sent, visible)
         return [{"content": content} if content else {}], False
 
+    def _required(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
+        calls = []
+        for element in self.elements.feed(new_text):
+            if (call := _required_call(element)) is not None:
+                calls.append({"index": self.calls_sent, **call})
+                self.calls_sent += 1
+        if calls:
+            return [{"tool_calls": calls}], True
+        if finished and not self.calls_sent:  # no whole call came: the text is the answer
+            return [{"content": self.text}] if self.text else [{}], False
+        return [{}], self.calls_sent > 0
+
     def _named(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
         called = finished and self.tools.extract(self.text) is not None
         if not new_text:
@@ -213,6 +227,52 @@ class ToolCallStream:
             self.call_id = first["id"]
             return [{"tool_calls": [{"index": 0, **first}]}], called
         return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], called
+
+
+class ArrayElements:
+    """The elements of a JSON array as its text arrives: ``feed`` returns the text of each
+    element that closed (an object or array at depth one), so that a forced ``required``
+    call streams as soon as it is whole rather than with the choice's end."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = self.escaped = False
+        self.start: int | None = None
+        self.buffer = ""
+
+    def feed(self, text: str) -> list[str]:
+        done = []
+        base = len(self.buffer)
+        self.buffer += text
+        for i, ch in enumerate(text, base):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.start = i
+            elif ch in "]}":
+                self.depth -= 1
+                if self.depth == 1 and self.start is not None:
+                    done.append(self.buffer[self.start : i + 1])
+                    self.start = None
+        return done
+
+
+def _required_call(element: str) -> dict[str, Any] | None:
+    """One element of the ``required`` array as an OpenAI tool call; None if it is not one."""
+    try:
+        c = json.loads(element)
+        return _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+    except (ValueError, RecursionError, KeyError, TypeError):
+        return None
 
 
 def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:

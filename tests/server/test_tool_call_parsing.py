@@ -57,6 +57,34 @@ def test_forced_output_cut_short_is_no_call() -> None:
     assert ToolCalling([TOOL], "named", name="f").extract('{"a": ') is None
 
 
+def test_required_calls_stream_each_as_soon_as_it_closes() -> None:
+    """The forced array's calls go out one by one as each element closes (a string holding
+    brackets, quotes and escapes does not close one), not all with the choice's end; a
+    call cut off by max_tokens is left out, whole and streamed alike."""
+    required = ToolCalling([TOOL], "required")
+    first = '{"name": "f", "parameters": {"s": "}] \\" {["}}'
+    text = f'[{first}, {{"name": "f", "parameters": {{"n": 2}}}}, {{"name": "f", "para'
+    stream = ToolCallStream(required)
+    sent: list[tuple[int, dict]] = []
+    for at, ch in enumerate(text):
+        deltas, _ = stream.update(ch, at == len(text) - 1)
+        for d in deltas:
+            for call in d.get("tool_calls", []):
+                sent.append((at, call))
+    assert [at for at, _ in sent] == [len(first), text.index("}}, {", len(first) + 2) + 1]
+    assert [c["index"] for _, c in sent] == [0, 1]
+    assert [json.loads(c["function"]["arguments"]) for _, c in sent] == [
+        {"s": '}] " {['},
+        {"n": 2},
+    ]
+    whole = required.extract(text)
+    assert whole is not None
+    assert [json.loads(c["function"]["arguments"]) for c in whole[1]] == [
+        {"s": '}] " {['},
+        {"n": 2},
+    ]
+
+
 SMOLLM2 = ToolCalling([TOOL], "auto", parser="smollm2")
 
 
