@@ -71,6 +71,7 @@ def main() -> int:
                         "stride_lb",
                         "stride_lh",
                         "num_splits",
+                        "window",
                     ),
                 },
                 {
@@ -115,6 +116,7 @@ def main() -> int:
                         "stride_slot",
                         "stride_ot",
                         "stride_oh",
+                        "window",
                     ),
                 },
                 {
