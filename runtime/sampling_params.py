@@ -82,6 +82,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return the sampled token's logprob and this many top alternatives (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (given the tokens before it; None for the first)
+    and this many top alternatives (0..20), as vLLM's. Such a prompt is computed whole,
+    never read from the prefix cache."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] = field(default_factory=dict)
@@ -127,10 +131,12 @@ class SamplingParams:
             raise ValueError(
                 f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}"
             )
-        if self.logprobs is not None:
-            _int_at_least("logprobs", self.logprobs, 0)
-            if self.logprobs > 20:
-                raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int_at_least(name, value, 0)
+                if value > 20:
+                    raise ValueError(f"{name} must be in [0, 20], got {value}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")

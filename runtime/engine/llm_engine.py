@@ -293,6 +293,12 @@ class LLMEngine:
             new_token_ids=new_tokens,
             output_token_ids=seq.output_token_ids,
             new_logprobs=seq.logprobs[-len(new_tokens) :] if new_tokens and seq.logprobs else [],
+            prompt_logprobs=(
+                (list(seq.prompt_logprobs) or [None])  # a one-token prompt: only its None
+                if seq.params.prompt_logprobs is not None
+                and (seq.is_finished or (new_tokens and seq.num_output_tokens == len(new_tokens)))
+                else None
+            ),  # on the first token's output, and the last
             finished=seq.is_finished,
             finish_reason=seq.finish_reason.value if seq.finish_reason else None,
             stop_reason=seq.stop_reason,

@@ -306,16 +306,23 @@ class ModelRunner:
         """Run the model over ``batch``; returns a sample per sequence that reached its end."""
         layout, sample_rows = layout_step(batch, self.block_size)
         rows = [r for _, r in sample_rows]
+        prompt_rows = prompt_logprob_rows(batch)
+        all_rows = rows + [row for _, row, _ in prompt_rows]
         if self.ranks is not None:
-            self.ranks.send(self.steps.message(batch, layout, rows))
+            self.ranks.send(self.steps.message(batch, layout, all_rows))
             try:
-                logits = self._logits(layout, rows)
+                logits = self._logits(layout, all_rows)
             except RuntimeError as exc:  # a collective whose peer died: say which
                 raise self.ranks.explain(exc) or exc from exc
         else:
-            logits = self._logits(layout, rows)
+            logits = self._logits(layout, all_rows)
         if logits is None:
             return {}
+        if prompt_rows:
+            add_prompt_logprobs(prompt_rows, logits[len(rows) :])
+            logits = logits[: len(rows)]
+            if not rows:
+                return {}
         seqs = [batch.seqs[i] for i, _ in sample_rows]
         out = self.sampler(logits, self._sampling_tensors(seqs))
         token_ids = out.token_ids.tolist()
@@ -454,3 +461,43 @@ class ModelRunner:
             top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k and top_ids else []
             result.append(TokenLogprob(token_id=int(out.token_ids[i]), logprob=lps[i], top=top))
         return result
+
+
+def prompt_logprob_rows(batch: ScheduledBatch) -> list[tuple[Sequence, int, int]]:
+    """(sequence, row among the step's tokens, prompt position it predicts) for each prompt
+    token of this step whose logits give the next prompt token's logprob, for sequences that
+    ask for prompt logprobs; positions already given (a preempted prompt computed again) are
+    left out. The step's tokens lie in batch order (``layout_step``)."""
+    found: list[tuple[Sequence, int, int]] = []
+    row = 0
+    for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        start = seq.num_computed_tokens
+        if seq.params.prompt_logprobs is not None:
+            done = max(1, len(seq.prompt_logprobs))  # position 0 has none
+            for p in range(start, min(start + n, seq.num_prompt_tokens - 1)):
+                if p + 1 >= done:
+                    found.append((seq, row + p - start, p + 1))
+        row += n
+    return found
+
+
+def add_prompt_logprobs(rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+    """Each row's logprob of the prompt token it predicts (and the top alternatives the
+    request asks for), appended to its sequence's ``prompt_logprobs``."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    targets = torch.tensor([seq.token_ids[p] for seq, _, p in rows], device=logprobs.device)
+    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in rows)
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        top_ids, top_lps = top.indices.tolist(), top.values.tolist()
+    for i, (seq, _, p) in enumerate(rows):
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)
+        if len(seq.prompt_logprobs) != p:
+            continue  # given already
+        n = seq.params.prompt_logprobs or 0
+        alternatives = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n else []
+        seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[p], chosen[i], alternatives))

@@ -29,6 +29,9 @@ class RequestOutput(RequestTimeline):
     new_token_ids: list[int]
     output_token_ids: list[int]
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``, on the request's first output: each prompt
+    token's logprob, None for the first."""
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None

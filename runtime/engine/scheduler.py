@@ -136,7 +136,9 @@ class Scheduler:
             seq = self.waiting[0]
             if self.mode != "continuous" and seq.request_id not in self._batch:
                 break
-            cached = self.bm.find_cached_prefix(seq)
+            # Prompt logprobs need the logits of every prompt token: nothing from the cache.
+            wants_all = seq.params.prompt_logprobs is not None
+            cached = [] if wants_all else self.bm.find_cached_prefix(seq)
             num_cached = len(cached) * self.bm.block_size
             n = min(len(seq.token_ids) - num_cached, budget)
             if not self.bm.allocate(seq, n, cached, reserve=self.watermark_blocks):

@@ -57,6 +57,9 @@ class Sequence:
     stop_reason: int | str | None = None
     """The stop token id or stop string that ended it, as vLLM reports it."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """With ``params.prompt_logprobs``: prompt token i's logprob at index i (None for the
+    first), filled in as the prompt's chunks are computed."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

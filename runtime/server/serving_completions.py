@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncGenerator
 from functools import partial
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import CompletionRequest
@@ -47,10 +49,10 @@ class Completion(GenerateRequest[CompletionRequest]):
                 "choice it generates",
                 param="best_of",
             )
-        if req.echo and req.logprobs is not None:
+        if req.echo and req.logprobs is not None and req.stream:
             raise bad_request(
-                "echo together with logprobs is not supported (no prompt logprobs); drop one of "
-                "them",
+                "echo with logprobs (the prompt's logprobs) is answered whole, not streamed; "
+                "send stream: false, or drop echo or logprobs",
                 param="echo",
             )
 
@@ -73,6 +75,16 @@ class Completion(GenerateRequest[CompletionRequest]):
 
     def num_logprobs(self) -> int | None:
         return self.req.logprobs
+
+    def sampling_params(
+        self, prompt_len: int, structured: tuple[StructuredOutputParams, str] | None
+    ) -> SamplingParams:
+        """With ``echo`` and ``logprobs``, the prompt's logprobs too (what lm-evaluation-harness
+        scores a continuation by)."""
+        params = super().sampling_params(prompt_len, structured)
+        if self.req.echo and self.req.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.req.logprobs)
+        return params
 
     # -- the response ----------------------------------------------------------------------
 
@@ -110,6 +122,29 @@ class Completion(GenerateRequest[CompletionRequest]):
             for k, v in part.items():
                 acc[k].extend(v)
 
+    def _prompt_logprobs(self, choice: Choice) -> dict[str, list[Any]]:
+        """The echoed prompt's part of ``logprobs``: its tokens, their logprobs (null for the
+        first, as OpenAI's), alternatives and offsets into the echoed text."""
+        part: dict[str, list[Any]] = {
+            "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
+        }  # fmt: skip
+        offset = 0
+        for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs or [], strict=False):
+            text = self.token_text(token_id)
+            part["tokens"].append(text)
+            part["text_offset"].append(offset)
+            offset += len(text)
+            if lp is None:
+                part["token_logprobs"].append(None)
+                part["top_logprobs"].append(None)
+                continue
+            part["token_logprobs"].append(finite(lp.logprob))
+            alternatives = {text: finite(lp.logprob)}
+            for alt_id, logprob in lp.top:
+                alternatives.setdefault(self.token_text(alt_id), finite(logprob))
+            part["top_logprobs"].append(alternatives)
+        return part
+
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         lp = None
         if choice.want_logprobs:
@@ -117,6 +152,13 @@ class Completion(GenerateRequest[CompletionRequest]):
                 choice.index,
                 {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []},
             )
+            if self.req.echo:  # the prompt's first, the generated text's offsets after it
+                shift = len(self._echo(choice))
+                prompt = self._prompt_logprobs(choice)
+                lp = {
+                    k: prompt[k] + ([o + shift for o in v] if k == "text_offset" else v)
+                    for k, v in lp.items()
+                }
         return {
             "index": choice.index,
             "text": self._echo(choice) + choice.text,

@@ -333,6 +333,8 @@ class Choice:
         self.emitted_len = 0
         """Characters of text handed out so far."""
         self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        """With ``params.prompt_logprobs``: each prompt token's (None for the first)."""
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
@@ -366,6 +368,8 @@ class Choice:
         logprobs = out.new_logprobs if self.want_logprobs else []
         if logprobs:
             self.logprobs.extend(logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.finish_reason = finish
         return Delta(text, len(out.new_token_ids), logprobs, finish)
 
