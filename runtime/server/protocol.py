@@ -86,11 +86,12 @@ class GenerateRequestBody(BaseModel):
         (``engine/sampling_defaults.py``: temperature, top_p, top_k, min_p,
         repetition_penalty), else ``SamplingParams``' own. ValueError (naming the field
         first) for a value it refuses."""
-        d = {**{f: getattr(SamplingParams, f) for f in _MODEL_DEFAULTS}, **(defaults or {})}
+        model = defaults or {}
 
         def pick(name: str) -> Any:
+            """The request's value, else the model's default, else ``SamplingParams``'."""
             value = getattr(self, name)
-            return d[name] if value is None else value
+            return value if value is not None else model.get(name, getattr(SamplingParams, name))
 
         return SamplingParams(
             max_tokens=max_tokens,
@@ -100,16 +101,8 @@ class GenerateRequestBody(BaseModel):
             top_k=pick("top_k"),
             min_p=pick("min_p"),
             repetition_penalty=pick("repetition_penalty"),
-            presence_penalty=(
-                SamplingParams.presence_penalty
-                if self.presence_penalty is None
-                else self.presence_penalty
-            ),
-            frequency_penalty=(
-                SamplingParams.frequency_penalty
-                if self.frequency_penalty is None
-                else self.frequency_penalty
-            ),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -120,10 +113,6 @@ class GenerateRequestBody(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             structured_output=structured_output,
         )
-
-
-_MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-"""The fields a model's generation_config.json may give defaults for (besides max_tokens)."""
 
 
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float]:

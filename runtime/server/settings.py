@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conveyor.runtime.engine.settings import EngineSettings
-from conveyor.runtime.server.reasoning import REASONING_PARSERS
+from conveyor.runtime.server.reasoning import REASONING_PARSERS, ReasoningParser
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
 TOOL_CALL_PARSERS = ("hermes", "smollm2")
@@ -100,11 +100,8 @@ class ServerSettings:
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                 f"got {self.tool_call_parser!r}"
             )
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(
-                f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
-                f"got {self.reasoning_parser!r}"
-            )
+        if self.reasoning_parser is not None:
+            ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
 
