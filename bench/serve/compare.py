@@ -1,9 +1,14 @@
-"""``conveyor bench serve-compare``: continuous vs static vs none scheduling, over HTTP.
+"""``conveyor bench serve-compare``: scheduling modes and queue policies, over HTTP.
 
-The same workload against servers started with ``--scheduler continuous``, ``static``
-and ``none``, one after another, on the same model and flags; prints the figures side by
-side, with each mode's throughput and TTFT against continuous batching. A benchmark, not
-a test: it prints what it measured and never fails on a time.
+The same workload against servers started with each ``--scheduler`` mode (continuous,
+static, none) and each ``--scheduling-policy`` asked for (fcfs by default; priority, lpm),
+one after another, on the same model and flags; prints the figures side by side, with each
+one's throughput and TTFT against the first. A benchmark, not a test: it prints what it
+measured and never fails on a time.
+
+    conveyor bench serve-compare                       # continuous vs static vs none
+    conveyor bench serve-compare --modes continuous --policies fcfs,lpm \
+        --shared-prefix-len 384 --num-prefix-groups 12  # what lpm does under cache pressure
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from conveyor.bench.serve.command import add_load_args, settings_from_args
 from conveyor.bench.serve.load import run
 from conveyor.bench.serve.report import format_table, write_json
 from conveyor.bench.serve.workload import WorkloadSettings, add_workload_args
-from conveyor.runtime.engine.settings import SCHEDULER_MODES
+from conveyor.runtime.engine.settings import SCHEDULER_MODES, SCHEDULING_POLICIES
 
 # Small enough that `none` (one request at a time) finishes in minutes on a CPU.
 DEFAULT_WORKLOAD = WorkloadSettings(
@@ -30,9 +35,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="conveyor bench serve-compare",
         description=(
-            "Continuous vs static vs none scheduling over HTTP: the same workload against "
-            "servers started with --scheduler continuous, static and none, one after another; "
-            "prints them side by side."
+            "Scheduling modes and queue policies over HTTP: the same workload against servers "
+            "started with each --scheduler mode and --scheduling-policy asked for, one after "
+            "another; prints them side by side, with ratios to the first."
         ),
     )
     g = parser.add_argument_group("servers")
@@ -40,6 +45,12 @@ def main(argv: list[str]) -> int:
         "--modes",
         default=",".join(SCHEDULER_MODES),
         help="schedulers to compare, in order (default continuous,static,none)",
+    )
+    g.add_argument(
+        "--policies",
+        default="fcfs",
+        help=f"waiting-queue policies to compare under each mode, in order: "
+        f"{', '.join(SCHEDULING_POLICIES)} (default fcfs)",
     )
     g.add_argument(
         "--model", default="conveyor-tiny", help="model every server loads (default conveyor-tiny)"
@@ -61,10 +72,16 @@ def main(argv: list[str]) -> int:
     add_load_args(parser, concurrency=DEFAULT_WORKLOAD.num_requests, model=False)
     add_workload_args(parser, DEFAULT_WORKLOAD)
     args = parser.parse_args(argv)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     for m in modes:
         if m not in SCHEDULER_MODES:
             parser.error(f"--modes: {m!r} is not one of {', '.join(SCHEDULER_MODES)}")
+    policies = list(dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip()))
+    for p in policies:
+        if p not in SCHEDULING_POLICIES:
+            parser.error(f"--policies: {p!r} is not one of {', '.join(SCHEDULING_POLICIES)}")
+    if not modes or not policies:
+        parser.error("--modes and --policies each need at least one name")
 
     server_args = [
         "--model",
@@ -76,31 +93,44 @@ def main(argv: list[str]) -> int:
         *args.server_arg,
     ]
     summaries: dict[str, dict[str, Any]] = {}
-    for mode in modes:
+    for label, flags in variants(modes, policies):
         print(
-            f"== --scheduler {mode}: starting `conveyor serve {' '.join(server_args)}`",
+            f"== {label}: starting `conveyor serve {' '.join([*server_args, *flags])}`",
             file=sys.stderr,
         )
-        with conveyor_serve([*server_args, "--scheduler", mode]) as server:
+        with conveyor_serve([*server_args, *flags]) as server:
             settings = settings_from_args(args, server.url)
-            summaries[mode] = asyncio.run(run(settings))
-        print(format_table(summaries[mode]), file=sys.stderr)
+            summaries[label] = asyncio.run(run(settings))
+        print(format_table(summaries[label]), file=sys.stderr)
     print(compare_table(summaries))
     if args.json:
+        first = next(iter(summaries))
         write_json(
             args.json,
-            {"server_args": server_args, "modes": summaries, "continuous_vs": _ratios(summaries)},
+            {"server_args": server_args, "runs": summaries, f"vs_{first}": _ratios(summaries)},
         )
     return 0
 
 
+def variants(modes: list[str], policies: list[str]) -> list[tuple[str, list[str]]]:
+    """(label, server flags) for every mode and policy; a label names only what varies."""
+    out = []
+    for mode in modes:
+        for policy in policies:
+            named = [mode] if len(modes) > 1 or len(policies) == 1 else []
+            named += [policy] if len(policies) > 1 else []
+            out.append(("/".join(named), ["--scheduler", mode, "--scheduling-policy", policy]))
+    return out
+
+
 def _ratios(summaries: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    base = summaries.get("continuous")
+    """Each run's throughput and TTFT p50 over the first run's."""
+    base = next(iter(summaries.values()), None)
     if base is None:
         return {}
     out = {}
-    for mode, s in summaries.items():
-        out[mode] = {
+    for label, s in summaries.items():
+        out[label] = {
             "output_throughput": _div(s["output_throughput"], base["output_throughput"]),
             "ttft_p50": _div(s["ttft_p50"], base["ttft_p50"]),
         }
@@ -120,6 +150,7 @@ def compare_table(summaries: dict[str, dict[str, Any]]) -> str:
 
     ratios = _ratios(summaries)
     cols = list(summaries)
+    first = cols[0]
     rows: list[tuple[str, list[str]]] = [
         ("completed", [f"{s['completed']}/{s['num_requests']}" for s in summaries.values()]),
         ("errors", [str(sum(s["errors"].values())) for s in summaries.values()]),
@@ -127,12 +158,12 @@ def compare_table(summaries: dict[str, dict[str, Any]]) -> str:
         ("requests/s", [f"{s['request_throughput']:.2f}" for s in summaries.values()]),
         ("output tok/s", [f"{s['output_throughput']:.1f}" for s in summaries.values()]),
         (
-            "throughput / continuous",
+            f"throughput / {first}",
             [ratio(ratios.get(m, {}).get("output_throughput")) for m in cols],
         ),
         ("TTFT p50 (ms)", [ms(s["ttft_p50"]) for s in summaries.values()]),
         ("TTFT p95 (ms)", [ms(s["ttft_p95"]) for s in summaries.values()]),
-        ("TTFT p50 / continuous", [ratio(ratios.get(m, {}).get("ttft_p50")) for m in cols]),
+        (f"TTFT p50 / {first}", [ratio(ratios.get(m, {}).get("ttft_p50")) for m in cols]),
         ("TPOT p50 (ms)", [ms(s["tpot_p50"]) for s in summaries.values()]),
         ("TPOT p95 (ms)", [ms(s["tpot_p95"]) for s in summaries.values()]),
         ("ITL p50 (ms)", [ms(s["itl_p50"]) for s in summaries.values()]),
@@ -145,6 +176,7 @@ def compare_table(summaries: dict[str, dict[str, Any]]) -> str:
         ("tokenize / request (ms)", [_f(v.get("tokenize_ms_mean"), 3) for v in servers]),
         ("detokenize / step (ms)", [_f(v.get("detokenize_ms_per_step"), 3) for v in servers]),
         ("detokenize / step time", [_pct(v.get("detokenize_share_of_step")) for v in servers]),
+        ("prefix-cache hit rate", [_pct(v.get("prefix_cache_hit_rate"), 1) for v in servers]),
         ("preemptions", [str(v.get("preemptions", "-")) for v in servers]),
     ]
     width = max(len(r[0]) for r in rows)
@@ -160,5 +192,5 @@ def _f(x: float | None, digits: int = 1) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.2f}%"
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"

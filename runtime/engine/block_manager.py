@@ -80,11 +80,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         bs = self.block_size
+        hashes = seq.prefix_hashes  # computed once per block: lookups repeat while it waits
         found: list[int] = []
-        parent: bytes | None = None
         for i in range((len(seq.token_ids) - 1) // bs):
-            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            block_id = self._cached.get(parent)
+            if i == len(hashes):
+                hashes.append(
+                    hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs])
+                )
+            block_id = self._cached.get(hashes[i])
             if block_id is None:
                 break
             found.append(block_id)

@@ -65,9 +65,14 @@ class LLM:
         self,
         prompts: str | list[int] | Seq[str | list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        priority: Seq[int] | None = None,
     ) -> list[GenerationResult]:
-        """Every prompt is checked before any enters the batch; results keep the prompts' order."""
+        """Every prompt is checked before any enters the batch; results keep the prompts' order.
+        ``priority``: one per prompt, lower runs sooner (with ``scheduling_policy="priority"``)."""
         prompt_list = _prompt_list(prompts)
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(priorities)} priorities")
         if sampling_params is None:  # the model's defaults, as vLLM's LLM takes them
             sampling_params = SamplingParams(**self.engine.default_sampling)
         params = (
@@ -78,9 +83,9 @@ class LLM:
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params)} sampling params")
         encoded = [self.engine.encode_prompt(p) for p in prompt_list]
-        for i, (ids, p) in enumerate(zip(encoded, params, strict=True)):
+        for i, (ids, p, pri) in enumerate(zip(encoded, params, priorities, strict=True)):
             try:
-                self.engine.check_request(ids, p)
+                self.engine.check_request(ids, p, pri)
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         grammars = [
@@ -94,8 +99,10 @@ class LLM:
             rid: IncrementalDetokenizer(self.tokenizer, p)
             for rid, p in zip(request_ids, params, strict=True)
         }
-        for rid, ids, p, g in zip(request_ids, encoded, params, grammars, strict=True):
-            self.engine.add_request(rid, ids, p, grammar=g)
+        for rid, ids, p, g, pri in zip(
+            request_ids, encoded, params, grammars, priorities, strict=True
+        ):
+            self.engine.add_request(rid, ids, p, grammar=g, priority=pri)
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
         while self.engine.has_unfinished_requests():

@@ -102,6 +102,7 @@ class LLMEngine:
             max_running=settings.max_running_requests,
             token_budget=settings.token_budget(self.runner.device.type),
             mode=settings.scheduler,
+            policy=settings.scheduling_policy,
             watermark_blocks=max(1, self.state.num_blocks // 100)
             if self.state.num_blocks > 100
             else 0,
@@ -177,8 +178,11 @@ class LLMEngine:
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         return longest * NORMALIZER_MARGIN
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> None:
         """Refuse what can never run, before it enters the batch. Reads constants only."""
+        self.check_priority(priority)
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty")
         vocab = self.runner.vocab_size
@@ -197,6 +201,18 @@ class LLMEngine:
             )
         params.validate()
 
+    def check_priority(self, priority: int) -> None:
+        """A request's ``priority`` means something only under the priority policy; elsewhere
+        anything but 0 is refused rather than ignored, as vLLM does."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        policy = self.settings.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs a server started with --scheduling-policy priority "
+                f"(this one orders requests by {policy}); leave priority out or send 0"
+            )
+
     def add_request(
         self,
         request_id: str,
@@ -204,13 +220,15 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         grammar: xgrammar.CompiledGrammar | None = None,
+        priority: int = 0,
     ) -> None:
         """``grammar``: ``params.structured_output`` compiled by ``structured_outputs.compile``
-        off this thread; compiled here if not given."""
+        off this thread; compiled here if not given. ``priority``: lower runs sooner, under
+        ``--scheduling-policy priority``."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
-        self.check_request(token_ids, params)
+        self.check_request(token_ids, params, priority)
         if params.structured_output is not None:
             grammar = grammar or self.structured_outputs.compile(params.structured_output)
             self.structured_outputs.add(request_id, params.structured_output, grammar)
@@ -220,6 +238,7 @@ class LLMEngine:
             num_prompt_tokens=len(token_ids),
             params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

@@ -13,15 +13,28 @@ The three modes differ only in admission:
 - ``static``: a batch of up to ``max_running`` requests is formed from the
   queue and runs until every member has finished; nobody joins mid-batch;
 - ``none``: a batch of one.
+
+The policy orders the waiting queue (nobody overtakes its head in that order):
+- ``fcfs``: arrival order (vLLM's default);
+- ``priority``: each request's ``priority``, lower first, then arrival (vLLM's
+  ``--scheduling-policy priority``); the KV cache's preemption victim is the
+  running request last in that order, not the newest;
+- ``lpm``: longest prefix match first, the requests with the most of their prompt
+  in the prefix cache (SGLang's ``--schedule-policy lpm``): they cost least
+  to admit, and they run while their cached blocks are still there to share.
+  Ties keep arrival order; past ``LPM_MAX_QUEUE`` waiting requests it is fcfs, as
+  SGLang's, since matching every request each step costs more than it saves.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from conveyor.runtime.engine.block_manager import BlockManager
 from conveyor.runtime.engine.sequence import FinishReason, Sequence, SequenceStatus
+from conveyor.runtime.engine.settings import SCHEDULING_POLICIES
 
 
 @dataclass
@@ -42,6 +55,14 @@ class ScheduledBatch:
         return not self.seqs
 
 
+LPM_MAX_QUEUE = 128
+"""Waiting requests beyond which ``lpm`` orders by arrival instead (SGLang's cut-off)."""
+
+
+def _priority_key(seq: Sequence) -> tuple[int, float]:
+    return (seq.priority, seq.arrival_time)
+
+
 @dataclass
 class SchedulerCounters:
     """Monotonic counters for the metrics (prefix cache, preemptions)."""
@@ -59,10 +80,16 @@ class Scheduler:
         max_running: int,
         token_budget: int,
         mode: str = "continuous",
+        policy: str = "fcfs",
         watermark_blocks: int = 0,
     ):
         if mode not in ("continuous", "static", "none"):
             raise ValueError(f"scheduler must be continuous, static or none; got {mode!r}")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {policy!r}"
+            )
+        self.policy = policy
         self.bm = block_manager
         self.max_running = 1 if mode == "none" else max_running
         self.token_budget = token_budget
@@ -87,7 +114,18 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: by priority, or at the back (``front``: a preempted
+        request, which goes before every newer one)."""
+        if self.policy == "priority":
+            at = bisect.bisect_right(self.waiting, _priority_key(seq), key=_priority_key)
+            self.waiting.insert(at, seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -130,12 +168,15 @@ class Scheduler:
         # had to preempt: the cache is full, admitting would only thrash).
         if batch.preempted:
             return batch
+        if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE and budget > 0:
+            self._order_by_prefix_match()
         if self.mode != "continuous" and not self._batch and not self.running:
             self._batch = {s.request_id for s in list(self.waiting)[: self.max_running]}
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
-            seq = self.waiting[0]
-            if self.mode != "continuous" and seq.request_id not in self._batch:
+            head = self._next_waiting()
+            if head is None:
                 break
+            seq = head
             # Prompt logprobs need the logits of every prompt token: nothing from the cache.
             wants_all = seq.params.prompt_logprobs is not None
             cached = [] if wants_all else self.bm.find_cached_prefix(seq)
@@ -143,7 +184,7 @@ class Scheduler:
             n = min(len(seq.token_ids) - num_cached, budget)
             if not self.bm.allocate(seq, n, cached, reserve=self.watermark_blocks):
                 break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             if seq.num_preemptions == 0:
@@ -156,10 +197,33 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _next_waiting(self) -> Sequence | None:
+        """The waiting request to admit next: the queue's head, or in ``static`` and ``none``
+        the first member of the current batch (a request of higher priority that came after
+        the batch was formed waits for the next batch)."""
+        if self.mode == "continuous":
+            return self.waiting[0]
+        return next((s for s in self.waiting if s.request_id in self._batch), None)
+
+    def _order_by_prefix_match(self) -> None:
+        """``lpm``: the waiting queue, most cached prompt blocks first (a stable sort, so ties
+        keep their order: arrival, preempted requests first)."""
+        cached = {
+            seq.request_id: 0
+            if seq.params.prompt_logprobs is not None
+            else len(self.bm.find_cached_prefix(seq))
+            for seq in self.waiting
+        }
+        self.waiting = deque(sorted(self.waiting, key=lambda s: -cached[s.request_id]))
+
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """Find blocks for ``n`` more tokens of ``seq``, preempting the newest requests."""
+        """Find blocks for ``n`` more tokens of ``seq``, preempting running requests: the
+        newest, or under ``priority`` the last in priority order."""
         while not self.bm.allocate(seq, n):
-            victim = self.running[-1]
+            if self.policy == "priority":
+                victim = max(reversed(self.running), key=_priority_key)  # ties: the newest
+            else:
+                victim = self.running[-1]
             self._preempt(victim, batch)
             if victim is seq:
                 return False
@@ -176,7 +240,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.counters.preemptions += 1
         batch.preempted.append(seq)
 

@@ -43,6 +43,8 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float
+    priority: int = 0
+    """Lower is scheduled sooner under ``--scheduling-policy priority`` (vLLM's meaning)."""
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -60,6 +62,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """With ``params.prompt_logprobs``: prompt token i's logprob at index i (None for the
     first), filled in as the prompt's chunks are computed."""
+    prefix_hashes: list[bytes] = field(default_factory=list, repr=False)
+    """Chained hashes of the first full blocks of ``token_ids``, as far as prefix-cache
+    lookups have needed them (the ids are only ever appended to, so these never change)."""
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULER_MODES: tuple[str, ...] = ("continuous", "static", "none")
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority", "lpm")
 DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS: tuple[str, ...] = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "torch", "cpu", "triton")
@@ -85,6 +86,11 @@ class EngineSettings:
     every member finishes; ``none`` runs one request at a time. Same kernels: only admission
     differs."""
 
+    scheduling_policy: str = "fcfs"
+    """The waiting queue's order: ``fcfs`` (arrival), ``priority`` (each request's
+    ``priority``, lower first, as vLLM's) or ``lpm`` (most of the prompt in the prefix
+    cache first, SGLang's ``--schedule-policy lpm``); ``scheduler.py``."""
+
     attention_backend: str = "auto"
     """``torch`` (the reference), ``cpu`` (C++ kernels), ``triton`` (GPU kernels) or ``auto``
     (triton on CUDA, cpu on CPU when its kernels are built, else torch)."""
@@ -122,6 +128,7 @@ class EngineSettings:
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("load_format", self.load_format, LOAD_FORMATS)
         _check_choice("scheduler", self.scheduler, SCHEDULER_MODES)
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_positive("max_running_requests", self.max_running_requests)
         if self.chunked_prefill_size is not None:
@@ -245,6 +252,15 @@ class EngineSettings:
             help="continuous (default), static (batch runs to completion), none (one at a time)",
         )
         g.add_argument(
+            "--scheduling-policy",
+            "--schedule-policy",
+            default=d.scheduling_policy,
+            choices=SCHEDULING_POLICIES,
+            help="order of the waiting queue: fcfs (arrival, default), priority (the request's "
+            "'priority' field, lower first; vLLM's) or lpm (longest cached prefix first; "
+            "SGLang's)",
+        )
+        g.add_argument(
             "--attention-backend",
             default=d.attention_backend,
             choices=ATTENTION_BACKENDS,
@@ -305,6 +321,7 @@ class EngineSettings:
             cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
             enable_prefix_caching=not args.disable_prefix_caching,
             scheduler=args.scheduler,
+            scheduling_policy=args.scheduling_policy,
             attention_backend=args.attention_backend,
             enforce_eager=args.enforce_eager,
             piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,

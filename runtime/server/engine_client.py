@@ -72,6 +72,8 @@ class EngineRequest:
     """``time.monotonic()`` when the API call arrived, so queue time and TTFT include tokenising."""
     grammar: xgrammar.CompiledGrammar | None = None
     """``params.structured_output``, compiled off the engine thread."""
+    priority: int = 0
+    """Lower runs sooner under ``--scheduling-policy priority``; checked with the request."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +318,7 @@ class EngineClient:
                         msg.params,
                         arrival_time=msg.arrival_time,
                         grammar=msg.grammar,
+                        priority=msg.priority,
                     )
                 except ValueError as exc:
                     # Checked before submit; kept so that one bad request cannot end the loop.

