@@ -1,7 +1,7 @@
 """The gateway's ASGI app: components are built in the lifespan and passed to each other.
 
 Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (proxied, see ``proxy.py``),
-``GET /v1/models`` (every pool's model), ``/health``, ``/ready``, ``/metrics``.
+``GET /v1/models`` (every pool's model, with the card its replicas give), ``/health``, ``/ready``, ``/metrics``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from conveyor.gateway.auth import ApiKeyAuth
+from conveyor.gateway.auth import ApiKeyAuth, backend_headers
 from conveyor.gateway.errors import error_json
 from conveyor.gateway.k8s_discovery import K8sPoolSpec, KubernetesDiscovery, KubernetesSliceSource
 from conveyor.gateway.llmservice_discovery import KubernetesLLMServiceSource, LLMServiceWatcher
@@ -57,6 +57,43 @@ class Gateway:
     proxy: Proxy
     synced: list[asyncio.Event] = field(default_factory=list)
     """One per discovery source; the gateway is ready once each has synced once."""
+    cards: dict[str, tuple[float, dict[str, Any]]] = field(default_factory=dict)
+    """Model -> (loop time fetched, the card one of its replicas gives on /v1/models)."""
+
+
+CARD_MAX_AGE_S = 30.0
+"""How long a replica's model card is shown before it is asked for again."""
+
+
+async def model_card(gateway: Gateway, model: str) -> dict[str, Any]:
+    """``model``'s card on ``GET /v1/models``: the one a ready replica of its pool gives
+    (``max_model_len`` and ``root``, as vLLM's and Conveyor's replicas have them), named as
+    the gateway serves it; the bare card when no replica answers."""
+    loop = asyncio.get_running_loop()
+    cached = gateway.cards.get(model)
+    if cached is not None and loop.time() - cached[0] < CARD_MAX_AGE_S:
+        return cached[1]
+    bare = {"id": model, "object": "model", "created": 0, "owned_by": "conveyor"}
+    pool = gateway.registry.pools.get(model)
+    now = loop.time()
+    ready = [r for r in pool.replicas.values() if r.admitted(now)] if pool else []
+    if not ready:
+        return bare
+    try:
+        response = await gateway.client.get(
+            ready[0].url + "/v1/models", headers=backend_headers(gateway.settings.backend_api_key)
+        )
+        response.raise_for_status()
+        cards = [c for c in response.json()["data"] if isinstance(c, dict)]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        log.debug("no model card from %s: %s", ready[0].url, exc)
+        return bare
+    card = next((c for c in cards if c.get("id") == model), cards[0] if len(cards) == 1 else None)
+    if card is None:
+        return bare
+    card = {**card, "id": model}
+    gateway.cards[model] = (loop.time(), card)
+    return card
 
 
 def make_control_client(settings: GatewaySettings) -> httpx.AsyncClient:
@@ -282,18 +319,21 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             return None
         message = "missing or wrong API key: send the header 'Authorization: Bearer <key>'"
         body = error_json(401, message, code="invalid_api_key")
-        return Response(body, status_code=401, media_type="application/json")
+        return Response(
+            body,
+            status_code=401,
+            media_type="application/json",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         gateway: Gateway = request.app.state.gateway
         if (refused := unauthorized(request)) is not None:
             return refused
-        data = [
-            {"id": model, "object": "model", "created": 0, "owned_by": "conveyor"}
-            for model in gateway.registry.served_models()
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        models = gateway.registry.served_models()
+        data = await asyncio.gather(*(model_card(gateway, model) for model in models))
+        return JSONResponse({"object": "list", "data": list(data)})
 
     @app.get("/debug/pools")
     async def pools(request: Request) -> Response:

@@ -73,8 +73,16 @@ class Proxy:
                     "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
                 )
+            if not _is_json(headers.get(b"content-type")):
+                raise ClientError(
+                    400,
+                    "the request body was not read as JSON; send a JSON object with the header "
+                    "Content-Type: application/json",
+                )
             raw = await self._read_body(headers, receive)
             body, model = _parse(raw)
+            if not model:
+                model = self._only_model()
             pool = self._registry.pools.get(model)
             if pool is None:
                 served = ", ".join(self._registry.served_models()) or "none yet"
@@ -86,7 +94,8 @@ class Proxy:
                 )
         except ClientError as exc:
             error = error_json(exc.status, str(exc), param=exc.param, code=exc.code)
-            await _respond(send, exc.status, error)
+            extra = [(b"www-authenticate", b"Bearer")] if exc.status == 401 else []
+            await _respond(send, exc.status, error, extra)
             self._metrics.requests.labels("", "", str(exc.status)).inc()
             return
 
@@ -112,6 +121,19 @@ class Proxy:
             self._metrics.requests.labels(pool.model, "", CLIENT_CLOSED).inc()
         finally:
             client.close()
+
+    def _only_model(self) -> str:
+        """The model a request that names none is for: the one this gateway serves, as a
+        replica (and vLLM) takes a request without ``model`` for its one model."""
+        served = self._registry.served_models()
+        if len(served) == 1:
+            return served[0]
+        raise ClientError(
+            400,
+            f"'model' is required: this gateway serves {len(served)} models "
+            f"({', '.join(served) or 'none yet'}); name one (GET /v1/models lists them)",
+            param="model",
+        )
 
     async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes:
         limit = self._s.max_body_bytes
@@ -209,13 +231,19 @@ def _parse(raw: bytes) -> tuple[dict[str, Any], str]:
             f"got {type(model).__name__}",
             param="model",
         )
-    if not model:
-        raise ClientError(
-            400,
-            "'model' is required: name the model to use (GET /v1/models lists them)",
-            param="model",
-        )
-    return body, model
+    return body, model or ""
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    """Whether a body with this Content-Type is read as JSON: none given, ``application/json``
+    or ``application/...+json`` (what a replica's FastAPI reads as JSON; anything else it
+    refuses)."""
+    if content_type is None:
+        return True
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json")
+    )
 
 
 class _ClientWatch:

@@ -51,12 +51,16 @@ class Replica:
         return self.in_flight - self.in_flight_at_poll
 
     def queue_full(self, now: float, stale_after: float) -> bool:
-        """The replica said its queue is at its bound (it would answer 429)."""
-        if self.load is None or self.load.max_queued_requests is None:
+        """By its last report, the replica would answer one more request 429: what would wait
+        once its free batch slots are taken is over its queue bound (the replica's own rule,
+        ``check_queue``: with ``--max-queued-requests 0`` an idle replica still takes one)."""
+        load = self.load
+        if load is None or load.max_queued_requests is None:
             return False
         if not self.load_known(now, stale_after):
             return False
-        return self.load.waiting >= self.load.max_queued_requests
+        free_slots = max(0, load.max_running_requests - load.running)
+        return load.waiting + 1 - free_slots > load.max_queued_requests
 
     def has_room(self, now: float, stale_after: float, queue: int) -> bool:
         """Room for one more request: fewer on the replica than its batch plus ``queue``

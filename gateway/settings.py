@@ -65,7 +65,10 @@ class GatewaySettings:
     """Seconds to connect to a replica before trying another; short, as a pod is local to the cluster."""
 
     upstream_timeout_s: float = 600.0
-    """Longest silence in seconds from a replica (first token of a long queue included) before giving up."""
+    """Longest silence in seconds from a replica before its request is tried elsewhere (before
+    the first byte) or ended: until the response head, the replica answering neither the request
+    nor the gateway's load polls (a whole answer's head comes once it is generated); after it,
+    no chunk of a stream while the gateway waits on the replica (a slow client is not its silence)."""
 
     max_attempts: int = 3
     """Replicas tried for one request before the error goes to the client (retries happen before the first byte)."""

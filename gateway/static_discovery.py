@@ -2,7 +2,10 @@
 
 A backend is ``URL`` or ``MODEL=URL``. Without a model the names come from the replica's
 ``GET /v1/models``; a replica that does not answer yet is asked again every interval, and
-joins its pools once it does. Editing the file adds and removes replicas without a restart.
+joins its pools once it does, and one that did is asked again every ``REFRESH_INTERVALS``
+intervals, so a replica restarted under another name moves to that name's pool (until it
+answers, it keeps the names it had). Editing the file adds and removes replicas without a
+restart.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from conveyor.gateway.auth import backend_headers
 from conveyor.gateway.pool import Registry
 
 log = logging.getLogger("conveyor.gateway")
+
+REFRESH_INTERVALS = 10
+"""Discovery intervals after which a replica's model names are asked for again."""
 
 
 def parse_backend(spec: str) -> tuple[str | None, str]:
@@ -80,6 +86,8 @@ class StaticDiscovery:
         self._headers = backend_headers(backend_api_key)
         self._models: dict[str, list[str]] = {}
         """Model names learned from replicas' /v1/models, by URL."""
+        self._asked_at: dict[str, float] = {}
+        """Loop time each URL's names were last asked for (answered or not)."""
         self.synced = asyncio.Event()
 
     async def run(self) -> None:
@@ -91,9 +99,16 @@ class StaticDiscovery:
         if self._file:
             await self._reload_file()
         specs = self._flag_specs + self._file_specs
-        unresolved = {url for model, url in specs if model is None and url not in self._models}
+        now = asyncio.get_running_loop().time()
+        refresh_after = REFRESH_INTERVALS * self._interval
+        unresolved = {
+            url
+            for model, url in specs
+            if model is None
+            and (url not in self._models or now - self._asked_at.get(url, now) >= refresh_after)
+        }
         if unresolved:
-            await asyncio.gather(*(self._resolve(url) for url in sorted(unresolved)))
+            await asyncio.gather(*(self._resolve(url, now) for url in sorted(unresolved)))
         members: dict[str, set[str]] = {}
         for model, url in specs:
             for name in [model] if model else self._models.get(url, []):
@@ -101,18 +116,26 @@ class StaticDiscovery:
         listed = {url for _, url in specs}
         for url in self._models.keys() - listed:
             del self._models[url]
+            self._asked_at.pop(url, None)
         self._registry.sync(self.source, members)
         self.synced.set()
 
-    async def _resolve(self, url: str) -> None:
+    async def _resolve(self, url: str, now: float) -> None:
+        self._asked_at[url] = now
+        known = self._models.get(url)
         try:
-            self._models[url] = await fetch_models(self._client, url, self._headers, self._timeout)
+            models = await fetch_models(self._client, url, self._headers, self._timeout)
         except (httpx.HTTPError, ValueError) as exc:
-            log.info(
-                "backend %s has not told its models yet (%s); asking again", url, type(exc).__name__
-            )
-            return
-        log.info("backend %s serves %s", url, self._models[url])
+            if known is None:
+                log.info(
+                    "backend %s has not told its models yet (%s); asking again",
+                    url,
+                    type(exc).__name__,
+                )
+            return  # a replica that told its names once keeps them until it tells others
+        self._models[url] = models
+        if models != known:
+            log.info("backend %s serves %s", url, models)
 
     async def _reload_file(self) -> None:
         assert self._file is not None

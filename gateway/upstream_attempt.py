@@ -12,11 +12,16 @@ gateway's loop was too busy to see the close) is not the replica failing: that r
 sent once more before the replica is ejected; idle connections are dropped after 4 s, before
 uvicorn's 5 s keep-alive closes them on the replica's side.
 
-A replica silent for ``--upstream-timeout`` fails the attempt: until the response head, an
-``asyncio.timeout`` around the request; after it, the :class:`SilenceWatch`, one task that
-looks at every open stream a few times per timeout. aiohttp's own ``sock_read`` timeout did
-this by moving a timer on every chunk, which took a tenth of the gateway's CPU at 2,000
-streams (docs/profiles/gateway-proxy.md); here a chunk costs one clock read.
+A replica silent for ``--upstream-timeout`` fails the attempt. Until the response head, which
+for a whole answer comes only once it is generated (and for a stream once the request left the
+replica's queue), silence is the replica answering neither this request nor the gateway's load
+polls: an ``asyncio.timeout`` around the request, whose deadline the :class:`SilenceWatch`
+moves on while the polls answer, so a long generation is not cut off or re-run elsewhere.
+After the head of a stream, silence is no chunk for that long while the gateway is waiting on
+the replica (not while a slow client holds back the chunk before). The watch is one task that
+looks a few times per timeout; aiohttp's own ``sock_read`` timeout did this by moving a timer
+on every chunk, which took a tenth of the gateway's CPU at 2,000 streams
+(docs/profiles/gateway-proxy.md); here a chunk costs a clock read and two attribute writes.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,15 +93,26 @@ class _Watched:
     response: aiohttp.ClientResponse
     replica: str
     last: float
-    """Loop time the replica last sent something."""
+    """Loop time the replica last sent something; ``inf`` while the gateway is not waiting on
+    it (a chunk is being written to a client that holds it back)."""
+
+
+@dataclass(eq=False)
+class _HeadWait:
+    timeout: asyncio.Timeout
+    replica: Replica
+    sent_at: float
 
 
 @dataclass
 class SilenceWatch:
-    """Fails the open upstream streams whose replica said nothing for ``timeout_s``."""
+    """Fails the open upstream streams whose replica said nothing for ``timeout_s``, and keeps
+    the deadline of each request still waiting for its response head at ``timeout_s`` after
+    the replica last answered anything (the request's send, a load poll, a load header)."""
 
     timeout_s: float
     streams: set[_Watched] = field(default_factory=set)
+    heads: set[_HeadWait] = field(default_factory=set)
 
     @property
     def interval_s(self) -> float:
@@ -106,6 +123,9 @@ class SilenceWatch:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval_s)  # the watch's period, not synchronisation
+            for head in self.heads:
+                heard = max(head.sent_at, head.replica.load_time)
+                head.timeout.reschedule(heard + self.timeout_s)
             deadline = loop.time() - self.timeout_s
             for watched in [w for w in self.streams if w.last < deadline]:
                 self.streams.discard(watched)
@@ -165,19 +185,29 @@ class Upstream:
         try:
             for retry_stale in (True, False):
                 try:
-                    async with asyncio.timeout(self._s.upstream_timeout_s):
-                        response = await self._session.post(
-                            upstream_url(replica.url, request.path),
-                            data=request.body,
-                            headers=request.headers,
-                        )
+                    async with asyncio.timeout(self._s.upstream_timeout_s) as timeout:
+                        head = _HeadWait(timeout, replica, sent_at)
+                        self.watch.heads.add(head)
+                        try:
+                            response = await self._session.post(
+                                upstream_url(replica.url, request.path),
+                                data=request.body,
+                                headers=request.headers,
+                            )
+                        finally:
+                            self.watch.heads.discard(head)
                     break
                 except UPSTREAM_ERRORS as exc:
                     if retry_stale and stale_connection(exc):
                         continue  # the replica had closed that pooled connection: once more
-                    return self._eject(
-                        pool, replica, f"could not reach {replica.url}: {_describe(exc)}"
-                    )
+                    if isinstance(exc, TimeoutError):
+                        why = (
+                            f"{replica.url} answered neither the request nor a load poll for "
+                            f"{self._s.upstream_timeout_s:g}s (--upstream-timeout)"
+                        )
+                    else:
+                        why = f"could not reach {replica.url}: {_describe(exc)}"
+                    return self._eject(pool, replica, why)
             assert response is not None
             status = response.status
             if status < 500 and self.load_heard is not None:
@@ -231,22 +261,26 @@ class Upstream:
             # write; the replica's own end of the response is still read, so that its
             # connection goes back to the pool.
             ended = first.endswith(sse.DONE)
+            watched.last = math.inf  # a client slow to take it is not the replica's silence
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
             await send({"type": "http.response.body", "body": first, "more_body": not ended})
+            watched.last = loop.time()
             self._metrics.ttft.labels(pool.model).observe(loop.time() - request.arrival)
             if ended:
                 request.responded()
                 self._finish(pool, replica, status, request.arrival)
             try:
                 async for chunk in chunks:
-                    watched.last = loop.time()
                     if ended:
+                        watched.last = loop.time()
                         log.debug("%s sent %d bytes after [DONE]; dropped", replica.url, len(chunk))
                         continue
                     ended = chunk.endswith(sse.DONE)
+                    watched.last = math.inf
                     await send(
                         {"type": "http.response.body", "body": chunk, "more_body": not ended}
                     )
+                    watched.last = loop.time()
                     if ended:
                         request.responded()
                         self._finish(pool, replica, status, request.arrival)

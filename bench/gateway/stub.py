@@ -120,6 +120,10 @@ class StubApp:
         # sglang-router forwards a chat's max_tokens as max_completion_tokens
         n = int(request.get("max_tokens") or request.get("max_completion_tokens") or self.s.tokens)
         if not request.get("stream"):
+            # A whole answer comes once generated: a ``pace MS`` prompt takes that long per token.
+            generating = (n - 1) * _pace(request.get("prompt"), 0.0) / 1000
+            if generating > 0:
+                await asyncio.sleep(generating)  # the simulated generation, not synchronisation
             text = " ".join([self.name] * n)
             choice = (
                 {

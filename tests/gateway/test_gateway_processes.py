@@ -121,7 +121,10 @@ async def test_api_keys_and_body_limit(processes: Processes) -> None:
 
 
 async def test_no_ready_replica_is_503_and_full_queues_are_429(processes: Processes) -> None:
-    full = processes.start(stub(model="busy", max_queued_requests=4, report_waiting=4))
+    # 5 waiting for one batch slot: one more would leave 5 queued, over the bound of 4
+    full = processes.start(
+        stub(model="busy", max_running_requests=1, max_queued_requests=4, report_waiting=5)
+    )
     full.wait_http("/load")
     nowhere = f"http://127.0.0.1:{free_port()}"
     gw = start_gateway(

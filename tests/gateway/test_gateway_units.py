@@ -81,13 +81,33 @@ def test_ejection_lasts_until_a_poll_sent_after_it_succeeds() -> None:
 def test_queue_full_and_outstanding() -> None:
     replica = Replica("http://r:1")
     replica.record_poll(
-        ReplicaLoad.from_json({**LOAD, "waiting": 4}), sent_at=1.0, in_flight_then=2
+        ReplicaLoad.from_json({**LOAD, "running": 8, "waiting": 4}), sent_at=1.0, in_flight_then=2
     )
     replica.in_flight = 5  # three sent since the poll
     assert replica.queue_full(1.5, 1.0)
-    assert replica.outstanding(1.5, 1.0) == 1 + 4 + 3
+    assert replica.outstanding(1.5, 1.0) == 8 + 4 + 3
     assert replica.outstanding(9.0, 1.0) == 5  # stale: only what the gateway knows
     assert not replica.queue_full(9.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("running", "waiting", "max_queued", "full"),
+    [
+        (0, 0, 0, False),  # --max-queued-requests 0: an idle replica still runs one
+        (7, 0, 0, False),
+        (8, 0, 0, True),
+        (1, 4, 4, False),  # waiting that free slots take at the next step: not queued
+        (5, 7, 4, True),  # 3 free slots, 4 would wait, and one more is over the bound
+        (5, 6, 4, False),
+    ],
+)
+def test_queue_full_is_the_replicas_own_rule(
+    running: int, waiting: int, max_queued: int, full: bool
+) -> None:
+    replica = Replica("http://r:1")
+    doc = {**LOAD, "running": running, "waiting": waiting, "max_queued_requests": max_queued}
+    replica.record_poll(ReplicaLoad.from_json(doc), sent_at=1.0, in_flight_then=0)
+    assert replica.queue_full(1.5, 1.0) is full
 
 
 def test_registry_unions_sources_and_keeps_empty_pools() -> None:

@@ -284,8 +284,8 @@ def test_pool_offers_admitted_replicas_with_room_then_panics_then_says_why_not()
         replica.record_poll(report(), sent_at=VIEW.now, in_flight_then=0)
     b.eject(VIEW.now, 5.0)
     c.record_poll(
-        ReplicaLoad(0, 4, 0.0, 8, 4, True), sent_at=VIEW.now + 0.1, in_flight_then=0
-    )  # queue full
+        ReplicaLoad(8, 4, 0.0, 8, 4, True), sent_at=VIEW.now + 0.1, in_flight_then=0
+    )  # batch and queue full
     offered = {pool.choose(route, VIEW, set()).replica.url for _ in range(4)}
     assert offered == {a.url}
     # a tried, b ejected, c admitted but full: panic mode waits until no untried one is admitted

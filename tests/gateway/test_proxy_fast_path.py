@@ -1,11 +1,18 @@
 """The proxy's fast path: proxied paths reach the proxy without FastAPI's stack, the other
 routes still answer through it, a replica gone silent mid-stream ends the stream with an
 error event once ``--upstream-timeout`` passes (the silence watch that replaced aiohttp's
-per-chunk read timer), and ``--workers`` processes share the port and their metrics."""
+per-chunk read timer), while a whole answer longer than that is waited for as long as the
+replica answers its load polls and a client slow to read is not the replica's silence; and
+``--workers`` processes share the port and their metrics."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
+import signal
+import socket
+import time
 
 import httpx
 from gateway_helpers import Processes, gateway, stub
@@ -23,6 +30,16 @@ def _admitted(gw, count: int) -> None:
         return sum(r["admitted"] for p in pools.values() for r in p["replicas"]) == count
 
     wait_until(ready, 30, f"{count} admitted replicas")
+
+
+def _behind_gateway(processes: Processes, *gateway_args: str, **stub_options: object):
+    """A stub replica and a gateway in front of it that has admitted it."""
+    replica = processes.start(stub(**stub_options))
+    replica.wait_http("/load")
+    gw = processes.start(gateway("--backend", replica.url, *gateway_args))
+    gw.wait_http("/health")
+    _admitted(gw, 1)
+    return replica, gw
 
 
 def test_a_silent_replica_ends_the_stream_with_an_error_event(processes: Processes) -> None:
@@ -126,3 +143,95 @@ def test_workers_share_the_port_and_sum_their_metrics(processes: Processes) -> N
     )
     for _ in range(3):  # whichever worker answers the scrape, it counts every worker's
         assert line in httpx.get(gw.url + "/metrics", timeout=10).text.splitlines()
+
+
+def test_a_whole_answer_longer_than_the_timeout_is_not_cut_while_the_replica_answers_polls(
+    processes: Processes,
+) -> None:
+    # 11 tokens at 300 ms: the head of the answer comes after 3 s, six timeouts of silence on
+    # the request's connection, while the replica answers every load poll
+    replica, gw = _behind_gateway(processes, "--upstream-timeout", "0.5")
+
+    body = {"model": "stub", "prompt": "pace 300", "max_tokens": 11}
+    r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 11
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert "conveyor_gateway_ejections_total{" not in metrics.replace("# ", "")
+    assert (
+        f'conveyor_gateway_requests_total{{backend="{replica.url}",code="200",model="stub"}} 1.0'
+        in metrics
+    )
+
+
+def test_a_replica_that_answers_nothing_fails_a_whole_answer_after_the_timeout(
+    processes: Processes,
+) -> None:
+    replica, gw = _behind_gateway(processes, "--upstream-timeout", "0.5")
+
+    body = {"model": "stub", "prompt": "pace 1000", "max_tokens": 30}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, gw.url + "/v1/completions", json=body, timeout=60)
+
+        def sent() -> bool:
+            metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+            return f'in_flight{{backend="{replica.url}",model="stub"}} 1.0' in metrics
+
+        wait_until(sent, 30, "the request on the replica")
+        os.kill(replica.pid, signal.SIGSTOP)  # hung: neither the answer nor a poll comes
+        try:
+            r = answer.result(timeout=30)
+        finally:
+            os.kill(replica.pid, signal.SIGCONT)
+    assert r.status_code == 502, r.text
+    assert "answered neither the request nor a load poll for 0.5s" in r.json()["error"]["message"]
+
+
+def test_a_client_slow_to_read_is_not_the_replicas_silence(processes: Processes) -> None:
+    _, gw = _behind_gateway(processes, "--upstream-timeout", "0.5")
+
+    # 40,000 chunks at once (about 6 MB): more than the socket buffers hold, so the gateway's
+    # writes to this client wait while it does not read
+    body = json.dumps({"model": "stub", "prompt": "x", "stream": True, "max_tokens": 40000})
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}"
+    ).encode()
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.settimeout(30)
+        client.connect(("127.0.0.1", gw.port))
+        client.sendall(request)
+        received = client.recv(1024)
+        time.sleep(2.0)  # the slow client under test: four timeouts without reading
+        while chunk := client.recv(65536):
+            received += chunk
+    head, chunked = received.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    text = _dechunk(chunked).decode()
+    assert '"error"' not in text and text.endswith("data: [DONE]\n\n")
+    assert text.count('"text": ') == 40000
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert "conveyor_gateway_ejections_total{" not in metrics.replace("# ", "")
+
+
+def _dechunk(raw: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's bytes."""
+    out = b""
+    while True:
+        size_line, raw = raw.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return out
+        out, raw = out + raw[:size], raw[size + 2 :]
+
+
+def test_a_request_naming_no_model_goes_to_the_one_served_and_a_zero_queue_takes_it(
+    processes: Processes,
+) -> None:
+    # --max-queued-requests 0 is "no queue", not "refuse all": the idle replica runs it
+    _, gw = _behind_gateway(processes, max_running_requests=1, max_queued_requests=0)
+    for body in ({"prompt": "x", "max_tokens": 2}, {"model": "", "prompt": "x", "max_tokens": 2}):
+        r = httpx.post(gw.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2

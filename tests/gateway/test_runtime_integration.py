@@ -93,6 +93,10 @@ async def test_streaming_passes_through_chunk_by_chunk(replicas, processes: Proc
             await client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
         assert MODEL in str(err.value)
         assert [m.id for m in (await client.models.list()).data] == [MODEL]
+    # the replica's own card, with its max_model_len and root, as vLLM's router passes it on
+    card = httpx.get(gw.url + "/v1/models", timeout=10).json()["data"][0]
+    assert card == httpx.get(replica.url + "/v1/models", timeout=10).json()["data"][0]
+    assert card["max_model_len"] > 0 and card["root"]
 
 
 async def test_api_keys_on_the_gateway_and_on_the_replicas(processes: Processes) -> None:
@@ -114,6 +118,12 @@ async def test_api_keys_on_the_gateway_and_on_the_replicas(processes: Processes)
     async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="user-key") as client:
         out = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert out.choices[0].finish_reason in ("length", "stop")
+        # the card comes from the replica, asked with the replica's key
+        (card,) = (await client.models.list()).data
+    own = httpx.get(
+        replica.url + "/v1/models", headers={"authorization": "Bearer replica-key"}, timeout=10
+    ).json()["data"][0]
+    assert card.id == MODEL and getattr(card, "max_model_len", None) == own["max_model_len"]
     assert "user-key" not in gw.logs() and "replica-key" not in gw.logs()
 
 
