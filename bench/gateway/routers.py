@@ -6,10 +6,10 @@ launcher around a compiled extension). Both front any OpenAI-compatible worker t
 ``/health``, so they stand in front of the same stub and runtime replicas as the gateway.
 
 Each router is installed, pinned, into ``$CONVEYOR_CACHE/peers/<name>-<version>``
-(``~/.cache/conveyor`` by default), wheels only (no Rust toolchain is needed or used), and
-is complete only once a stamp file is written, so an interrupted install is redone rather
-than half used. Installing is a benchmark step (``conveyor bench gateway --peers ...``),
-never a test step.
+(``~/.cache/conveyor`` by default), wheels only (no Rust toolchain is needed or used), by
+``bench/pinned_env.py``: complete only once a stamp file is written, so an interrupted install
+is redone rather than half used. Installing is a benchmark step (``conveyor bench gateway
+--peers ...``), never a test step.
 
     python -m conveyor.bench.gateway.routers install vllm-router sglang-router
 """
@@ -17,20 +17,16 @@ never a test step.
 from __future__ import annotations
 
 import argparse
-import collections
-import os
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-STAMP = ".conveyor-complete"
+from conveyor.bench import pinned_env
+from conveyor.bench.pinned_env import PinnedTool, ToolInstallError
 
-
-class RouterInstallError(RuntimeError):
-    """A router could not be installed; the message says which step failed and why."""
+RouterInstallError = ToolInstallError
+"""A router could not be installed; the message says which step failed and why."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +52,11 @@ class RustRouter:
     @property
     def requirement(self) -> str:
         return f"{self.name}=={self.version}"
+
+    @property
+    def tool(self) -> PinnedTool:
+        """Its pinned environment (wheels only: no Rust toolchain is needed or used)."""
+        return PinnedTool(self.name, self.version, command=self.name)
 
 
 VLLM_ROUTER = RustRouter(
@@ -91,79 +92,23 @@ def parse_peers(spec: str) -> list[RustRouter]:
     return [ROUTERS[name] for name in dict.fromkeys(names)]
 
 
-def cache_root() -> Path:
-    root = os.environ.get("CONVEYOR_CACHE") or os.path.join(Path.home(), ".cache", "conveyor")
-    return Path(root) / "peers"
-
-
 def env_dir(router: RustRouter, root: Path | None = None) -> Path:
-    return (root or cache_root()) / f"{router.name}-{router.version}"
+    return pinned_env.env_dir(router.tool, root)
 
 
 def executable(router: RustRouter, venv: Path) -> Path:
-    return venv / "bin" / router.name
+    return pinned_env.executable(router.tool, venv)
 
 
 def is_installed(router: RustRouter, venv: Path) -> bool:
-    stamp = venv / STAMP
-    return (
-        stamp.is_file()
-        and stamp.read_text().strip() == router.requirement
-        and executable(router, venv).is_file()
-    )
-
-
-def install_commands(
-    router: RustRouter, venv: Path, python: str = sys.executable
-) -> list[list[str]]:
-    """The commands that build ``venv``: a fresh virtual environment, then the pinned wheel
-    (wheels only: a missing wheel for this platform fails instead of compiling Rust)."""
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
-    return [
-        [python, "-m", "venv", "--clear", str(venv)],
-        [*pip, "install", "--only-binary", ":all:", "--progress-bar", "off", router.requirement],
-    ]
+    return pinned_env.is_installed(router.tool, venv)
 
 
 def ensure(
     router: RustRouter, progress: Callable[[str], None] = print, root: Path | None = None
 ) -> Path:
     """The router's virtual environment, installed first if it is not complete (idempotent)."""
-    venv = env_dir(router, root)
-    if is_installed(router, venv):
-        progress(f"{router.requirement} already installed: {venv}")
-        return venv
-    started = time.monotonic()
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    (venv / STAMP).unlink(missing_ok=True)
-    progress(f"installing {router.requirement} into {venv}")
-    for cmd in install_commands(router, venv):
-        _run(cmd, progress)
-    if not executable(router, venv).is_file():
-        raise RouterInstallError(
-            f"{router.requirement} installed, but {executable(router, venv)} is missing; "
-            "the wheel's entry points changed: update conveyor/bench/gateway/routers.py"
-        )
-    (venv / STAMP).write_text(router.requirement + "\n")
-    progress(f"{router.requirement} ready in {time.monotonic() - started:.0f}s")
-    return venv
-
-
-def _run(cmd: list[str], progress: Callable[[str], None]) -> None:
-    """Run ``cmd``, passing pip's step lines on as progress; its last lines on failure."""
-    tail: collections.deque[str] = collections.deque(maxlen=8)
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            tail.append(line)
-            if line.startswith(("Collecting", "Downloading", "Installing", "Successfully")):
-                progress("  " + line.strip())
-    if proc.returncode != 0:
-        said = "\n".join(tail)
-        raise RouterInstallError(
-            f"`{' '.join(cmd)}` failed (exit {proc.returncode}); is PyPI reachable?\n{said}"
-        )
+    return pinned_env.ensure(router.tool, progress, root)
 
 
 def command(

@@ -3,7 +3,9 @@
 Both servers load the same model directory in the same dtype with the same running-batch
 cap, one at a time, alternating (conveyor, vllm, conveyor, vllm, ...), and every run is
 driven by the same clients: ``vllm bench serve --dataset-name random`` (vLLM's own client,
-which speaks the OpenAI API to either server) and Conveyor's ``bench serve`` workload. It
+which speaks the OpenAI API to either server), Conveyor's ``bench serve`` workload, and on
+request the Kubernetes serving community's ``guidellm`` and ``inference-perf``
+(``clients.py``), all with the same workload. It
 prints one table (output tok/s, TTFT and TPOT p50/p95, peak RSS of the server's process
 tree, start-up time) with Conveyor/vLLM ratios over the medians of the rounds, the
 machine's load while it ran, and writes the figures as JSON and a PNG. A benchmark: it
@@ -30,11 +32,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.peers import clients as community
 from conveyor.bench.peers import vllm_env
 from conveyor.bench.peers.report import format_table, plot, summarize
 from conveyor.bench.peers.servers import SERVED_NAME, RssSampler, conveyor_server, vllm_server
+from conveyor.bench.pinned_env import ToolInstallError
 from conveyor.bench.serve.load import BenchSettings, run
 from conveyor.bench.serve.workload import WorkloadSettings
+
+CLIENTS = ("vllm", "conveyor", *community.TOOLS)
 
 # Random-weight model shapes to measure, besides the built-in real model.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -201,7 +207,8 @@ def main(argv: list[str]) -> int:
                    help="servers in the order of a round (default conveyor,vllm)")  # fmt: skip
     g.add_argument("--clients", default="vllm,conveyor",
                    help="clients run against each server: vllm (vllm bench serve), conveyor "
-                   "(bench serve) (default both)")  # fmt: skip
+                   "(bench serve), guidellm, inference-perf (each installed on first use into "
+                   "its own cached environment; default vllm,conveyor)")  # fmt: skip
     g.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds a server may take to be ready (vLLM compiles on its first "
                    "start; default 900)")  # fmt: skip
@@ -238,8 +245,8 @@ def main(argv: list[str]) -> int:
         if s not in ("conveyor", "vllm"):
             parser.error(f"--servers: {s!r} is neither conveyor nor vllm")
     for c in clients:
-        if c not in ("conveyor", "vllm"):
-            parser.error(f"--clients: {c!r} is neither conveyor nor vllm")
+        if c not in CLIENTS:
+            parser.error(f"--clients: {c!r} is not one of {', '.join(CLIENTS)}")
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     out = Path(args.out)
@@ -249,8 +256,10 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     try:
-        venv = vllm_env.ensure(say)
-    except vllm_env.PeerInstallError as exc:
+        # vLLM's environment only where a vLLM server or its client runs
+        venv = vllm_env.ensure(say) if "vllm" in servers + clients else vllm_env.env_dir()
+        tools = {name: community.ensure(name, say) for name in clients if name in community.TOOLS}
+    except (vllm_env.PeerInstallError, ToolInstallError) as exc:
         print(f"conveyor bench peer: {exc}", file=sys.stderr)
         return 1
     path = model_dir(args.model, args.dtype)
@@ -274,11 +283,14 @@ def main(argv: list[str]) -> int:
                     say(f"{name} ready in {server.startup_s:.1f}s")
                     for client in clients:
                         say(f"round {round_}: {client} client against {name}")
-                        figures = (
-                            vllm_client(args, venv, path, server.url)
-                            if client == "vllm"
-                            else conveyor_client(args, server.url)
-                        )
+                        if client == "vllm":
+                            figures = vllm_client(args, venv, path, server.url)
+                        elif client == "conveyor":
+                            figures = conveyor_client(args, server.url)
+                        else:
+                            figures = community.run_client(
+                                client, tools[client], args, path, server.url, SERVED_NAME
+                            )
                         runs.append({"round": round_, "server": name, "client": client, **figures})
                         say(f"  {figures['output_tok_s']:.1f} tok/s, TPOT p50 "
                             f"{figures['tpot_p50_ms']:.0f} ms")  # fmt: skip

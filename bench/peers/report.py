@@ -46,14 +46,14 @@ def format_table(runs, summary, machine, args, path: Path) -> str:
         f"machine: {machine['cores']:.0f} cores, load average (1 min) mean "
         f"{machine['load1_mean']:.2f}, max {machine['load1_max']:.2f}",
         "",
-        f"{'round':<6}{'server':<10}{'client':<10}"
+        f"{'round':<6}{'server':<10}{'client':<16}"
         + "".join(f"{labels[m][0]:>14}" for m in METRICS),
     ]
     for r in runs:
         cells = "".join(
             f"{(labels[m][1].format(r[m]) if r.get(m) is not None else '-'):>14}" for m in METRICS
         )
-        lines.append(f"{r['round']:<6}{r['server']:<10}{r['client']:<10}{cells}")
+        lines.append(f"{r['round']:<6}{r['server']:<10}{r['client']:<16}{cells}")
     lines.append("")
     lines.append("median over rounds; ratio = conveyor / vllm (tok/s: higher is better; "
                  "TTFT, TPOT, RSS, start-up: lower is better)")  # fmt: skip
@@ -64,7 +64,7 @@ def format_table(runs, summary, machine, args, path: Path) -> str:
                 f"{((fmt or labels[m][1]).format(v) if (v := figures[m]) is not None else '-'):>14}"
                 for m in METRICS
             )
-            lines.append(f"{'':<6}{server:<10}{client:<10}{cells}")
+            lines.append(f"{'':<6}{server:<10}{client:<16}{cells}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conveyor.bench import pinned_env
 from conveyor.bench.gateway import report, routers
 from conveyor.bench.gateway.command import _numbers
 from conveyor.bench.gateway.stub import _pace
@@ -55,7 +56,7 @@ def test_parse_peers() -> None:
 def test_install_is_pinned_and_wheels_only(tmp_path: Path) -> None:
     venv = routers.env_dir(routers.VLLM_ROUTER, tmp_path)
     assert venv == tmp_path / "vllm-router-0.1.17"
-    create, install = routers.install_commands(routers.VLLM_ROUTER, venv, python="python3")
+    create, install = pinned_env.install_commands(routers.VLLM_ROUTER.tool, venv, "python3")
     assert create == ["python3", "-m", "venv", "--clear", str(venv)]
     assert install[0] == str(venv / "bin" / "python")
     assert "vllm-router==0.1.17" in install
@@ -66,7 +67,7 @@ def _installed(router: routers.RustRouter, root: Path) -> Path:
     venv = routers.env_dir(router, root)
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / router.name).write_text("#!/bin/sh\n")
-    (venv / routers.STAMP).write_text(router.requirement + "\n")
+    (venv / pinned_env.STAMP).write_text(router.requirement + "\n")
     return venv
 
 
@@ -86,7 +87,7 @@ def test_ensure_reuses_a_complete_environment(
 
 def test_ensure_redoes_an_environment_of_another_version(tmp_path: Path) -> None:
     venv = _installed(routers.VLLM_ROUTER, tmp_path)
-    (venv / routers.STAMP).write_text("vllm-router==0.1.16\n")
+    (venv / pinned_env.STAMP).write_text("vllm-router==0.1.16\n")
     assert not routers.is_installed(routers.VLLM_ROUTER, venv)
 
 
@@ -95,12 +96,12 @@ def test_a_failed_install_says_why_and_leaves_no_stamp(
 ) -> None:
     failing = [sys.executable, "-c",
                "import sys; print('Collecting vllm-router==0.1.17'); print('no wheel'); sys.exit(3)"]  # fmt: skip
-    monkeypatch.setattr(routers, "install_commands", lambda router, venv: [failing])
+    monkeypatch.setattr(pinned_env, "install_commands", lambda tool, venv: [failing])
     said: list[str] = []
     with pytest.raises(routers.RouterInstallError, match=r"exit 3(.|\n)*no wheel"):
         routers.ensure(routers.VLLM_ROUTER, said.append, root=tmp_path)
     assert "  Collecting vllm-router==0.1.17" in said
-    assert not (routers.env_dir(routers.VLLM_ROUTER, tmp_path) / routers.STAMP).exists()
+    assert not (routers.env_dir(routers.VLLM_ROUTER, tmp_path) / pinned_env.STAMP).exists()
 
 
 def test_stub_pace_comes_from_the_prompt() -> None:
