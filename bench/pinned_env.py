@@ -77,8 +77,8 @@ def find_python(tool: PinnedTool) -> str:
         return sys.executable
     candidates = [f"python{tool.min_python[0]}.{minor}" for minor in range(tool.min_python[1], 20)]
     for name in candidates:
-        if found := shutil.which(name):
-            return found
+        if (found := shutil.which(name)) and _runs(found, tool.min_python):
+            return found  # (pyenv's shims are on PATH for every version, but run only some)
     pyenv = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv") / "versions"
     for version in sorted(pyenv.glob("3.*"), key=_version_key):
         if _version_key(version)[:2] >= tool.min_python and (version / "bin/python").is_file():
@@ -89,6 +89,17 @@ def find_python(tool: PinnedTool) -> str:
         f"(looked for {', '.join(candidates[:3])}, ...) or under {pyenv}: install one "
         f"(e.g. apt install python{wanted}) and run again"
     )
+
+
+def _runs(python: str, at_least: tuple[int, int]) -> bool:
+    """Whether ``python`` starts and is at least that version."""
+    check = f"import sys; sys.exit(sys.version_info[:2] < {at_least!r})"
+    try:
+        return (
+            subprocess.run([python, "-c", check], capture_output=True, timeout=30).returncode == 0
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _version_key(path: Path) -> tuple[int, ...]:

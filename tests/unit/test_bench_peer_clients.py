@@ -85,7 +85,11 @@ def test_a_tool_gets_a_python_new_enough_or_a_message_saying_what_to_install(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     assert pinned_env.find_python(PinnedTool("t", "1", "t")) == sys.executable
-    monkeypatch.setattr(pinned_env.shutil, "which", lambda name: None)
+    # on PATH for every version, as pyenv's shims are, but it does not run: passed over
+    shim = tmp_path / "shim"
+    shim.write_text("#!/bin/sh\necho 'pyenv: python3.99: command not found' >&2\nexit 127\n")
+    shim.chmod(0o755)
+    monkeypatch.setattr(pinned_env.shutil, "which", lambda name: str(shim))
     monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
     future = PinnedTool("t", "1", "t", min_python=(3, 99))
     with pytest.raises(ToolInstallError, match=r"needs Python >= 3.99.*install one"):
