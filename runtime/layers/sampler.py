@@ -88,20 +88,99 @@ class Sampler:
     def _sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         temperature = torch.where(t.temperature == 0, torch.ones_like(t.temperature), t.temperature)
         logits = logits / temperature[:, None]
-        if t.needs_top_k_top_p:
-            logits = _top_k_top_p(logits, t.top_k, t.top_p)
-        probs = torch.softmax(logits, dim=-1)  # (N, V)
-        if t.needs_min_p:
-            top = probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < t.min_p[:, None] * top, 0.0)
-        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p (the Gumbel trick).
-        noise = torch.empty_like(probs)
-        if all(g is None for g in t.generators):
-            noise.exponential_()
-        else:
-            for i, g in enumerate(t.generators):
-                noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        min_p = t.min_p if t.needs_min_p else None
+        if not t.needs_top_k_top_p:
+            return _draw(logits, min_p, t.generators)
+        if logits.device.type != "cpu":  # a GPU sorts a batch's vocabularies in microseconds
+            return _draw(_top_k_top_p(logits, t.top_k, t.top_p), min_p, t.generators)
+        # On a CPU a sort of 32 rows of 49k logits took 50 ms a step: draw from each row's
+        # likeliest tokens instead, where they hold all it keeps (its top-k, or its nucleus's
+        # mass); rows whose nucleus is wider try more of them, and the rest the full sort.
+        n = logits.shape[0]
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        rows = torch.arange(n, device=logits.device)
+        for k in NUCLEUS_CANDIDATES:
+            part = logits if len(rows) == n else logits[rows]
+            values, ids, held = _nucleus_candidates(part, t.top_k[rows], t.top_p[rows], k)
+            if bool(held.all()) and len(rows) == n:
+                return ids.gather(1, _draw(values, min_p, t.generators)[:, None])[:, 0]
+            done = rows[held]
+            if len(done):
+                picked = _draw(
+                    values[held],
+                    None if min_p is None else min_p[done],
+                    [t.generators[i] for i in done.tolist()],
+                )
+                tokens[done] = ids[held].gather(1, picked[:, None])[:, 0]
+            rows = rows[~held]
+            if not len(rows):
+                return tokens
+        # what is left: the whole vocabulary, sorted for the rows that mask any of it
+        unmasked = (t.top_p[rows] >= 1) & (t.top_k[rows] >= logits.shape[-1])
+        for part, sort in ((rows[unmasked], False), (rows[~unmasked], True)):
+            if not len(part):
+                continue
+            masked = logits[part]
+            if sort:
+                masked = _top_k_top_p(masked, t.top_k[part], t.top_p[part])
+            tokens[part] = _draw(
+                masked,
+                None if min_p is None else min_p[part],
+                [t.generators[i] for i in part.tolist()],
+            )
+        return tokens
+
+
+NUCLEUS_CANDIDATES = (256, 4096)
+"""How many of each row's likeliest tokens a CPU draws top-k / top-p samples from, tried in
+turn (a top-k beyond them asks for more); 256 and 4,096 of 49k take 2 and 9 ms for 32 rows,
+a full sort 50."""
+
+
+def _nucleus_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's K likeliest tokens (``candidates``, or its top-k if larger): their logits,
+    -inf outside the row's top-k and nucleus (as ``_top_k_top_p`` masks them), their ids, and
+    whether they hold every token the row keeps (its top-k within them, or its nucleus's mass
+    reached within them)."""
+    vocab = logits.shape[-1]
+    asked_k = int(torch.where(top_k < vocab, top_k, 0).max())
+    k = min(vocab, max(candidates, asked_k))
+    values, ids = logits.topk(k, dim=-1)  # (N, K), likeliest first
+    probs = (values - logits.logsumexp(dim=-1, keepdim=True)).exp()  # of the whole vocabulary
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+    ranks = torch.arange(k, device=logits.device)[None, :]
+    outside = (ranks >= top_k[:, None]) | (before > top_p[:, None])
+    exact = (top_k <= k) | (probs.sum(dim=-1) > top_p) | (k == vocab)
+    return values.masked_fill(outside, float("-inf")), ids, exact
+
+
+def _draw(
+    logits: torch.Tensor, min_p: torch.Tensor | None, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """One column per row, drawn from softmax(logits) with min-p applied: the exponential race,
+    argmax(p / E) with E ~ Exp(1) (the Gumbel trick)."""
+    probs = torch.softmax(logits, dim=-1)
+    if min_p is not None:
+        top = probs.max(dim=-1, keepdim=True).values
+        probs = probs.masked_fill(probs < min_p[:, None] * top, 0.0)
+    return (probs / _exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def _exponential_noise(
+    like: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Exp(1) noise shaped like ``like``, each row from its request's generator where it has one:
+    -log U for uniform U, kept off 0 (6x faster on a CPU than ``exponential_``, and never 0 or
+    infinite, which would pick a token, or never pick it, whatever its probability)."""
+    noise = torch.empty_like(like)
+    if all(g is None for g in generators):
+        noise.uniform_()
+    else:
+        for i, g in enumerate(generators):
+            noise[i].uniform_(generator=g)
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_().neg_()
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
