@@ -39,7 +39,9 @@ def add_prompt_logprobs(rows: list[tuple[Sequence, int, int]], logits: torch.Ten
     request asks for), appended to its sequence's ``prompt_logprobs``."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
     targets = torch.tensor([seq.token_ids[p] for seq, _, p in rows], device=logprobs.device)
-    chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    chosen_t = logprobs.gather(1, targets[:, None])  # (R, 1)
+    ranks = ((logprobs > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
     k = max(seq.params.prompt_logprobs or 0 for seq, _, _ in rows)
     top_ids: list[list[int]] = []
     top_lps: list[list[float]] = []
@@ -53,4 +55,6 @@ def add_prompt_logprobs(rows: list[tuple[Sequence, int, int]], logits: torch.Ten
             continue  # given already
         n = seq.params.prompt_logprobs or 0
         alternatives = list(zip(top_ids[i][:n], top_lps[i][:n], strict=True)) if n else []
-        seq.prompt_logprobs.append(TokenLogprob(seq.token_ids[p], chosen[i], alternatives))
+        seq.prompt_logprobs.append(
+            TokenLogprob(seq.token_ids[p], chosen[i], alternatives, rank=ranks[i])
+        )

@@ -27,6 +27,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None
+    """1 + how many tokens were likelier (a prompt token's; vLLM reports it)."""
 
 
 @dataclass(eq=False)

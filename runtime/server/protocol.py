@@ -51,6 +51,9 @@ class GenerateRequestBody(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's logprob and rank, with this many alternatives (0-20);
+    not streamed."""
     """vLLM's: lower runs sooner on a server started with ``--scheduling-policy priority``;
     anything but 0 is a 400 on any other."""
     # Structured outputs (``structured_outputs.py``): one of these per request.
@@ -83,6 +86,7 @@ class GenerateRequestBody(BaseModel):
         logprobs: int | None,
         structured_output: StructuredOutputParams | None,
         defaults: dict[str, Any] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The engine's ``SamplingParams`` of this request, the one shape they keep down to
         the sampler. A field left out (None) takes the model's default from ``defaults``
@@ -111,6 +115,7 @@ class GenerateRequestBody(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),

@@ -126,6 +126,12 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
             )
         return out
 
+    def body_extras(self) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` of the one prompt every choice shares, when asked."""
+        if self.req.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": self.prompt_logprobs_body(self.choices[0])}
+
     def choice_body(self, choice: Choice) -> dict[str, Any]:
         lp = {"content": self._logprobs_content(choice.logprobs)} if choice.want_logprobs else None
         reasoning: str | None = None

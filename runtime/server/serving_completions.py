@@ -83,7 +83,8 @@ class Completion(GenerateRequest[CompletionRequest]):
         scores a continuation by)."""
         params = super().sampling_params(prompt_len, structured)
         if self.req.echo and self.req.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=self.req.logprobs)
+            wanted = max(self.req.logprobs, params.prompt_logprobs or 0)
+            params = dataclasses.replace(params, prompt_logprobs=wanted)
         return params
 
     # -- the response ----------------------------------------------------------------------
@@ -129,6 +130,7 @@ class Completion(GenerateRequest[CompletionRequest]):
             "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []
         }  # fmt: skip
         offset = 0
+        n = self.req.logprobs or 0
         for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs or [], strict=False):
             text = self.token_text(token_id)
             part["tokens"].append(text)
@@ -140,7 +142,7 @@ class Completion(GenerateRequest[CompletionRequest]):
                 continue
             part["token_logprobs"].append(finite(lp.logprob))
             alternatives = {text: finite(lp.logprob)}
-            for alt_id, logprob in lp.top:
+            for alt_id, logprob in lp.top[:n]:
                 alternatives.setdefault(self.token_text(alt_id), finite(logprob))
             part["top_logprobs"].append(alternatives)
         return part
@@ -159,13 +161,16 @@ class Completion(GenerateRequest[CompletionRequest]):
                     k: prompt[k] + ([o + shift for o in v] if k == "text_offset" else v)
                     for k, v in lp.items()
                 }
-        return {
+        body = {
             "index": choice.index,
             "text": self._echo(choice) + choice.text,
             "logprobs": lp,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs_body(choice)
+        return body
 
     def first_chunks(self) -> list[dict[str, Any]]:
         if not self.req.echo:

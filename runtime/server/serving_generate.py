@@ -93,6 +93,12 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 param="stream_options",
             )
         self.check()
+        if req.stream and req.prompt_logprobs is not None:
+            raise bad_request(
+                "prompt_logprobs are answered whole, not streamed (as vLLM's); set stream to "
+                "false or remove prompt_logprobs",
+                param="prompt_logprobs",
+            )
         check_priority(ctx, req.priority)
         structured = self.structured_output()
         async with aclosing(self.prompts()) as prompts:
@@ -203,6 +209,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 logprobs=self.num_logprobs(),
                 structured_output=structured[0] if structured else None,
                 defaults=self.engine.default_sampling,
+                prompt_logprobs=self.req.prompt_logprobs,
             )
         except ValueError as exc:
             err = from_value_error(exc, SAMPLING_PARAM_NAMES)
@@ -247,6 +254,39 @@ class GenerateRequest(ABC, Generic[RequestT]):
             "model": self.ctx.model_name,
         }
 
+    def prompt_logprobs_body(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's ``prompt_logprobs`` of a choice's prompt: null for the first token, then for
+        each a map from token id to its logprob, rank and text, for the prompt's own token and
+        the ``prompt_logprobs`` likeliest ones."""
+        n = self.req.prompt_logprobs or 0
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs or [], strict=False):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {
+                str(token_id): {
+                    "logprob": finite(lp.logprob),
+                    "rank": lp.rank,
+                    "decoded_token": self.token_text(token_id),
+                }
+            }
+            for rank, (alt_id, logprob) in enumerate(lp.top[:n], start=1):
+                entry.setdefault(
+                    str(alt_id),
+                    {
+                        "logprob": finite(logprob),
+                        "rank": rank,
+                        "decoded_token": self.token_text(alt_id),
+                    },
+                )
+            out.append(entry)
+        return out
+
+    def body_extras(self) -> dict[str, Any]:
+        """Fields of the whole response besides its choices and usage."""
+        return {}
+
     async def _collect(self, stream: OutputStream) -> dict[str, Any]:
         async for choice, delta in run_choices(self.ctx, self.choices, stream):
             self.absorb(choice, delta)
@@ -254,6 +294,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
             **self._head(self.body_object),
             "choices": [self.choice_body(c) for c in self.choices],
             "usage": usage(self.choices),
+            **self.body_extras(),
         }
 
     async def _stream(
