@@ -98,3 +98,34 @@ def test_exponential_noise_is_positive_and_finite_even_at_the_uniforms_ends(monk
     monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, **kw: self.copy_(zeros))
     edge = _exponential_noise(torch.empty(3), [None])
     assert torch.isfinite(edge).all() and (edge > 0).all()
+
+
+def test_a_seeded_row_samples_the_same_whatever_else_is_in_its_batch():
+    vocab = 3000
+    torch.manual_seed(3)
+    row = torch.randn(vocab) * 2
+    others = torch.randn(3, vocab) * 2
+
+    def draws(companions: int, top_k_others: int, top_p_others: float, top_p: float) -> list:
+        gen = torch.Generator().manual_seed(42)
+        logits = torch.cat([row[None, :], others[:companions]])
+        n = 1 + companions
+        top_k = torch.tensor([vocab] + [top_k_others] * companions)
+        top_ps = torch.tensor([top_p] + [top_p_others] * companions)
+        t = tensors(n, vocab, top_p=top_ps, generators=[gen] + [None] * companions)
+        t.top_k = top_k
+        t.needs_top_k_top_p = bool((top_ps < 1).any() or (top_k < vocab).any())
+        return [Sampler()._sample(logits, t)[0].item() for _ in range(30)]
+
+    for top_p in (0.9, 1.0):
+        alone = draws(0, vocab, 1.0, top_p)
+        assert draws(3, 1000, 0.5, top_p) == alone  # a wider top-k, a nucleus elsewhere
+        assert draws(3, 5, 1.0, top_p) == alone
+
+
+def test_the_noise_reaches_below_floats_step_near_zero(monkeypatch):
+    # U just under 1 gives noise near 0: in float32 it could not come closer than 6e-8, so a
+    # token a million times less likely than the top one was drawn too rarely
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, **kw: self.fill_(1 - 1e-12))
+    noise = _exponential_noise(torch.empty(2, 5), [None, None])
+    assert torch.allclose(noise, torch.full((2, 5), 1e-12), rtol=1e-3, atol=0)
