@@ -213,6 +213,8 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
                 )
                 gateway.synced.append(watcher.synced)
                 tasks.append(asyncio.create_task(watcher.run(), name="LLMService discovery"))
+        for task in tasks:
+            task.add_done_callback(_report_stopped)
         try:
             yield gateway
         finally:
@@ -220,6 +222,17 @@ async def running_gateway(settings: GatewaySettings) -> AsyncIterator[Gateway]:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             metrics.worker_exited()
+
+
+def _report_stopped(task: asyncio.Task[None]) -> None:
+    """A background task (poller, silence watch, discovery) that ended other than by the
+    gateway's own shutdown: said loudly, since routing, ejection or timeouts stop with it."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    log.critical(
+        "the gateway's %s stopped: %r; restart the gateway", task.get_name(), exc, exc_info=exc
+    )
 
 
 class ProxyFirst:

@@ -19,6 +19,9 @@ class Replica:
     """Monotonic time the last successful /load poll was sent."""
     heard_at: float = -math.inf
     """Monotonic send time of the request whose response last carried the replica's load."""
+    progress_at: float = -math.inf
+    """Monotonic send time of the last load report that showed the replica working: its engine
+    took steps since the report before (any answered report, where it does not count steps)."""
     in_flight: int = 0
     """Requests this gateway has open on the replica right now."""
     in_flight_at_poll: int = 0
@@ -89,6 +92,9 @@ class Replica:
         asked for after the last ejection re-admits."""
         if sent_at < self.load_time:
             return  # an older poll finished after a newer one
+        before = self.load
+        if report.steps is None or before is None or before.steps != report.steps:
+            self.progress_at = sent_at
         self.load = report
         self.load_time = sent_at
         self.in_flight_at_poll = in_flight_then

@@ -66,9 +66,10 @@ class GatewaySettings:
 
     upstream_timeout_s: float = 600.0
     """Longest silence in seconds from a replica before its request is tried elsewhere (before
-    the first byte) or ended: until the response head, the replica answering neither the request
-    nor the gateway's load polls (a whole answer's head comes once it is generated); after it,
-    no chunk of a stream while the gateway waits on the replica (a slow client is not its silence)."""
+    the first byte) or ended: until the response head, no new engine step in its load reports
+    (or no report, from engines that do not count steps; a whole answer's head comes once it is
+    generated); after it, no chunk of a stream while the gateway waits on the replica (a slow
+    client is not its silence)."""
 
     max_attempts: int = 3
     """Replicas tried for one request before the error goes to the client (retries happen before the first byte)."""

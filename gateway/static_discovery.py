@@ -116,7 +116,8 @@ class StaticDiscovery:
         listed = {url for _, url in specs}
         for url in self._models.keys() - listed:
             del self._models[url]
-            self._asked_at.pop(url, None)
+        for url in self._asked_at.keys() - listed:
+            del self._asked_at[url]
         self._registry.sync(self.source, members)
         self.synced.set()
 

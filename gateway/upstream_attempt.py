@@ -14,9 +14,11 @@ uvicorn's 5 s keep-alive closes them on the replica's side.
 
 A replica silent for ``--upstream-timeout`` fails the attempt. Until the response head, which
 for a whole answer comes only once it is generated (and for a stream once the request left the
-replica's queue), silence is the replica answering neither this request nor the gateway's load
-polls: an ``asyncio.timeout`` around the request, whose deadline the :class:`SilenceWatch`
-moves on while the polls answer, so a long generation is not cut off or re-run elsewhere.
+replica's queue), silence is the replica showing no work: its load reports (polls, response
+headers) no longer count new engine steps, or, from a replica that does not count them (vLLM,
+SGLang), no longer come. An ``asyncio.timeout`` around the request, whose deadline the
+:class:`SilenceWatch` moves on while the replica works, so a long generation is not cut off
+or re-run elsewhere, and a replica whose engine hangs behind a server that still answers is.
 After the head of a stream, silence is no chunk for that long while the gateway is waiting on
 the replica (not while a slow client holds back the chunk before). The watch is one task that
 looks a few times per timeout; aiohttp's own ``sock_read`` timeout did this by moving a timer
@@ -123,18 +125,25 @@ class SilenceWatch:
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval_s)  # the watch's period, not synchronisation
-            for head in self.heads:
-                heard = max(head.sent_at, head.replica.load_time)
-                head.timeout.reschedule(heard + self.timeout_s)
-            deadline = loop.time() - self.timeout_s
-            for watched in [w for w in self.streams if w.last < deadline]:
-                self.streams.discard(watched)
-                # what aiohttp's sock_read timeout does: the reader wakes with the error
-                watched.response.content.set_exception(
-                    aiohttp.ServerTimeoutError(
-                        f"{watched.replica} sent nothing for {self.timeout_s:g}s (--upstream-timeout)"
-                    )
+            self.look(loop.time())
+
+    def look(self, now: float) -> None:
+        """Move each waiting head's deadline to the replica's last sign of work, and fail the
+        streams silent since ``now - timeout_s``."""
+        for head in self.heads:
+            if head.timeout.expired():
+                continue  # its request is failing already (rescheduling would raise)
+            working = max(head.sent_at, head.replica.progress_at)
+            head.timeout.reschedule(working + self.timeout_s)
+        deadline = now - self.timeout_s
+        for watched in [w for w in self.streams if w.last < deadline]:
+            self.streams.discard(watched)
+            # what aiohttp's sock_read timeout does: the reader wakes with the error
+            watched.response.content.set_exception(
+                aiohttp.ServerTimeoutError(
+                    f"{watched.replica} sent nothing for {self.timeout_s:g}s (--upstream-timeout)"
                 )
+            )
 
 
 class Upstream:
@@ -200,9 +209,9 @@ class Upstream:
                 except UPSTREAM_ERRORS as exc:
                     if retry_stale and stale_connection(exc):
                         continue  # the replica had closed that pooled connection: once more
-                    if isinstance(exc, TimeoutError):
+                    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ClientError):
                         why = (
-                            f"{replica.url} answered neither the request nor a load poll for "
+                            f"{replica.url} showed no work on the request for "
                             f"{self._s.upstream_timeout_s:g}s (--upstream-timeout)"
                         )
                     else:

@@ -3,8 +3,8 @@ sent with every API response in the ``x-conveyor-load`` header.
 
 The runtime writes it (:meth:`ReplicaLoad.to_json`); the gateway's poller and the
 autoscaler read it (:meth:`ReplicaLoad.from_json`). The reader is tolerant of what the
-document may grow (unknown fields are ignored; ``max_queued_requests``, ``model`` and
-``in_flight`` may be missing) and strict about what it needs: a field of the wrong type is a
+document may grow (unknown fields are ignored; ``max_queued_requests``, ``model``,
+``in_flight`` and ``steps`` may be missing) and strict about what it needs: a field of the wrong type is a
 ``ValueError`` that names it.
 """
 
@@ -43,9 +43,12 @@ class ReplicaLoad:
     """The served model name, where the replica says it."""
     in_flight: int | None = None
     """API requests the replica's server has open, where it says it."""
+    steps: int | None = None
+    """Engine steps taken since the replica started, where it says it: a replica whose count
+    stops while it holds requests is stuck, however its server answers."""
 
     def to_json(self) -> dict[str, JsonValue]:
-        """The ``/load`` document; ``model`` and ``in_flight`` only where known."""
+        """The ``/load`` document; ``model``, ``in_flight`` and ``steps`` only where known."""
         doc: dict[str, JsonValue] = {
             "running": self.running,
             "waiting": self.waiting,
@@ -58,6 +61,8 @@ class ReplicaLoad:
             doc["model"] = self.model
         if self.in_flight is not None:
             doc["in_flight"] = self.in_flight
+        if self.steps is not None:
+            doc["steps"] = self.steps
         return doc
 
     def to_header(self) -> bytes:
@@ -94,6 +99,7 @@ class ReplicaLoad:
         if model is not None and not isinstance(model, str):
             raise ValueError(f"/load field 'model' must be a string, got {model!r}")
         in_flight = None if doc.get("in_flight") is None else _integer(doc, "in_flight")
+        steps = None if doc.get("steps") is None else _integer(doc, "steps")
         return cls(
             running=running,
             waiting=waiting,
@@ -103,6 +109,7 @@ class ReplicaLoad:
             ready=ready,
             model=model,
             in_flight=in_flight,
+            steps=steps,
         )
 
 

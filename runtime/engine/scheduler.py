@@ -22,8 +22,9 @@ The policy orders the waiting queue (nobody overtakes its head in that order):
 - ``lpm``: longest prefix match first, the requests with the most of their prompt
   in the prefix cache (SGLang's ``--schedule-policy lpm``): they cost least
   to admit, and they run while their cached blocks are still there to share.
-  Ties keep arrival order; past ``LPM_MAX_QUEUE`` waiting requests it is fcfs, as
-  SGLang's, since matching every request each step costs more than it saves.
+  Ties keep arrival order; past ``LPM_MAX_QUEUE`` waiting requests it stops reordering
+  (new ones join at the back), as SGLang's, since matching every request each step costs
+  more than it saves. A prompt that matches nothing waits while matching ones keep coming.
 """
 
 from __future__ import annotations

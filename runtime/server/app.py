@@ -271,6 +271,7 @@ def load_report(ctx: ServerContext) -> ReplicaLoad:
         ready=ctx.ready,
         model=ctx.model_name,
         in_flight=ctx.drain.in_flight,
+        steps=snap.steps,
     )
 
 

@@ -47,6 +47,8 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
+    steps: int = 0
+    """Engine steps taken since the server started."""
 
 
 @dataclass
@@ -104,6 +106,7 @@ class EngineClient:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: EngineStats | None = None
+        self._steps = 0
         """The engine's stats after its latest step."""
         self._loaded = asyncio.Event()
         self._dead = asyncio.Event()
@@ -169,6 +172,7 @@ class EngineClient:
             prompt_tokens=s.prompt_tokens,
             generation_tokens=s.generation_tokens,
             preemptions=s.preemptions,
+            steps=self._steps,
         )
 
     def submit(self, requests: list[EngineRequest]) -> OutputStream:
@@ -202,6 +206,7 @@ class EngineClient:
         self, outputs: list[RequestOutput], stats: EngineStats, start: float, end: float
     ) -> None:
         self._stats = stats
+        self._steps += 1
         m = self._metrics
         if m is not None:
             m.step_duration.observe(end - start)

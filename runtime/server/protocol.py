@@ -51,11 +51,11 @@ class GenerateRequestBody(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    """vLLM's: lower runs sooner on a server started with ``--scheduling-policy priority``;
+    anything but 0 is a 400 on any other."""
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob and rank, with this many alternatives (0-20);
     not streamed."""
-    """vLLM's: lower runs sooner on a server started with ``--scheduling-policy priority``;
-    anything but 0 is a 400 on any other."""
     # Structured outputs (``structured_outputs.py``): one of these per request.
     response_format: dict[str, Any] | None = None
     guided_json: Any = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from conveyor.contracts.engine_load import Limits
@@ -108,6 +110,22 @@ def test_queue_full_is_the_replicas_own_rule(
     doc = {**LOAD, "running": running, "waiting": waiting, "max_queued_requests": max_queued}
     replica.record_poll(ReplicaLoad.from_json(doc), sent_at=1.0, in_flight_then=0)
     assert replica.queue_full(1.5, 1.0) is full
+
+
+def test_progress_is_a_report_with_new_engine_steps_or_any_report_without_them() -> None:
+    replica = Replica("http://r:1")
+
+    def heard(at: float, steps: int | None) -> float:
+        replica.record_poll(ReplicaLoad.from_json({**LOAD, "steps": steps}), at, 0)
+        return replica.progress_at
+
+    assert heard(1.0, 10) == 1.0  # the first report
+    assert heard(2.0, 12) == 2.0  # the engine stepped
+    assert heard(3.0, 12) == 2.0  # answering, but its engine stands still: no progress
+    assert heard(4.0, 0) == 4.0  # restarted
+    assert heard(5.0, None) == 5.0  # an engine that does not count steps: answering is all
+    assert ReplicaLoad.from_json({**LOAD, "steps": 7}).to_json()["steps"] == 7
+    assert "steps" not in ReplicaLoad.from_json(LOAD).to_json()
 
 
 def test_registry_unions_sources_and_keeps_empty_pools() -> None:
@@ -256,3 +274,25 @@ def test_a_replica_has_the_limits_of_the_source_that_lists_it() -> None:
     assert registry.limits_of("http://a:1") == Limits()  # still listed, by static alone
     registry.sync("b", {"m": {"http://b:1"}})
     assert registry.limits_of("http://b:1") == Limits()
+
+
+def test_the_silence_watch_passes_over_a_head_whose_timeout_already_fired() -> None:
+    from conveyor.gateway.upstream_attempt import SilenceWatch, _HeadWait
+
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        watch = SilenceWatch(timeout_s=5.0)
+        replica = Replica("http://r:1")
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0) as fired:
+                watch.heads.add(_HeadWait(fired, replica, loop.time()))
+                await asyncio.sleep(1)
+        async with asyncio.timeout(1) as waiting:
+            watch.heads.add(_HeadWait(waiting, replica, loop.time()))
+            replica.progress_at = loop.time() + 100  # the replica works on
+            watch.look(loop.time())  # no RuntimeError from the fired one
+            when = waiting.when()
+        assert when is not None
+        return when - loop.time()
+
+    assert asyncio.run(run()) > 100

@@ -184,7 +184,7 @@ def test_a_replica_that_answers_nothing_fails_a_whole_answer_after_the_timeout(
         finally:
             os.kill(replica.pid, signal.SIGCONT)
     assert r.status_code == 502, r.text
-    assert "answered neither the request nor a load poll for 0.5s" in r.json()["error"]["message"]
+    assert "showed no work on the request for 0.5s" in r.json()["error"]["message"]
 
 
 def test_a_client_slow_to_read_is_not_the_replicas_silence(processes: Processes) -> None:
