@@ -37,6 +37,7 @@ FLAGS: dict[str, str] = {
     "--load-stale-after": "load_stale_after_s",
     "--connect-timeout": "connect_timeout_s",
     "--upstream-timeout": "upstream_timeout_s",
+    "--client-stall-timeout": "client_stall_timeout_s",
     "--max-attempts": "max_attempts",
     "--retry-backoff": "retry_backoff_s",
     "--ejection-time": "ejection_s",

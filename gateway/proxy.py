@@ -111,7 +111,13 @@ class Proxy:
         # samples on the routing workload's chats (docs/profiles/gateway-cpu.md).
         client = _ClientWatch(receive)
         request = UpstreamRequest(
-            scope["path"], raw, request_headers, bool(body.get("stream")), arrival, client.responded
+            scope["path"],
+            raw,
+            request_headers,
+            bool(body.get("stream")),
+            arrival,
+            stalled=client.stalled,
+            responded=client.responded,
         )
         try:
             await self._forward(pool, route, request, send)
@@ -260,6 +266,15 @@ class _ClientWatch:
         self._responded = False
         self._watcher = asyncio.ensure_future(_wait_disconnect(receive))
         self._watcher.add_done_callback(self._on_disconnect)
+
+    def stalled(self) -> None:
+        """The client read nothing for --client-stall-timeout: drop its request as if it had
+        left (the upstream stream is closed, which aborts it on the replica)."""
+        if self._responded or self.went_away:
+            return
+        log.warning("a client read nothing for --client-stall-timeout; its request is dropped")
+        self.went_away = True
+        self.task.cancel()
 
     def responded(self) -> None:
         """The client has the whole response (uvicorn's ``receive`` says ``http.disconnect``

@@ -71,6 +71,11 @@ class GatewaySettings:
     generated); after it, no chunk of a stream while the gateway waits on the replica (a slow
     client is not its silence)."""
 
+    client_stall_timeout_s: float = 600.0
+    """Longest a stream's next chunk may wait on a client that reads nothing before its request
+    is dropped (aborted on the replica, its slot freed); a client that never reads cannot hold
+    a replica's batch slot for good."""
+
     max_attempts: int = 3
     """Replicas tried for one request before the error goes to the client (retries happen before the first byte)."""
 

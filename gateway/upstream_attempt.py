@@ -72,6 +72,8 @@ class UpstreamRequest:
     """The client asked for a stream (``"stream": true``)."""
     arrival: float
     """Event-loop time the request reached the gateway."""
+    stalled: Callable[[], None] = lambda: None
+    """Drops the request (its client read nothing for --client-stall-timeout)."""
     responded: Callable[[], None] = lambda: None
     """Called once the client has the whole response while the replica's is still being read
     (a stream's ``[DONE]`` event went out): from then on the client leaving is no failure."""
@@ -97,6 +99,10 @@ class _Watched:
     last: float
     """Loop time the replica last sent something; ``inf`` while the gateway is not waiting on
     it (a chunk is being written to a client that holds it back)."""
+    stalled: Callable[[], None]
+    """Drops the request, for a client that stopped reading."""
+    writing_since: float = math.inf
+    """Loop time the chunk being written to the client began (``inf``: none is)."""
 
 
 @dataclass(eq=False)
@@ -113,6 +119,8 @@ class SilenceWatch:
     the replica last answered anything (the request's send, a load poll, a load header)."""
 
     timeout_s: float
+    client_stall_s: float = math.inf
+    """A chunk written to a client for this long drops the request (the client reads nothing)."""
     streams: set[_Watched] = field(default_factory=set)
     heads: set[_HeadWait] = field(default_factory=set)
 
@@ -135,6 +143,10 @@ class SilenceWatch:
                 continue  # its request is failing already (rescheduling would raise)
             working = max(head.sent_at, head.replica.progress_at)
             head.timeout.reschedule(working + self.timeout_s)
+        stall = now - self.client_stall_s
+        for watched in [w for w in self.streams if w.writing_since < stall]:
+            self.streams.discard(watched)
+            watched.stalled()
         deadline = now - self.timeout_s
         for watched in [w for w in self.streams if w.last < deadline]:
             self.streams.discard(watched)
@@ -159,7 +171,7 @@ class Upstream:
         self._session = session
         self._metrics = metrics
         self._s = settings
-        self.watch = SilenceWatch(settings.upstream_timeout_s)
+        self.watch = SilenceWatch(settings.upstream_timeout_s, settings.client_stall_timeout_s)
         """Run by the gateway (``watch.run()``) beside the load poller."""
         self.load_heard: LoadHeard | None = None
         """Given each load report a response's ``x-conveyor-load`` header carries (the load
@@ -257,7 +269,7 @@ class Upstream:
                 self._finish(pool, replica, status, request.arrival)
                 return None
 
-            watched = _Watched(response, replica.url, loop.time())
+            watched = _Watched(response, replica.url, loop.time(), request.stalled)
             self.watch.streams.add(watched)
             chunks = response.content.iter_any()
             try:
@@ -270,10 +282,11 @@ class Upstream:
             # write; the replica's own end of the response is still read, so that its
             # connection goes back to the pool.
             ended = first.endswith(sse.DONE)
-            watched.last = math.inf  # a client slow to take it is not the replica's silence
+            # a client slow to take it is not the replica's silence (but has a bound of its own)
+            watched.last, watched.writing_since = math.inf, loop.time()
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
             await send({"type": "http.response.body", "body": first, "more_body": not ended})
-            watched.last = loop.time()
+            watched.last, watched.writing_since = loop.time(), math.inf
             self._metrics.ttft.labels(pool.model).observe(loop.time() - request.arrival)
             if ended:
                 request.responded()
@@ -285,11 +298,11 @@ class Upstream:
                         log.debug("%s sent %d bytes after [DONE]; dropped", replica.url, len(chunk))
                         continue
                     ended = chunk.endswith(sse.DONE)
-                    watched.last = math.inf
+                    watched.last, watched.writing_since = math.inf, loop.time()
                     await send(
                         {"type": "http.response.body", "body": chunk, "more_body": not ended}
                     )
-                    watched.last = loop.time()
+                    watched.last, watched.writing_since = loop.time(), math.inf
                     if ended:
                         request.responded()
                         self._finish(pool, replica, status, request.arrival)

@@ -215,6 +215,36 @@ def test_a_client_slow_to_read_is_not_the_replicas_silence(processes: Processes)
     assert "conveyor_gateway_ejections_total{" not in metrics.replace("# ", "")
 
 
+def test_a_client_that_reads_nothing_is_dropped_after_its_stall_timeout(
+    processes: Processes,
+) -> None:
+    replica, gw = _behind_gateway(processes, "--client-stall-timeout", "1")
+    body = json.dumps({"model": "stub", "prompt": "x", "stream": True, "max_tokens": 40000})
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n{body}"
+    ).encode()
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.settimeout(30)
+        client.connect(("127.0.0.1", gw.port))
+        client.sendall(request)
+        assert client.recv(1024).startswith(b"HTTP/1.1 200")
+
+        def dropped() -> bool:  # while this client reads nothing more
+            metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+            return 'code="499",model="stub"} 1.0' in metrics
+
+        wait_until(dropped, 30, "the stalled client's request to be dropped")
+        received = b""
+        while chunk := client.recv(65536):  # what was buffered, then the gateway's close
+            received += chunk
+    assert b"data: [DONE]" not in received
+    metrics = httpx.get(gw.url + "/metrics", timeout=5).text
+    assert f'in_flight{{backend="{replica.url}",model="stub"}} 0.0' in metrics
+    assert "conveyor_gateway_ejections_total{" not in metrics.replace("# ", "")
+
+
 def _dechunk(raw: bytes) -> bytes:
     """An HTTP/1.1 chunked body's bytes."""
     out = b""
