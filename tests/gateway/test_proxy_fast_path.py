@@ -8,11 +8,13 @@ replica answers its load polls and a client slow to read is not the replica's si
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 from gateway_helpers import Processes, gateway, stub
@@ -190,18 +192,7 @@ def test_a_replica_that_answers_nothing_fails_a_whole_answer_after_the_timeout(
 def test_a_client_slow_to_read_is_not_the_replicas_silence(processes: Processes) -> None:
     _, gw = _behind_gateway(processes, "--upstream-timeout", "0.5")
 
-    # 40,000 chunks at once (about 6 MB): more than the socket buffers hold, so the gateway's
-    # writes to this client wait while it does not read
-    body = json.dumps({"model": "stub", "prompt": "x", "stream": True, "max_tokens": 40000})
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}"
-    ).encode()
-    with socket.socket() as client:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.settimeout(30)
-        client.connect(("127.0.0.1", gw.port))
-        client.sendall(request)
+    with _big_stream(gw) as client:
         received = client.recv(1024)
         time.sleep(2.0)  # the slow client under test: four timeouts without reading
         while chunk := client.recv(65536):
@@ -219,16 +210,7 @@ def test_a_client_that_reads_nothing_is_dropped_after_its_stall_timeout(
     processes: Processes,
 ) -> None:
     replica, gw = _behind_gateway(processes, "--client-stall-timeout", "1")
-    body = json.dumps({"model": "stub", "prompt": "x", "stream": True, "max_tokens": 40000})
-    request = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n{body}"
-    ).encode()
-    with socket.socket() as client:
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        client.settimeout(30)
-        client.connect(("127.0.0.1", gw.port))
-        client.sendall(request)
+    with _big_stream(gw) as client:
         assert client.recv(1024).startswith(b"HTTP/1.1 200")
 
         def dropped() -> bool:  # while this client reads nothing more
@@ -243,6 +225,23 @@ def test_a_client_that_reads_nothing_is_dropped_after_its_stall_timeout(
     metrics = httpx.get(gw.url + "/metrics", timeout=5).text
     assert f'in_flight{{backend="{replica.url}",model="stub"}} 0.0' in metrics
     assert "conveyor_gateway_ejections_total{" not in metrics.replace("# ", "")
+
+
+@contextlib.contextmanager
+def _big_stream(gw) -> Iterator[socket.socket]:
+    """A raw client that asked ``gw`` for 40,000 chunks at once (about 6 MB: more than the
+    socket buffers hold, so the gateway's writes wait while it does not read), read nothing."""
+    body = json.dumps({"model": "stub", "prompt": "x", "stream": True, "max_tokens": 40000})
+    request = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n{body}"
+    ).encode()
+    with socket.socket() as client:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.settimeout(30)
+        client.connect(("127.0.0.1", gw.port))
+        client.sendall(request)
+        yield client
 
 
 def _dechunk(raw: bytes) -> bytes:
