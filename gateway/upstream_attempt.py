@@ -114,9 +114,10 @@ class _HeadWait:
 
 @dataclass
 class SilenceWatch:
-    """Fails the open upstream streams whose replica said nothing for ``timeout_s``, and keeps
-    the deadline of each request still waiting for its response head at ``timeout_s`` after
-    the replica last answered anything (the request's send, a load poll, a load header)."""
+    """Fails the open upstream streams whose replica said nothing for ``timeout_s``, drops those
+    whose client read nothing for ``client_stall_s``, and keeps the deadline of each request
+    still waiting for its response head at ``timeout_s`` after the replica last showed work
+    (the request's send, or a load report with new engine steps: ``Replica.progress_at``)."""
 
     timeout_s: float
     client_stall_s: float = math.inf

@@ -57,7 +57,7 @@ class ScheduledBatch:
 
 
 LPM_MAX_QUEUE = 128
-"""Waiting requests beyond which ``lpm`` orders by arrival instead (SGLang's cut-off)."""
+"""Waiting requests beyond which ``lpm`` stops reordering the queue (SGLang's cut-off)."""
 
 
 def _priority_key(seq: Sequence) -> tuple[int, float]:
@@ -178,9 +178,7 @@ class Scheduler:
             if head is None:
                 break
             seq = head
-            # Prompt logprobs need the logits of every prompt token: nothing from the cache.
-            wants_all = seq.params.prompt_logprobs is not None
-            cached = [] if wants_all else self.bm.find_cached_prefix(seq)
+            cached = self._cached_prefix(seq)
             num_cached = len(cached) * self.bm.block_size
             n = min(len(seq.token_ids) - num_cached, budget)
             if not self.bm.allocate(seq, n, cached, reserve=self.watermark_blocks):
@@ -198,6 +196,13 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks ``seq`` would start from; none for a prompt that wants its
+        logprobs, which need the logits of every prompt token."""
+        if seq.params.prompt_logprobs is not None:
+            return []
+        return self.bm.find_cached_prefix(seq)
+
     def _next_waiting(self) -> Sequence | None:
         """The waiting request to admit next: the queue's head, or in ``static`` and ``none``
         the first member of the current batch (a request of higher priority that came after
@@ -209,12 +214,7 @@ class Scheduler:
     def _order_by_prefix_match(self) -> None:
         """``lpm``: the waiting queue, most cached prompt blocks first (a stable sort, so ties
         keep their order: arrival, preempted requests first)."""
-        cached = {
-            seq.request_id: 0
-            if seq.params.prompt_logprobs is not None
-            else len(self.bm.find_cached_prefix(seq))
-            for seq in self.waiting
-        }
+        cached = {seq.request_id: len(self._cached_prefix(seq)) for seq in self.waiting}
         self.waiting = deque(sorted(self.waiting, key=lambda s: -cached[s.request_id]))
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:

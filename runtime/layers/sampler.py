@@ -102,11 +102,7 @@ class Sampler:
         all_rows = torch.arange(n, device=logits.device)
         if not bool(masks.all()):  # rows that mask nothing: the whole vocabulary
             free = all_rows[~masks]
-            tokens[free] = _draw(
-                logits[free],
-                None if min_p is None else min_p[free],
-                [t.generators[i] for i in free.tolist()],
-            )
+            tokens[free] = _draw(logits[free], *_rows_of(free, min_p, t.generators))
         rows = all_rows[masks]
         for k in NUCLEUS_CANDIDATES:
             if not len(rows):
@@ -117,23 +113,20 @@ class Sampler:
             if len(done):
                 if len(done) < len(rows):
                     values, ids = values[held], ids[held]
-                picked = _draw(
-                    values,
-                    None if min_p is None else min_p[done],
-                    [t.generators[i] for i in done.tolist()],
-                    ids=ids,
-                    vocab=vocab,
-                )
+                picked = _draw(values, *_rows_of(done, min_p, t.generators), ids, vocab)
                 tokens[done] = ids.gather(1, picked[:, None])[:, 0]
             rows = rows[~held]
         if len(rows):  # what is left: the whole vocabulary, sorted
             masked = _top_k_top_p(logits[rows], t.top_k[rows], t.top_p[rows])
-            tokens[rows] = _draw(
-                masked,
-                None if min_p is None else min_p[rows],
-                [t.generators[i] for i in rows.tolist()],
-            )
+            tokens[rows] = _draw(masked, *_rows_of(rows, min_p, t.generators))
         return tokens
+
+
+def _rows_of(
+    rows: torch.Tensor, min_p: torch.Tensor | None, generators: list[torch.Generator | None]
+) -> tuple[torch.Tensor | None, list[torch.Generator | None]]:
+    """``_draw``'s per-row arguments for some rows of the batch."""
+    return None if min_p is None else min_p[rows], [generators[i] for i in rows.tolist()]
 
 
 NUCLEUS_CANDIDATES = (256, 4096)
