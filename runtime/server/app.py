@@ -42,8 +42,15 @@ from conveyor.runtime.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from conveyor.runtime.server.response_store import ResponseStore
+from conveyor.runtime.server.responses_protocol import ResponsesRequest
 from conveyor.runtime.server.serving_chat import create_chat_completion
 from conveyor.runtime.server.serving_completions import create_completion
+from conveyor.runtime.server.serving_responses import (
+    create_response,
+    delete_response,
+    get_response,
+)
 from conveyor.runtime.server.serving_tokenize import create_detokenize, create_tokenize
 from conveyor.runtime.server.settings import ServerSettings
 
@@ -161,6 +168,7 @@ def build_app(
             drain=drain,
             tokenize_pool=pool,
             grammar_pool=grammar_pool,
+            responses=ResponseStore(settings.responses_store_size),
         )
         client.start()
         stats_log = (
@@ -195,6 +203,18 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(request.state.ctx, body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(request.state.ctx, body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def read_response(response_id: str, request: Request) -> dict[str, Any]:
+        return get_response(request.state.ctx, response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def remove_response(response_id: str, request: Request) -> dict[str, Any]:
+        return delete_response(request.state.ctx, response_id)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:

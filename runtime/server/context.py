@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from conveyor.runtime.server.engine_client import EngineClient
 from conveyor.runtime.server.metrics import ServerMetrics
+from conveyor.runtime.server.response_store import ResponseStore
 from conveyor.runtime.server.settings import ServerSettings
 
 logger = logging.getLogger("conveyor.runtime.server")
@@ -64,6 +65,8 @@ class ServerContext:
     grammar_pool: ThreadPoolExecutor
     """Grammars of structured outputs are compiled here, off the event loop and the engine
     thread (a large JSON schema takes tens of milliseconds the first time)."""
+    responses: ResponseStore
+    """Stored responses of ``POST /v1/responses`` (``--responses-store-size``)."""
     token_text: dict[int, str] = field(default_factory=dict)
     """Text of single token ids for logprobs, filled on first use (bounded by the vocabulary)."""
 

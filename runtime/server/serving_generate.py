@@ -111,14 +111,18 @@ class GenerateRequest(ABC, Generic[RequestT]):
 
         self.created = int(time.time())
         if req.stream:
-            options = req.stream_options
-            include_usage = bool(options and options.include_usage)
-            continuous = include_usage and bool(options and options.continuous_usage_stats)
-            return EngineStreamingResponse(
-                sse_stream(self._stream(include_usage, stream, continuous)), stream
-            )
+            return self.streaming_response(stream)
         body = await unless_disconnected(request, self._collect(stream), stream)
         return JSONResponse(body)
+
+    def streaming_response(self, stream: OutputStream) -> Response:
+        """The stream of chunks, as OpenAI's completions and chat completions send it."""
+        options = self.req.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        return EngineStreamingResponse(
+            sse_stream(self._stream(include_usage, stream, continuous)), stream
+        )
 
     # -- what each endpoint says -----------------------------------------------------------
 

@@ -79,6 +79,12 @@ class ServerSettings:
     """``qwen3`` or ``deepseek_r1``: a chat completion's thinking goes into
     ``reasoning_content``, apart from ``content`` (``reasoning.py``); unset: all is content."""
 
+    responses_store_size: int = 1024
+    """Responses of ``POST /v1/responses`` kept in memory (the newest), for
+    ``previous_response_id`` and ``GET /v1/responses/{id}``; 0 keeps none (vLLM's default,
+    which ignores ``store``). A response keeps its conversation's text: 1,024 chats of a few
+    thousand tokens are tens of MB."""
+
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine this server drives."""
 
@@ -102,6 +108,10 @@ class ServerSettings:
             )
         if self.reasoning_parser is not None:
             ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
+        if self.responses_store_size < 0:
+            raise ValueError(
+                f"responses_store_size must be >= 0 (0 keeps none), got {self.responses_store_size}"
+            )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
 
@@ -177,6 +187,13 @@ class ServerSettings:
             "DeepSeek-R1 and its distilled models); default: all output is content",
         )
         g.add_argument(
+            "--responses-store-size",
+            type=int,
+            default=d.responses_store_size,
+            help="responses of /v1/responses kept in memory for previous_response_id and GET "
+            f"/v1/responses/ID, the newest first; 0 keeps none (default {d.responses_store_size})",
+        )
+        g.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
             help="accepted as vLLM has it; tool_choice auto needs --tool-call-parser",
@@ -198,5 +215,6 @@ class ServerSettings:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             chat_template=read_chat_template(args.chat_template),
+            responses_store_size=args.responses_store_size,
             engine=EngineSettings.from_cli_args(args),
         )

@@ -49,3 +49,22 @@ def test_streamed_thinking_and_answer_are_the_same_as_whole(client):
         assert "<" not in reasoning[i] + content[i]  # no tag leaks
         assert reasoning[i] == whole[i].message.reasoning_content
         assert content[i] == whole[i].message.content
+
+
+def test_a_response_gives_the_thinking_as_a_reasoning_item_whole_and_streamed(client):
+    kwargs = dict(
+        model="conveyor-tiny", input="Think, then answer", max_output_tokens=40,
+        extra_body={**SHAPE, "seed": 5},
+    )  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    assert [item.type for item in whole.output] == ["reasoning", "message"]
+    thought = whole.output[0].content[0].text
+    assert len(thought) == 4 and set(thought) <= set("abc")
+    assert len(whole.output_text) == 3 and set(whole.output_text) <= set("xyz")
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    final = events[-1].response
+    assert streamed == final.output[0].content[0].text == thought
+    assert final.output_text == whole.output_text
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message"]

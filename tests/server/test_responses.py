@@ -1,0 +1,230 @@
+"""``POST /v1/responses`` (OpenAI's Responses API) on a real server, through the official
+``openai`` client: the same generation as chat, written as a response; stored responses
+continued with ``previous_response_id``; the stream's typed events; what it refuses."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import httpx
+import openai
+import pytest
+
+from conveyor.bench.procs import ChildProcess
+
+MODEL = "conveyor-tiny"
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 10}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture
+def client(server: ChildProcess) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def test_a_response_is_the_chat_completion_of_the_same_conversation(
+    client: openai.OpenAI,
+) -> None:
+    def chat_completion() -> openai.types.chat.ChatCompletion:
+        return client.chat.completions.create(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is a conveyor?"},
+            ],
+            max_completion_tokens=12,
+            temperature=0.0,
+        )
+
+    chat_completion()  # both below then find the prompt's blocks cached: the same arithmetic
+    response = client.responses.create(
+        model=MODEL, instructions="Answer briefly.", input="What is a conveyor?",
+        max_output_tokens=12, temperature=0.0,
+    )  # fmt: skip
+    chat = chat_completion()
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.output_text == chat.choices[0].message.content
+    assert [item.type for item in response.output] == ["message"]
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens == 12
+    assert response.usage.total_tokens == response.usage.input_tokens + 12
+    assert response.status == "incomplete"  # stopped by max_output_tokens, not by the model
+    assert response.incomplete_details.reason == "max_output_tokens"
+    assert response.instructions == "Answer briefly." and response.store
+
+
+def test_previous_response_id_continues_the_stored_conversation(client: openai.OpenAI) -> None:
+    first = client.responses.create(
+        model=MODEL, instructions="Be brief.", input="Hello", max_output_tokens=6, temperature=0.0
+    )
+    second = client.responses.create(
+        model=MODEL, input="And again?", previous_response_id=first.id, max_output_tokens=6,
+        temperature=0.0,
+    )  # fmt: skip
+    # the same prompt as sending the whole conversation (instructions are not inherited)
+    whole = client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And again?"},
+        ],
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    assert second.usage.input_tokens == whole.usage.input_tokens
+    assert whole.usage.input_tokens_details.cached_tokens > 0  # the stored turn's blocks
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert err.value.body["param"] == "previous_response_id"
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
+    response = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
+    assert response.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(response.id)
+
+
+def test_the_stream_is_typed_numbered_events_that_add_up_to_the_response(
+    client: openai.OpenAI,
+) -> None:
+    events = list(
+        client.responses.create(
+            model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "hi"}]}],
+            max_output_tokens=10, temperature=0.0, stream=True,
+            include=["message.output_text.logprobs"], top_logprobs=2,
+        )
+    )  # fmt: skip
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response
+    text = "".join(d.delta for d in deltas)
+    assert final.output_text == text == events[-4].text
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert len(logprobs) == final.usage.output_tokens == 10
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+
+    def tokens(lps: list) -> list[tuple[str, float, list[str]]]:
+        return [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in lps]
+
+    assert tokens(final.output[0].content[0].logprobs) == tokens(logprobs)
+    item_ids = {e.item_id for e in deltas} | {events[2].item.id, final.output[0].id}
+    assert len(item_ids) == 1  # every event names the one message item
+    assert client.responses.retrieve(final.id).output_text == text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_is_a_function_call_item(
+    client: openai.OpenAI, stream: bool
+) -> None:
+    kwargs = dict(
+        model=MODEL, input="Weather in Paris?", tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64,
+    )  # fmt: skip
+    if stream:
+        events = list(client.responses.create(**kwargs, stream=True))
+        kinds = [e.type for e in events]
+        assert "response.function_call_arguments.delta" in kinds
+        assert kinds[-3:] == [
+            "response.function_call_arguments.done", "response.output_item.done",
+            "response.completed",
+        ]  # fmt: skip
+        response = events[-1].response
+        streamed = "".join(
+            e.delta for e in events if e.type == "response.function_call_arguments.delta"
+        )
+        assert streamed == response.output[-1].arguments
+    else:
+        response = client.responses.create(**kwargs)
+    call = response.output[-1]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_")
+    city = json.loads(call.arguments)["city"]
+    assert isinstance(city, str) and 1 <= len(city) <= 10
+    # the client runs the function and sends its output back; the model answers from it
+    answer = client.responses.create(
+        model=MODEL, previous_response_id=response.id, max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )  # fmt: skip
+    assert [item.type for item in answer.output] == ["message"]
+
+
+def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 8}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    response = client.responses.create(
+        model=MODEL, input="Answer in JSON", max_output_tokens=64,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}},
+    )  # fmt: skip
+    assert set(json.loads(response.output_text)) == {"answer"}
+    assert response.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]", "input_image"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0]", "text"),
+        ({"input": [{"role": "bot", "content": "x"}]}, "input[0]", "role"),
+        ({"input": [{"type": "function_call", "call_id": 1}]}, "input[0]", "call_id"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "web_search"),
+        ({"input": "x", "tools": [{"type": "function"}]}, "tools", "name"),
+        ({"input": "x", "background": True}, "background", "background"),
+        ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+        ({"input": "x", "n": 2}, "n", "one output"),
+        ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ""),
+        ({"input": "x", "top_logprobs": 21}, "top_logprobs", ""),
+        ({"input": "x", "tool_choice": "required"}, "tool_choice", "tools"),
+        ({}, "input", ""),
+        ({"input": []}, "input", "no items"),
+    ],
+)
+def test_what_it_cannot_do_is_a_400_naming_the_field(
+    server: ChildProcess, body: dict, param: str, says: str
+) -> None:
+    answer = httpx.post(f"{server.url}/v1/responses", json={"model": MODEL, **body}, timeout=30)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and says in error["message"], error
+
+
+def test_a_server_that_keeps_no_responses_says_so(
+    start_server: Callable[..., ChildProcess],
+) -> None:
+    server = start_server("--responses-store-size", "0")
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
+        response = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+        assert response.store is False
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(model=MODEL, input="x", previous_response_id=response.id)
