@@ -32,10 +32,17 @@ from conveyor.gateway.proxy import Proxy
 from conveyor.gateway.routing import RoutingPolicy, make_policy
 from conveyor.gateway.settings import GatewaySettings
 from conveyor.gateway.static_discovery import StaticDiscovery
+from conveyor.gateway.stored_responses import on_holder
 
 log = logging.getLogger("conveyor.gateway")
 
-PROXIED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+PROXIED_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+)
 """Forwarded to a replica of the body's ``model``, bodies unchanged (structured outputs,
 tools, logit_bias included); ``/tokenize`` and ``/detokenize`` are vLLM's."""
 
@@ -347,6 +354,16 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         models = gateway.registry.served_models()
         data = await asyncio.gather(*(model_card(gateway, model) for model in models))
         return JSONResponse({"object": "list", "data": list(data)})
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, request: Request) -> Response:
+        gateway: Gateway = request.app.state.gateway
+        if (refused := unauthorized(request)) is not None:
+            return refused
+        headers = backend_headers(gateway.settings.backend_api_key)
+        return await on_holder(
+            gateway.registry, gateway.client, headers, request.method, response_id
+        )
 
     @app.get("/debug/pools")
     async def pools(request: Request) -> Response:

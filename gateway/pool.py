@@ -54,12 +54,18 @@ class Pool:
         """A replica that may be tried for ``request``, by the pool's policy, none of ``tried``.
 
         The policy picks among the admitted replicas (ready, not ejected) whose queue is not
-        full. In panic mode, when every replica is ejected (as Envoy's: every ejection is a
+        full; a response that continues a stored one goes to the replica that stores it. In panic mode, when every replica is ejected (as Envoy's: every ejection is a
         guess gone wrong), those whose last /load poll said ready are tried rather than
         refusing the request.
         """
         admitted = self._admitted(view, tried)
         candidates = [r for r in admitted if not r.queue_full(view.now, view.stale_after)]
+        if (tag := request.response_tag) is not None:
+            # A response that continues a stored one goes where that one is stored; should
+            # that replica be gone or full, any other answers that it does not hold it.
+            holder = next((r for r in candidates if r.tag == tag), None)
+            if holder is not None:
+                return Decision(holder, "response-affinity")
         if candidates:
             if view.replica_queue is not None:  # queueing at the gateway: room first
                 candidates = [r for r in candidates if view.has_room(r)] or candidates

@@ -1,4 +1,5 @@
-"""What a request is routed by: its model and a stable hash of its prompt's leading blocks.
+"""What a request is routed by: its model and a stable hash of its prompt's leading blocks
+(and, for a response that continues a stored one, the replica that stores it).
 
 The gateway has no tokenizer, so the prompt is cut in blocks of characters. A chat is keyed
 by its opening (system messages and the first user message), which every later turn of the
@@ -15,6 +16,8 @@ import hashlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
+
+from conveyor.contracts.response_id import tag_of
 
 
 def stable_hash(data: bytes) -> int:
@@ -34,6 +37,24 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+def _responses_opening(body: dict[str, Any]) -> str:
+    """A Responses request's opening, written as a chat's: its instructions and its input up
+    to the first user message."""
+    instructions = body.get("instructions")
+    parts = [f"system\n{instructions}\n"] if isinstance(instructions, str) and instructions else []
+    items = body.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        role = item.get("role", item.get("type"))
+        parts.append(f"{role}\n{_content_text(item.get('content'))}\n")
+        if role == "user":
+            break
+    return "".join(parts)
+
+
 def routing_text(path: str, body: dict[str, Any]) -> str:
     """The text whose leading blocks are hashed: a chat's opening, or the completion prompt."""
     if path.endswith("/chat/completions"):
@@ -49,6 +70,8 @@ def routing_text(path: str, body: dict[str, Any]) -> str:
             if role == "user":
                 break
         return "".join(parts)
+    if path.endswith("/responses"):
+        return _responses_opening(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of prompts goes where its first one is cached
@@ -78,3 +101,10 @@ class RouteRequest:
     @cached_property
     def key(self) -> int:
         return prefix_key(routing_text(self.path, self.body), self.block_chars, self.max_blocks)
+
+    @cached_property
+    def response_tag(self) -> str | None:
+        """The tag of the replica holding the response this one continues
+        (``previous_response_id``), which it must go to; None for any other request."""
+        previous = self.body.get("previous_response_id")
+        return tag_of(previous) if isinstance(previous, str) else None

@@ -1,5 +1,5 @@
-"""Proxying ``POST /v1/completions``, ``/v1/chat/completions``, ``/tokenize`` and ``/detokenize``
-to one replica of the model's pool: the ASGI handler and its retries.
+"""Proxying ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/tokenize``
+and ``/detokenize`` to one replica of the model's pool: the ASGI handler and its retries.
 
 A raw ASGI handler: the body is read once (bounded), the model picks the pool; while the
 model has no ready replica the request is held (``holding.py``); then the pool offers a
@@ -30,6 +30,8 @@ from conveyor.gateway.upstream_attempt import LoadHeard, SilenceWatch, Upstream,
 
 log = logging.getLogger("conveyor.gateway")
 
+RESPONSES_PATH = "/v1/responses"
+"""OpenAI's Responses API: each replica tried is told its tag (``contracts/response_id``)."""
 CLIENT_CLOSED = "499"
 """nginx's code for a client that went away first."""
 
@@ -116,6 +118,7 @@ class Proxy:
             request_headers,
             bool(body.get("stream")),
             arrival,
+            tag_replica=scope["path"] == RESPONSES_PATH,
             stalled=client.stalled,
             responded=client.responded,
         )

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from conveyor.contracts.load import ReplicaLoad
+from conveyor.contracts.response_id import replica_tag
 
 
 @dataclass(eq=False)
@@ -31,6 +32,11 @@ class Replica:
     ejected_until: float = -math.inf
     pools: set[str] = field(default_factory=set)
     """Models of the pools this replica belongs to."""
+    tag: str = ""
+    """What names it in the ids of the responses it stores (``contracts/response_id.py``)."""
+
+    def __post_init__(self) -> None:
+        self.tag = replica_tag(self.url)
 
     def admitted(self, now: float) -> bool:
         """Answered its last poll as ready and is not ejected."""

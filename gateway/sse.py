@@ -12,7 +12,8 @@ from conveyor.gateway.errors import error_json
 async def read_to_first_token(chunks: AsyncIterator[bytes]) -> bytes:
     """Read ``chunks`` until they hold an event beyond a role-only opening chunk (or end).
 
-    A chat stream's role-only opening chunk is sent before prefill: holding it back makes the
+    A chat stream's role-only opening chunk (a response's ``response.created`` and
+    ``response.in_progress``) is sent before prefill: holding it back makes the
     first byte the client sees carry the first token, so a replica that dies while queueing or
     prefilling is still retried elsewhere.
     """
@@ -29,8 +30,17 @@ def has_token(buffer: bytes) -> bool:
     return any(not is_role_only(event) for event in buffer.split(b"\n\n")[:-1])
 
 
+OPENING_EVENTS = (b"event: response.created", b"event: response.in_progress")
+"""The Responses API's opening events, sent before prefill as a chat's role-only chunk is."""
+
+
 def is_role_only(event: bytes) -> bool:
-    data = event.strip().removeprefix(b"data:").strip()
+    """A chat's role-only opening chunk, or a response's opening event: sent before any
+    output."""
+    event = event.strip()
+    if event.startswith(OPENING_EVENTS):
+        return True
+    data = event.removeprefix(b"data:").strip()
     if not data.startswith(b"{") or b'"role"' not in data:
         return False
     try:

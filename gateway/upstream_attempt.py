@@ -40,6 +40,7 @@ from starlette.types import Send
 from yarl import URL
 
 from conveyor.contracts.load import LOAD_HEADER, ReplicaLoad
+from conveyor.contracts.response_id import REPLICA_TAG_HEADER
 from conveyor.gateway import sse
 from conveyor.gateway.errors import Failure
 from conveyor.gateway.metrics import GatewayMetrics
@@ -74,6 +75,9 @@ class UpstreamRequest:
     """Event-loop time the request reached the gateway."""
     stalled: Callable[[], None] = lambda: None
     """Drops the request (its client read nothing for --client-stall-timeout)."""
+    tag_replica: bool = False
+    """Send each replica tried its tag (``x-conveyor-replica-tag``), which it writes into the
+    ids of the responses it stores (``POST /v1/responses``)."""
     responded: Callable[[], None] = lambda: None
     """Called once the client has the whole response while the replica's is still being read
     (a stream's ``[DONE]`` event went out): from then on the client leaving is no failure."""
@@ -214,7 +218,7 @@ class Upstream:
                             response = await self._session.post(
                                 upstream_url(replica.url, request.path),
                                 data=request.body,
-                                headers=request.headers,
+                                headers=_headers_for(request, replica),
                             )
                         finally:
                             self.watch.heads.discard(head)
@@ -355,6 +359,12 @@ class Upstream:
         self._metrics.duration.labels(pool.model).observe(
             asyncio.get_running_loop().time() - arrival
         )
+
+
+def _headers_for(request: UpstreamRequest, replica: Replica) -> dict[str, str]:
+    if not request.tag_replica:
+        return request.headers
+    return {**request.headers, REPLICA_TAG_HEADER: replica.tag}
 
 
 def stale_connection(exc: BaseException) -> bool:

@@ -304,3 +304,41 @@ def test_no_body_gets_a_5xx_through_the_gateway(replicas, processes: Processes) 
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
     assert httpx.get(replica.url + "/health", timeout=5).status_code == 200
+
+
+async def test_a_conversation_of_stored_responses_stays_on_the_replica_that_stores_it(
+    replicas, processes: Processes
+) -> None:
+    """Round robin would send each turn elsewhere: ``previous_response_id`` pins it to the
+    replica that stored the previous turn, streamed or not; ``GET`` and ``DELETE`` of a stored
+    response reach it there."""
+    _, started = replicas
+    backends = [arg for r in started for arg in ("--backend", r.url)]
+    gw = start_gateway(processes, "--routing", "round-robin", *backends)
+    wait_until(lambda: admitted(gw, MODEL) == len(started), 30, "the replicas to be admitted")
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused") as client:
+        first = await client.responses.with_raw_response.create(
+            model=MODEL, input="Hello", max_output_tokens=4
+        )
+        home = first.headers["x-conveyor-backend"]
+        previous = first.parse().id
+        for turn in range(4):
+            stream = turn % 2 == 1
+            raw = await client.responses.with_raw_response.create(
+                model=MODEL, input=f"turn {turn}", previous_response_id=previous,
+                max_output_tokens=4, stream=stream,
+            )  # fmt: skip
+            assert raw.headers["x-conveyor-backend"] == home
+            if stream:
+                events = [event async for event in raw.parse()]
+                assert events[-1].type == "response.completed"
+                previous = events[-1].response.id
+            else:
+                previous = raw.parse().id
+        stored = await client.responses.retrieve(previous)
+        assert stored.previous_response_id is not None and stored.status == "incomplete"
+        await client.responses.delete(previous)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(previous)
+        with pytest.raises(openai.NotFoundError):  # a well-formed id no replica here made
+            await client.responses.retrieve("resp_" + "0" * 40)
