@@ -3,7 +3,8 @@
 - Scale from zero: a request for a model with no ready replica is held until one says ready.
 - Queueing at the gateway (``--queue-at-gateway``, as Knative's activator and llm-d's flow
   control): while every ready replica has its batch full and ``--replica-queue`` requests
-  waiting, a request is held here, in arrival order, and goes to the first replica with room.
+  waiting, a request is held here, by its ``priority`` (vLLM's field: lower first) and then
+  in arrival order, and goes to the first replica with room.
   A replica that is added then (a scale-up) takes the oldest requests at once, where without
   it they would wait in the queue of the replica they were sent to while the new one idles.
 
@@ -14,6 +15,7 @@ operator's autoscaler scrapes as backlog (and to start a replica for a model sca
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 
 from conveyor.gateway.errors import Failure
@@ -80,13 +82,14 @@ class Holding:
         queue = self._s.replica_queue if self._s.queue_at_gateway else None
         return LoadView(asyncio.get_running_loop().time(), self._s.load_stale_after_s, queue)
 
-    async def until_room(self, pool: Pool, arrival: float) -> Failure | None:
+    async def until_room(self, pool: Pool, arrival: float, priority: int = 0) -> Failure | None:
         """None at once unless requests are already held for room or every ready replica is
-        full; else None when this request is the oldest held and a replica has room. A 429
+        full; else None when this request is the first held (by ``priority``, lower first,
+        then arrival) and a replica has room. A 429
         when as many are held as the replicas' queue bounds add up to (or
         ``--max-held-requests``), a 503 when ``--hold-timeout`` passed since ``arrival``.
 
-        Only the oldest request looks for room: when a request of the pool ends here
+        Only the first request looks for room: when a request of the pool ends here
         (``room_freed``), when replicas come, go or turn ready, and each load poll interval,
         since other gateways' requests end too. Once it has gone, the next looks at once: the one gone has
         its replica's in-flight count raised by then (``Upstream.attempt`` does it before
@@ -109,15 +112,16 @@ class Holding:
         loop = asyncio.get_running_loop()
         deadline = arrival + self._s.hold_timeout_s
         turn = asyncio.Event()
-        pool.queue.append(turn)
+        entry = (priority, next(pool.arrivals), turn)
+        bisect.insort(pool.queue, entry)  # (priority, number) are unique: events never compared
         if not pool.saturated(view):
-            pool.queue[0].set()  # room already: the oldest need not wait for its next look
+            pool.queue[0][2].set()  # room already: the first need not wait for its next look
         pending = self._metrics.pending.labels(pool.model)
         pending.inc()
         pool.held += 1
         try:
             while True:
-                first = pool.queue[0] is turn
+                first = pool.queue[0] is entry
                 if first and pool.has_ready() and not pool.saturated(self.view()):
                     return None
                 remaining = deadline - loop.time()
@@ -131,10 +135,10 @@ class Holding:
                     async with asyncio.timeout(timeout):
                         await turn.wait()
         finally:
-            was_first = pool.queue[0] is turn
-            pool.queue.remove(turn)
+            was_first = pool.queue[0] is entry
+            pool.queue.remove(entry)
             if was_first and pool.queue:
-                pool.queue[0].set()
+                pool.queue[0][2].set()
             pending.dec()
             pool.held -= 1
         return Failure(
@@ -146,6 +150,6 @@ class Holding:
 
     @staticmethod
     def room_freed(pool: Pool) -> None:
-        """A request of ``pool`` ended here: the oldest held one looks for room now."""
+        """A request of ``pool`` ended here: the first held one looks for room now."""
         if pool.queue:
-            pool.queue[0].set()
+            pool.queue[0][2].set()

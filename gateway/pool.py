@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
-from collections import deque
 from collections.abc import Callable, Mapping, Set
 
 from conveyor.contracts.engine_load import NO_LIMITS, Limits
@@ -39,9 +39,12 @@ class Pool:
         self.held = 0
         """Requests held at the gateway: waiting for a ready replica (scale from zero), or
         for room on one (``--queue-at-gateway``)."""
-        self.queue: deque[asyncio.Event] = deque()
-        """Requests waiting for room on a replica, in arrival order: the first is set when it
-        should look again (``Holding.until_room``)."""
+        self.queue: list[tuple[int, int, asyncio.Event]] = []
+        """Requests waiting for room on a replica, as (priority, arrival number, event),
+        sorted: the lowest ``priority`` first, then the oldest. The first's event is set when
+        it should look again (``Holding.until_room``)."""
+        self.arrivals = itertools.count()
+        """Numbers the held requests in arrival order."""
 
     def has_ready(self) -> bool:
         """Whether any replica said ready in its last /load poll (ejected ones included: panic

@@ -102,6 +102,13 @@ class RouteRequest:
     def key(self) -> int:
         return prefix_key(routing_text(self.path, self.body), self.block_chars, self.max_blocks)
 
+    @property
+    def priority(self) -> int:
+        """vLLM's ``priority`` (lower first), which orders requests held at the gateway; 0
+        when absent or not an integer (the replica answers that 400)."""
+        value = self.body.get("priority", 0)
+        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
     @cached_property
     def response_tag(self) -> str | None:
         """The tag of the replica holding the response this one continues

@@ -176,7 +176,7 @@ class Proxy:
         if not pool.has_ready():
             failure = await self._holding.until_ready(pool, request.arrival)
         if failure is None:
-            failure = await self._holding.until_room(pool, request.arrival)
+            failure = await self._holding.until_room(pool, request.arrival, route.priority)
         for attempt in range(self._s.max_attempts if failure is None else 0):
             choice = pool.choose(route, self._holding.view(), tried)
             if choice is NoCandidate.QUEUES_FULL:

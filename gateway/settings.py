@@ -118,7 +118,8 @@ class GatewaySettings:
     Retry-After at once, so a burst against a sleeping model cannot exhaust the gateway."""
 
     queue_at_gateway: bool = False
-    """Hold requests at the gateway, in arrival order, while every ready replica of their
+    """Hold requests at the gateway, by vLLM's ``priority`` field (lower first, as a replica
+    started with --scheduling-policy priority runs them) and then in arrival order, while every ready replica of their
     model has its batch full and --replica-queue requests waiting, and send each to the first
     replica with room (as Knative's activator or llm-d's flow control). A replica added by a
     scale-up then takes the oldest requests at once, where otherwise they wait on the replica

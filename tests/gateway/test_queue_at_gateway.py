@@ -82,6 +82,34 @@ async def test_held_requests_go_in_arrival_order_as_room_frees() -> None:
     assert gone == [0, 1, 2, 3] and pool.held == 0 and not pool.queue
 
 
+async def test_held_requests_go_by_priority_then_arrival() -> None:
+    """vLLM's ``priority`` (lower first) orders the held requests, as a replica started with
+    --scheduling-policy priority orders its own queue; equal priorities keep arrival order."""
+    holding, registry, replica = one_replica()
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=1)
+    gone: list[str] = []
+
+    async def request(name: str, priority: int) -> None:
+        now = asyncio.get_running_loop().time()
+        assert await holding.until_room(pool, now, priority) is None
+        replica.in_flight += 1
+        gone.append(name)
+
+    tasks = []
+    for name, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
+        tasks.append(asyncio.create_task(request(name, priority)))
+        await asyncio.sleep(0)
+    assert [p for p, _, _ in pool.queue] == [-1, 0, 0, 5, 5]
+    for _ in range(5):  # room for one at a time
+        replica.in_flight = 0
+        report(replica, running=1, waiting=0)
+        Holding.room_freed(pool)
+        await asyncio.wait_for(_until(lambda n=len(gone) + 1: len(gone) == n), 5)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert gone == ["d", "b", "e", "a", "c"] and not pool.queue
+
+
 async def test_no_more_are_held_than_the_replicas_would_queue() -> None:
     holding, registry, replica = one_replica()
     pool = registry.pools[MODEL]
