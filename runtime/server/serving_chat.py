@@ -10,12 +10,13 @@ from fastapi.responses import Response
 
 from conveyor.runtime.sampling_params import StructuredOutputParams
 from conveyor.runtime.server.chat_template import render_chat
+from conveyor.runtime.server.choices import Choice, Delta, finite
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import ChatCompletionRequest
 from conveyor.runtime.server.reasoning import ReasoningParser, ReasoningStream
 from conveyor.runtime.server.serving_common import tokenize
-from conveyor.runtime.server.serving_generate import Choice, Delta, GenerateRequest, finite
+from conveyor.runtime.server.serving_generate import GenerateRequest
 from conveyor.runtime.server.tool_calls import ToolCalling, ToolCallStream
 
 if TYPE_CHECKING:

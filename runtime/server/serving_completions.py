@@ -11,11 +11,12 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
+from conveyor.runtime.server.choices import Choice, Delta, finite
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import CompletionRequest
 from conveyor.runtime.server.serving_common import tokenize
-from conveyor.runtime.server.serving_generate import Choice, Delta, GenerateRequest, finite
+from conveyor.runtime.server.serving_generate import GenerateRequest
 
 DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for completions."""

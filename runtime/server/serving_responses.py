@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from conveyor.contracts.response_id import REPLICA_TAG_HEADER, new_response_id
+from conveyor.runtime.server.choices import run_choices, usage
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.engine_client import OutputStream
 from conveyor.runtime.server.errors import NOT_FOUND, APIError
@@ -36,7 +37,6 @@ from conveyor.runtime.server.responses_protocol import (
 )
 from conveyor.runtime.server.serving_chat import ChatCompletion
 from conveyor.runtime.server.serving_common import EngineStreamingResponse
-from conveyor.runtime.server.serving_generate import run_choices, usage
 
 
 def not_found(response_id: str, param: str | None = None) -> APIError:

@@ -9,6 +9,7 @@ real gateway and stub processes.
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import httpx
 import openai
@@ -101,11 +102,11 @@ async def test_held_requests_go_by_priority_then_arrival() -> None:
         tasks.append(asyncio.create_task(request(name, priority)))
         await asyncio.sleep(0)
     assert [p for p, _, _ in pool.queue] == [-1, 0, 0, 5, 5]
-    for _ in range(5):  # room for one at a time
+    for sent in range(1, 6):  # room for one at a time
         replica.in_flight = 0
         report(replica, running=1, waiting=0)
         Holding.room_freed(pool)
-        await asyncio.wait_for(_until(lambda n=len(gone) + 1: len(gone) == n), 5)
+        await asyncio.wait_for(_until(functools.partial(lambda n: len(gone) == n, sent)), 5)
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert gone == ["d", "b", "e", "a", "c"] and not pool.queue
 
