@@ -156,7 +156,25 @@ def render_metrics_reference() -> str:
             label_text = ", ".join(f"`{label}`" for label in labels)
             lines.append(f"| `{name}` | {kind} | {label_text} | {doc} |")
         lines.append("")
+        if registry is runtime.registry:
+            lines += _vllm_names()
     return "\n".join(lines)
+
+
+def _vllm_names() -> list[str]:
+    from conveyor.runtime import metrics_names as names
+
+    labels = ", ".join(f"`{ours}` as `{theirs}`" for ours, theirs in names.VLLM_LABELS.items())
+    lines = [
+        "With `--vllm-metrics` the runtime also exports these series under vLLM's names, with "
+        f'vLLM\'s labels ({labels}, and `engine="0"`), as vLLM 0.32 does, for tools written '
+        "against vLLM's metrics:",
+        "",
+        "| metric | vLLM's name |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{ours}` | `{theirs}` |" for ours, theirs in sorted(names.VLLM_NAMES.items())]
+    return [*lines, ""]
 
 
 def generated() -> dict[Path, str]:

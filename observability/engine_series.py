@@ -18,15 +18,12 @@ from typing import Any
 
 from conveyor.contracts.engine_load import SGLANG, VLLM
 from conveyor.observability import names as n
+from conveyor.runtime.metrics_names import VLLM_NAMES
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
 ENGINE_GAUGES: dict[str, dict[str, str]] = {
-    VLLM.engine: {
-        n.RUNNING: VLLM.running,
-        n.WAITING: VLLM.waiting,
-        n.KV_CACHE_USAGE: VLLM.kv_cache_usage,
-    },
+    VLLM.engine: {k: VLLM_NAMES[k] for k in (n.RUNNING, n.WAITING, n.KV_CACHE_USAGE)},
     SGLANG.engine: {
         n.RUNNING: SGLANG.running,
         n.WAITING: SGLANG.waiting,
@@ -35,12 +32,15 @@ ENGINE_GAUGES: dict[str, dict[str, str]] = {
 }
 ENGINE_COUNTERS: dict[str, dict[str, str]] = {
     VLLM.engine: {
-        n.PROMPT_TOKENS: VLLM.prompt_tokens,
-        n.GENERATION_TOKENS: VLLM.generation_tokens,
-        n.REQUEST_SUCCESS: VLLM.requests,
-        n.PREFIX_QUERIES: "vllm:prefix_cache_queries_total",
-        n.PREFIX_HITS: "vllm:prefix_cache_hits_total",
-        n.PREEMPTIONS: "vllm:num_preemptions_total",
+        k: VLLM_NAMES[k]
+        for k in (
+            n.PROMPT_TOKENS,
+            n.GENERATION_TOKENS,
+            n.REQUEST_SUCCESS,
+            n.PREFIX_QUERIES,
+            n.PREFIX_HITS,
+            n.PREEMPTIONS,
+        )
     },
     SGLANG.engine: {
         n.PROMPT_TOKENS: SGLANG.prompt_tokens,
@@ -53,13 +53,7 @@ ENGINE_COUNTERS: dict[str, dict[str, str]] = {
     },
 }
 ENGINE_HISTOGRAMS: dict[str, dict[str, str]] = {
-    VLLM.engine: {
-        n.TTFT: VLLM.ttft,
-        n.TPOT: "vllm:request_time_per_output_token_seconds",
-        n.ITL: "vllm:inter_token_latency_seconds",
-        n.E2E: "vllm:e2e_request_latency_seconds",
-        n.QUEUE_TIME: "vllm:request_queue_time_seconds",
-    },
+    VLLM.engine: {k: VLLM_NAMES[k] for k in (n.TTFT, n.TPOT, n.ITL, n.E2E, n.QUEUE_TIME)},
     SGLANG.engine: {
         n.TTFT: SGLANG.ttft,
         n.ITL: "sglang:inter_token_latency_seconds",
@@ -85,15 +79,23 @@ def conveyor_labels(expr: str, *, finish_reason: bool = False) -> str:
     return f"sum without ({', '.join(dropped)}) ({expr})"
 
 
+def not_conveyor(expr: str) -> str:
+    """``expr`` less the pods of Conveyor's own replicas, which export vLLM's names too with
+    ``--vllm-metrics``: their own series already have Conveyor's names, and a recorded copy
+    would be a second series with the same labels."""
+    return f"({expr}) unless on ({n.NAMESPACE}, {n.POD}) {n.STEP_DURATION}_count"
+
+
 def engine_rules() -> list[dict[str, Any]]:
     """One recording rule per Conveyor series that an engine maps to: each engine's own
     series, with Conveyor's labels, joined by ``or`` (one rule per name, as promtool wants)."""
     sources: dict[str, list[str]] = {}
     for engine in (VLLM.engine, SGLANG.engine):
+        own = not_conveyor if engine == VLLM.engine else str
         for ours, theirs in {**ENGINE_GAUGES[engine], **ENGINE_COUNTERS[engine]}.items():
             expr = conveyor_labels(theirs, finish_reason=ours == n.REQUEST_SUCCESS)
-            sources.setdefault(ours, []).append(expr)
+            sources.setdefault(ours, []).append(own(expr))
         for ours, theirs in ENGINE_HISTOGRAMS[engine].items():
             for suffix in HISTOGRAM_SUFFIXES:
-                sources.setdefault(ours + suffix, []).append(conveyor_labels(theirs + suffix))
+                sources.setdefault(ours + suffix, []).append(own(conveyor_labels(theirs + suffix)))
     return [{"record": ours, "expr": "\nor\n".join(exprs)} for ours, exprs in sources.items()]

@@ -32,6 +32,8 @@ PROMPT_TOKENS = runtime.PROMPT_TOKENS
 GENERATION_TOKENS = runtime.GENERATION_TOKENS
 PREEMPTIONS = runtime.NUM_PREEMPTIONS
 REQUEST_SUCCESS = runtime.REQUEST_SUCCESS
+STEP_DURATION = runtime.ENGINE_STEP_DURATION
+"""Exported by Conveyor's replicas only: what tells one apart from a vLLM replica."""
 
 # Gateway.
 GW_REQUESTS = gateway_metrics.REQUESTS_TOTAL

@@ -6,6 +6,8 @@ the tests import the names from here instead of spelling them again.
 
 from __future__ import annotations
 
+from conveyor.contracts.engine_load import VLLM
+
 MODEL_LABEL = "model"
 """Every runtime metric carries the served model name under this label."""
 FINISH_REASON_LABEL = "finish_reason"
@@ -45,3 +47,25 @@ LOAD_FIELDS: tuple[str, ...] = (
     "max_queued_requests",
     "ready",
 )
+
+# vLLM's names of the same series (``conveyor serve --vllm-metrics``; the dashboards' recording
+# rules read a vLLM replica's series by them too): its families and labels, checked against a
+# real vLLM 0.32 scrape (tests/unit/exposition/vllm-0.32.0-cpu.txt).
+VLLM_NAMES: dict[str, str] = {
+    TIME_TO_FIRST_TOKEN: VLLM.ttft,
+    TIME_PER_OUTPUT_TOKEN: "vllm:request_time_per_output_token_seconds",
+    INTER_TOKEN_LATENCY: "vllm:inter_token_latency_seconds",
+    E2E_REQUEST_LATENCY: "vllm:e2e_request_latency_seconds",
+    REQUEST_QUEUE_TIME: "vllm:request_queue_time_seconds",
+    NUM_REQUESTS_RUNNING: VLLM.running,
+    NUM_REQUESTS_WAITING: VLLM.waiting,
+    KV_CACHE_USAGE: VLLM.kv_cache_usage,
+    PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries_total",
+    PREFIX_CACHE_HITS: "vllm:prefix_cache_hits_total",
+    PROMPT_TOKENS: VLLM.prompt_tokens,
+    GENERATION_TOKENS: VLLM.generation_tokens,
+    NUM_PREEMPTIONS: "vllm:num_preemptions_total",
+    REQUEST_SUCCESS: VLLM.requests,
+}
+VLLM_LABELS: dict[str, str] = {MODEL_LABEL: "model_name", FINISH_REASON_LABEL: "finished_reason"}
+"""vLLM's names of the labels; it adds ``engine``, its engine core's index (``"0"``)."""

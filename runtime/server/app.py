@@ -156,7 +156,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
-        metrics = ServerMetrics(settings.model_name)
+        metrics = ServerMetrics(settings.model_name, vllm_names=settings.vllm_metrics)
         client = EngineClient(factory, metrics)
         metrics.track_engine(client.snapshot)
         pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="conveyor-tokenize")

@@ -86,9 +86,14 @@ FINISH_REASONS = ("stop", "length", "abort")
 class ServerMetrics:
     """The replica's metrics; names from ``conveyor.runtime.metrics_names``, label ``model``."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, vllm_names: bool = False) -> None:
         self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
+        self._vllm: CollectorRegistry | None = None
+        """With ``vllm_names``: the same series again, under vLLM's names and labels."""
+        if vllm_names:
+            self._vllm = CollectorRegistry(auto_describe=False)
+            self._vllm.register(_VllmNames(self.registry))
         labels = [names.MODEL_LABEL]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
@@ -150,7 +155,37 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of everything above."""
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry)
+        return text if self._vllm is None else text + generate_latest(self._vllm)
+
+
+class _VllmNames(Collector):
+    """The series vLLM also exports, renamed as vLLM names them, read from ``source`` at each
+    scrape (nothing is observed twice): ``vllm:num_requests_waiting{engine="0",
+    model_name=...}`` and the rest of ``names.VLLM_NAMES``, for tools written against vLLM's
+    metrics (the Gateway API Inference Extension's endpoint picker, KEDA or HPA rules, vLLM's
+    Grafana dashboards)."""
+
+    def __init__(self, source: CollectorRegistry) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self._source.collect():
+            exposed = metric.name + ("_total" if metric.type == "counter" else "")
+            theirs = names.VLLM_NAMES.get(exposed)
+            if theirs is None:
+                continue
+            family = theirs.removesuffix("_total") if metric.type == "counter" else theirs
+            renamed = Metric(family, metric.documentation, metric.type)
+            for sample in metric.samples:
+                labels = {names.VLLM_LABELS.get(k, k): v for k, v in sample.labels.items()}
+                renamed.samples.append(
+                    sample._replace(
+                        name=family + sample.name.removeprefix(metric.name),
+                        labels={"engine": "0", **labels},
+                    )
+                )
+            yield renamed
 
 
 class _EngineStatsCollector(Collector):

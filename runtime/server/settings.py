@@ -85,6 +85,12 @@ class ServerSettings:
     which ignores ``store``). A response keeps its conversation's text: 1,024 chats of a few
     thousand tokens are tens of MB."""
 
+    vllm_metrics: bool = False
+    """Also export the metrics vLLM has under vLLM's names and labels
+    (``vllm:num_requests_waiting{model_name=...}``), for tools written against vLLM's: the
+    Gateway API Inference Extension's endpoint picker, KEDA or HPA rules, vLLM's dashboards.
+    Off by default: every such series is a second copy in Prometheus."""
+
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine this server drives."""
 
@@ -194,6 +200,14 @@ class ServerSettings:
             f"/v1/responses/ID, the newest first; 0 keeps none (default {d.responses_store_size})",
         )
         g.add_argument(
+            "--vllm-metrics",
+            action="store_true",
+            help="also export the metrics under vLLM's names and labels on /metrics "
+            "(vllm:num_requests_waiting, vllm:kv_cache_usage_perc, vllm:time_to_first_token_seconds, "
+            "... with model_name), for tools written against vLLM: the Gateway API Inference "
+            "Extension, KEDA or HPA rules, vLLM's dashboards",
+        )
+        g.add_argument(
             "--enable-auto-tool-choice",
             action="store_true",
             help="accepted as vLLM has it; tool_choice auto needs --tool-call-parser",
@@ -216,5 +230,6 @@ class ServerSettings:
             reasoning_parser=args.reasoning_parser,
             chat_template=read_chat_template(args.chat_template),
             responses_store_size=args.responses_store_size,
+            vllm_metrics=args.vllm_metrics,
             engine=EngineSettings.from_cli_args(args),
         )

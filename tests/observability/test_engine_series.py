@@ -42,6 +42,7 @@ def test_prometheus_records_engine_series_under_conveyors_names(
 ) -> None:
     vllm = f'{SCRAPE},engine="0",model_name="tiny"'
     sglang = 'namespace="team",llmservice="sg",pod="sg-0",job="pods",model_name="tiny",tp_rank="0",pp_rank="0",engine_type="unified"'
+    conveyor = 'namespace="team",llmservice="cv",pod="cv-0",job="pods"'
     series = [
         {"series": f"{VLLM.waiting}{{{vllm}}}", "values": "3x10"},
         {"series": f"{VLLM.running}{{{vllm}}}", "values": "2x10"},
@@ -51,6 +52,10 @@ def test_prometheus_records_engine_series_under_conveyors_names(
         {"series": f'{VLLM.ttft}_bucket{{{vllm},le="1"}}', "values": "0+120x10"},
         {"series": f'{VLLM.ttft}_bucket{{{vllm},le="+Inf"}}', "values": "0+120x10"},
         {"series": f"{SGLANG.waiting}{{{sglang}}}", "values": "5x10"},
+        # a Conveyor replica with --vllm-metrics: its own series, and vLLM's names of them
+        {"series": f'{n.WAITING}{{{conveyor},model="tiny"}}', "values": "7x10"},
+        {"series": f'{VLLM.waiting}{{{conveyor},engine="0",model_name="tiny"}}', "values": "7x10"},
+        {"series": f'{n.STEP_DURATION}_count{{{conveyor},model="tiny"}}', "values": "0+9x10"},
     ]
     at = "5m"
     tests = {
@@ -69,6 +74,10 @@ def test_prometheus_records_engine_series_under_conveyors_names(
                             {
                                 "labels": f'{n.WAITING}{{job="pods", llmservice="sg", model="tiny", namespace="team", pod="sg-0"}}',
                                 "value": 5,
+                            },
+                            {  # its own, once: not recorded again from its vLLM names
+                                "labels": f'{n.WAITING}{{job="pods", llmservice="cv", model="tiny", namespace="team", pod="cv-0"}}',
+                                "value": 7,
                             },
                         ],
                     },
