@@ -146,7 +146,13 @@ class ChildProcess:
         return self
 
     def launch(self) -> None:
-        """Start the child without waiting (``wait_ready`` next): children start together."""
+        """Start the child without waiting (``wait_ready`` next): children start together.
+        RuntimeError while it runs: a second start would leave the first process unowned."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError(
+                f"{self.name} is already running (pid {self.proc.pid}); stop it before "
+                "starting it again (a `with` block starts it already)"
+            )
         if self.fixed_port is not None:
             self.port = self.fixed_port
         else:

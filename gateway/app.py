@@ -361,9 +361,12 @@ def build_app(settings: GatewaySettings) -> FastAPI:
         if (refused := unauthorized(request)) is not None:
             return refused
         headers = backend_headers(gateway.settings.backend_api_key)
+        if (request_id := request.headers.get("x-request-id")) is not None:
+            headers["x-request-id"] = request_id
         return await on_holder(
-            gateway.registry, gateway.client, headers, request.method, response_id
-        )
+            gateway.registry, gateway.client, headers, request.method, response_id,
+            request.url.query,
+        )  # fmt: skip
 
     @app.get("/debug/pools")
     async def pools(request: Request) -> Response:

@@ -57,18 +57,20 @@ class Pool:
         """A replica that may be tried for ``request``, by the pool's policy, none of ``tried``.
 
         The policy picks among the admitted replicas (ready, not ejected) whose queue is not
-        full; a response that continues a stored one goes to the replica that stores it. In panic mode, when every replica is ejected (as Envoy's: every ejection is a
+        full. In panic mode, when every replica is ejected (as Envoy's: every ejection is a
         guess gone wrong), those whose last /load poll said ready are tried rather than
-        refusing the request.
+        refusing the request. A response that continues a stored one goes to the replica
+        that stores it, or to none (a full queue, or not ready or tried: retry later) while
+        that replica is in the pool; once it has gone, the policy's pick answers the 404.
         """
         admitted = self._admitted(view, tried)
         candidates = [r for r in admitted if not r.queue_full(view.now, view.stale_after)]
         if (tag := request.response_tag) is not None:
-            # A response that continues a stored one goes where that one is stored; should
-            # that replica be gone or full, any other answers that it does not hold it.
-            holder = next((r for r in candidates if r.tag == tag), None)
-            if holder is not None:
+            holder = next((r for r in self.replicas.values() if r.tag == tag), None)
+            if holder in candidates:
                 return Decision(holder, "response-affinity")
+            if holder is not None:
+                return NoCandidate.QUEUES_FULL if holder in admitted else NoCandidate.NONE_READY
         if candidates:
             if view.replica_queue is not None:  # queueing at the gateway: room first
                 candidates = [r for r in candidates if view.has_room(r)] or candidates

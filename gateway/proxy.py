@@ -30,8 +30,6 @@ from conveyor.gateway.upstream_attempt import LoadHeard, SilenceWatch, Upstream,
 
 log = logging.getLogger("conveyor.gateway")
 
-RESPONSES_PATH = "/v1/responses"
-"""OpenAI's Responses API: each replica tried is told its tag (``contracts/response_id``)."""
 CLIENT_CLOSED = "499"
 """nginx's code for a client that went away first."""
 
@@ -118,7 +116,8 @@ class Proxy:
             request_headers,
             bool(body.get("stream")),
             arrival,
-            tag_replica=scope["path"] == RESPONSES_PATH,
+            # each replica tried is told its tag, for the ids of the responses it stores
+            tag_replica=scope["path"] == "/v1/responses",
             stalled=client.stalled,
             responded=client.responded,
         )

@@ -32,7 +32,7 @@ class Replica:
     ejected_until: float = -math.inf
     pools: set[str] = field(default_factory=set)
     """Models of the pools this replica belongs to."""
-    tag: str = ""
+    tag: str = field(init=False)
     """What names it in the ids of the responses it stores (``contracts/response_id.py``)."""
 
     def __post_init__(self) -> None:

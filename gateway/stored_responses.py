@@ -19,6 +19,7 @@ from conveyor.gateway.pool import Registry
 log = logging.getLogger("conveyor.gateway")
 
 PASSED_HEADERS = ("content-type",)
+"""Of the replica's answer, what the client gets (the rest is the replica's own transport)."""
 
 
 async def on_holder(
@@ -27,8 +28,10 @@ async def on_holder(
     headers: dict[str, str],
     method: str,
     response_id: str,
+    query: str = "",
 ) -> Response:
-    """``method`` on the stored response ``response_id``, answered by the replica holding it."""
+    """``method`` on the stored response ``response_id`` (with the URL's ``query``), answered
+    by the replica holding it."""
     tag = tag_of(response_id)
     holder = next((r for r in registry.replicas.values() if tag and r.tag == tag), None)
     if holder is None:
@@ -39,9 +42,8 @@ async def on_holder(
             code="response_not_found",
         )
     try:
-        answer = await client.request(
-            method, f"{holder.url}/v1/responses/{response_id}", headers=headers
-        )
+        url = f"{holder.url}/v1/responses/{response_id}" + (f"?{query}" if query else "")
+        answer = await client.request(method, url, headers=headers)
     except httpx.HTTPError as exc:
         log.warning("stored response %s: %s did not answer: %r", response_id, holder.url, exc)
         return _error(502, f"the replica storing response {response_id!r} did not answer")

@@ -168,7 +168,7 @@ def build_app(
             drain=drain,
             tokenize_pool=pool,
             grammar_pool=grammar_pool,
-            responses=ResponseStore(settings.responses_store_size),
+            responses=ResponseStore(int(settings.responses_store_mb * 2**20)),
         )
         client.start()
         stats_log = (
@@ -209,7 +209,7 @@ def build_app(
         return await create_response(request.state.ctx, body, request)
 
     @app.get("/v1/responses/{response_id}")
-    async def read_response(response_id: str, request: Request) -> dict[str, Any]:
+    async def read_response(response_id: str, request: Request) -> Response:
         return get_response(request.state.ctx, response_id)
 
     @app.delete("/v1/responses/{response_id}")

@@ -66,7 +66,7 @@ class ServerContext:
     """Grammars of structured outputs are compiled here, off the event loop and the engine
     thread (a large JSON schema takes tens of milliseconds the first time)."""
     responses: ResponseStore
-    """Stored responses of ``POST /v1/responses`` (``--responses-store-size``)."""
+    """Stored responses of ``POST /v1/responses`` (``--responses-store-mb``)."""
     token_text: dict[int, str] = field(default_factory=dict)
     """Text of single token ids for logprobs, filled on first use (bounded by the vocabulary)."""
 

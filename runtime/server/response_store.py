@@ -1,9 +1,11 @@
-"""The responses one replica keeps (``POST /v1/responses`` with ``store``): the newest
-``--responses-store-size`` of them, in memory, for ``previous_response_id`` and
-``GET`` / ``DELETE /v1/responses/{id}``."""
+"""The responses one replica keeps (``POST /v1/responses`` with ``store``), in memory, for
+``previous_response_id`` and ``GET`` / ``DELETE /v1/responses/{id}``: the newest, within
+``--responses-store-mb``. Each is kept as JSON text, which is what it costs in memory (a
+response with logprobs is megabytes as Python objects) and what ``GET`` sends."""
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -11,29 +13,60 @@ from typing import Any
 
 @dataclass(frozen=True)
 class StoredResponse:
-    body: dict[str, Any]
-    """The response as ``GET /v1/responses/{id}`` returns it."""
-    conversation: list[dict[str, Any]]
-    """Its chat messages, input and output, without ``instructions`` (which a response that
-    continues it does not inherit, as OpenAI has it)."""
+    body: bytes
+    """The response as ``GET /v1/responses/{id}`` returns it (JSON)."""
+    conversation: bytes
+    """Its chat messages, input and output, as JSON, without ``instructions`` (which a
+    response that continues it does not inherit, as OpenAI has it)."""
+
+    @classmethod
+    def of(cls, body: dict[str, Any], conversation: list[dict[str, Any]]) -> StoredResponse:
+        return cls(_json(body), _json(conversation))
+
+    @property
+    def size(self) -> int:
+        return len(self.body) + len(self.conversation)
+
+    def messages(self) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = json.loads(self.conversation)
+        return messages
 
 
 class ResponseStore:
-    """The newest ``size`` stored responses of one replica (0: none is kept)."""
+    """The newest stored responses of one replica, at most ``max_bytes`` of them (0: none is
+    kept; one larger than the whole budget is not kept either)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.used = 0
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
     def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.size == 0:
+        if stored.size > self.max_bytes:
             return
         self._items[response_id] = stored
-        while len(self._items) > self.size:
-            self._items.popitem(last=False)
+        self.used += stored.size
+        while self.used > self.max_bytes:
+            _, oldest = self._items.popitem(last=False)
+            self.used -= oldest.size
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        stored = self._items.pop(response_id, None)
+        if stored is None:
+            return False
+        self.used -= stored.size
+        return True
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()

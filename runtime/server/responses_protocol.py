@@ -77,6 +77,12 @@ class ResponsesRequest(GenerateRequestBody):
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
 
+    @property
+    def text_format(self) -> dict[str, Any] | None:
+        """``text.format`` (checked by ``check``); None when not given."""
+        fmt: dict[str, Any] | None = (self.text or {}).get("format")
+        return fmt
+
     def check(self) -> None:
         """What is a field of the Responses API that this server cannot do: a 400 that says
         so, rather than an answer that ignores it."""
@@ -92,6 +98,7 @@ class ResponsesRequest(GenerateRequestBody):
                 'supported; send "disabled" and shorten the input yourself',
                 param="truncation",
             )
+        _check_format(self.text_format)
         if self.input == []:
             raise bad_request(
                 "input has no items; send the user's message as a string or as items",
@@ -125,7 +132,7 @@ class ResponsesRequest(GenerateRequestBody):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
-        if (fmt := _response_format(self.text)) is not None:
+        if (fmt := _response_format(self.text_format)) is not None:
             body["response_format"] = fmt
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning and self.reasoning.get("effort") is not None:
@@ -150,7 +157,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         param = f"input[{i}]"
         if kind == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:
                 raise bad_request(
                     f"{param}.role must be one of {', '.join(ROLES)}, got {role!r}", param=param
                 )
@@ -236,12 +243,34 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
     return {"type": "function", "function": fn.model_dump(exclude={"type"}, exclude_none=True)}
 
 
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``text.format`` as chat's ``response_format`` (None: plain text)."""
-    fmt = (text or {}).get("format")
-    if fmt is None or not isinstance(fmt, dict) or fmt.get("type") == "text":
+FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_format(fmt: Any) -> None:
+    """``text.format``: one of ``FORMATS``; ``json_schema`` with its ``name`` and ``schema``."""
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in FORMATS:
+        raise bad_request(
+            f"text.format must be an object whose type is one of {', '.join(FORMATS)}, got "
+            f"{fmt!r:.100}",
+            param="text.format",
+        )
+    if kind == "json_schema" and not (
+        isinstance(fmt.get("name"), str) and isinstance(fmt.get("schema"), dict)
+    ):
+        raise bad_request(
+            "text.format of type json_schema needs a name (a string) and a schema (an object)",
+            param="text.format",
+        )
+
+
+def _response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` (checked) as chat's ``response_format``; None for plain text."""
+    if fmt is None or fmt["type"] == "text":
         return None
-    if fmt.get("type") == "json_schema":
+    if fmt["type"] == "json_schema":
         schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
         return {"type": "json_schema", "json_schema": schema}
-    return dict(fmt)  # json_object, or a type chat's check names in its 400
+    return {"type": "json_object"}

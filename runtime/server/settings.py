@@ -79,11 +79,11 @@ class ServerSettings:
     """``qwen3`` or ``deepseek_r1``: a chat completion's thinking goes into
     ``reasoning_content``, apart from ``content`` (``reasoning.py``); unset: all is content."""
 
-    responses_store_size: int = 1024
-    """Responses of ``POST /v1/responses`` kept in memory (the newest), for
+    responses_store_mb: float = 256.0
+    """MiB of responses of ``POST /v1/responses`` kept in memory (the newest, as JSON), for
     ``previous_response_id`` and ``GET /v1/responses/{id}``; 0 keeps none (vLLM's default,
-    which ignores ``store``). A response keeps its conversation's text: 1,024 chats of a few
-    thousand tokens are tens of MB."""
+    which ignores ``store``). A chat turn is a few KiB; one with top logprobs of each of
+    2,000 tokens, about 3 MiB."""
 
     vllm_metrics: bool = False
     """Also export the metrics vLLM has under vLLM's names and labels
@@ -114,9 +114,9 @@ class ServerSettings:
             )
         if self.reasoning_parser is not None:
             ReasoningParser(self.reasoning_parser)  # ValueError naming the choices
-        if self.responses_store_size < 0:
+        if not self.responses_store_mb >= 0:
             raise ValueError(
-                f"responses_store_size must be >= 0 (0 keeps none), got {self.responses_store_size}"
+                f"responses_store_mb must be >= 0 (0 keeps none), got {self.responses_store_mb}"
             )
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty; leave it unset to disable authentication")
@@ -193,11 +193,13 @@ class ServerSettings:
             "DeepSeek-R1 and its distilled models); default: all output is content",
         )
         g.add_argument(
-            "--responses-store-size",
-            type=int,
-            default=d.responses_store_size,
-            help="responses of /v1/responses kept in memory for previous_response_id and GET "
-            f"/v1/responses/ID, the newest first; 0 keeps none (default {d.responses_store_size})",
+            "--responses-store-mb",
+            type=float,
+            default=d.responses_store_mb,
+            metavar="MIB",
+            help="MiB of /v1/responses answers kept in memory, the newest, for "
+            "previous_response_id and GET /v1/responses/ID; 0 keeps none "
+            f"(default {d.responses_store_mb:g})",
         )
         g.add_argument(
             "--vllm-metrics",
@@ -229,7 +231,7 @@ class ServerSettings:
             tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             chat_template=read_chat_template(args.chat_template),
-            responses_store_size=args.responses_store_size,
+            responses_store_mb=args.responses_store_mb,
             vllm_metrics=args.vllm_metrics,
             engine=EngineSettings.from_cli_args(args),
         )

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conveyor.contracts.load import ReplicaLoad
 from conveyor.contracts.response_id import new_response_id, replica_tag, tag_of
 from conveyor.gateway import sse
-from conveyor.gateway.pool import Registry
+from conveyor.gateway.pool import NoCandidate, Registry
 from conveyor.gateway.prefix_aware import PrefixAware
 from conveyor.gateway.prefix_key import RouteRequest, routing_text
 from conveyor.gateway.round_robin import RoundRobin
@@ -60,17 +60,21 @@ def test_a_continued_response_goes_to_the_replica_that_stores_it(policy: str) ->
             assert decision.replica is holder and decision.reason == "response-affinity"
 
 
-def test_a_holder_that_is_gone_or_tried_leaves_the_request_to_the_policy() -> None:
+def test_a_holder_that_cannot_take_it_now_is_waited_for_and_one_gone_is_not() -> None:
+    """Another replica would answer 404 for a response it does not store: while the holder
+    is in the pool but full, ejected or already tried, the request gets a retryable answer
+    (429, or the last attempt's failure); once the holder has left, any replica says 404."""
     pool = pool_of("rr")
     holder = pool.replicas[URLS[0]]
     previous = new_response_id(holder.tag)
+    holder.record_poll(ReplicaLoad(8, 2, 0.0, 8, 2, True), sent_at=VIEW.now, in_flight_then=0)
+    assert pool.choose(continuing(previous), VIEW, set()) is NoCandidate.QUEUES_FULL
+    holder.record_poll(ReplicaLoad(0, 0, 0.0, 8, None, True), sent_at=VIEW.now, in_flight_then=0)
+    assert pool.choose(continuing(previous), VIEW, {holder.url}) is NoCandidate.NONE_READY
     holder.eject(VIEW.now, 5.0)
-    decision = pool.choose(continuing(previous), VIEW, set())
-    assert decision.replica is not holder and decision.reason == "round_robin"
-    holder.ejected_until = VIEW.now  # back, but already tried by this request
-    assert pool.choose(continuing(previous), VIEW, {holder.url}).replica is not holder
-    unknown = continuing(new_response_id(replica_tag("http://elsewhere:1")))
-    assert pool.choose(unknown, VIEW, set()).reason == "round_robin"
+    assert pool.choose(continuing(previous), VIEW, set()) is NoCandidate.NONE_READY
+    pool.set_replicas([r for r in pool.replicas.values() if r is not holder])
+    assert pool.choose(continuing(previous), VIEW, set()).reason == "round_robin"
 
 
 def test_a_response_is_keyed_by_its_instructions_and_first_user_message() -> None:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
 
 from conveyor.bench.procs import ChildProcess
 
@@ -208,6 +210,10 @@ def test_text_format_json_schema_constrains_the_output(client: openai.OpenAI) ->
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "tools"),
         ({}, "input", ""),
         ({"input": []}, "input", "no items"),
+        ({"input": [{"role": ["user"], "content": "x"}]}, "input[0]", "role"),
+        ({"input": "x", "text": {"format": "json_object"}}, "text.format", "object"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format", "name"),
+        ({"input": "x", "max_output_tokens": 10**9}, "max_output_tokens", "max_output_tokens"),
     ],
 )
 def test_what_it_cannot_do_is_a_400_naming_the_field(
@@ -222,9 +228,42 @@ def test_what_it_cannot_do_is_a_400_naming_the_field(
 def test_a_server_that_keeps_no_responses_says_so(
     start_server: Callable[..., ChildProcess],
 ) -> None:
-    server = start_server("--responses-store-size", "0")
+    server = start_server("--responses-store-mb", "0")
     with openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as c:
         response = c.responses.create(model=MODEL, input="hi", max_output_tokens=2)
         assert response.store is False
         with pytest.raises(openai.NotFoundError):
             c.responses.create(model=MODEL, input="x", previous_response_id=response.id)
+
+
+def test_bodies_and_events_are_what_the_sdk_types_require(server: ChildProcess) -> None:
+    """Validated by the SDK's own pydantic types (the client itself parses leniently)."""
+    body = {
+        "model": MODEL, "input": "hi", "max_output_tokens": 6,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 1,
+    }  # fmt: skip
+    whole = httpx.post(f"{server.url}/v1/responses", json=body, timeout=60).json()
+    Response.model_validate(whole)
+    assert whole["usage"]["input_tokens_details"]["cache_write_tokens"] >= 0
+    events = TypeAdapter(ResponseStreamEvent)
+    with httpx.stream(
+        "POST", f"{server.url}/v1/responses", json={**body, "stream": True}, timeout=60
+    ) as answer:
+        data = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    parsed = [events.validate_python(json.loads(d)) for d in data]
+    assert parsed[-1].type == "response.completed"
+    Response.model_validate(json.loads(data[-1])["response"])
+
+
+def test_a_streamed_forced_call_with_logprobs_is_the_whole_answer(client: openai.OpenAI) -> None:
+    kwargs = dict(
+        model=MODEL, input="Weather in Paris?", tools=[WEATHER], max_output_tokens=64,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0.0,
+        include=["message.output_text.logprobs"], top_logprobs=1,
+    )  # fmt: skip
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = events[-1].response
+    assert [i.type for i in streamed.output] == [i.type for i in whole.output] == ["function_call"]
+    assert streamed.output[0].arguments == whole.output[0].arguments
+    json.loads(streamed.output[0].arguments)
