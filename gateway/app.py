@@ -1,7 +1,9 @@
 """The gateway's ASGI app: components are built in the lifespan and passed to each other.
 
-Routes: ``POST /v1/completions`` and ``/v1/chat/completions`` (proxied, see ``proxy.py``),
-``GET /v1/models`` (every pool's model, with the card its replicas give), ``/health``, ``/ready``, ``/metrics``.
+Routes: ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/tokenize``
+and ``/detokenize`` (proxied, see ``proxy.py``); ``GET`` and ``DELETE /v1/responses/{id}`` (on
+the replica that stores it, ``stored_responses.py``); ``GET /v1/models`` (every pool's model,
+with the card its replicas give), ``/health``, ``/ready``, ``/metrics``, ``/debug/pools``.
 """
 
 from __future__ import annotations
@@ -365,7 +367,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             headers["x-request-id"] = request_id
         return await on_holder(
             gateway.registry, gateway.client, headers, request.method, response_id,
-            request.url.query,
+            request.url.query, gateway.settings.upstream_timeout_s,
         )  # fmt: skip
 
     @app.get("/debug/pools")

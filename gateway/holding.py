@@ -5,7 +5,7 @@
   control): while every ready replica has its batch full and ``--replica-queue`` requests
   waiting, a request is held here, by its ``priority`` (vLLM's field: lower first) and then
   in arrival order, and goes to the first replica with room.
-  A replica that is added then (a scale-up) takes the oldest requests at once, where without
+  A replica that is added then (a scale-up) takes the first held requests at once, where without
   it they would wait in the queue of the replica they were sent to while the new one idles.
 
 Held requests are counted in ``conveyor_gateway_pending_requests{model}``, which the
@@ -128,13 +128,14 @@ class Holding:
                 if remaining <= 0 or self._registry.pools.get(pool.model) is not pool:
                     break
                 turn.clear()
-                if first:  # a replica that becomes ready (or goes) wakes the oldest too
+                if first:  # a replica that becomes ready (or goes) wakes the first too
                     self._registry.wake_on_change(turn)
                 timeout = min(remaining, self._s.load_poll_interval_s) if first else remaining
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(timeout):
                         await turn.wait()
         finally:
+            self._registry.forget_wake(turn)
             was_first = pool.queue[0] is entry
             pool.queue.remove(entry)
             if was_first and pool.queue:

@@ -68,7 +68,7 @@ class Pool:
         if (tag := request.response_tag) is not None:
             holder = next((r for r in self.replicas.values() if r.tag == tag), None)
             if holder in candidates:
-                return Decision(holder, "response-affinity")
+                return Decision(holder, "response_affinity")
             if holder is not None:
                 return NoCandidate.QUEUES_FULL if holder in admitted else NoCandidate.NONE_READY
         if candidates:
@@ -81,6 +81,14 @@ class Pool:
         untried = [r for r in self.replicas.values() if r.url not in tried]
         admitted = [r for r in untried if r.admitted(view.now)]
         return admitted or [r for r in untried if r.load is not None and r.load.ready]
+
+    def orders_by_priority(self) -> bool:
+        """Whether the replicas read ``priority`` as the gateway orders held requests by it,
+        lower first (Conveyor and vLLM); SGLang's default ignores it, and runs higher values
+        first where it reads it, so a pool with an SGLang replica holds by arrival alone."""
+        return not any(
+            r.load is not None and r.load.engine == "sglang" for r in self.replicas.values()
+        )
 
     def saturated(self, view: LoadView) -> bool:
         """Every replica a request could go to is ready but has no room for one more
@@ -136,6 +144,10 @@ class Registry:
     def wake_on_change(self, turn: asyncio.Event) -> None:
         """Set ``turn`` at the next change (once)."""
         self._wake.add(turn)
+
+    def forget_wake(self, turn: asyncio.Event) -> None:
+        """``turn`` no longer waits (it went, or gave up)."""
+        self._wake.discard(turn)
 
     def sync(
         self,

@@ -104,10 +104,20 @@ class RouteRequest:
 
     @property
     def priority(self) -> int:
-        """vLLM's ``priority`` (lower first), which orders requests held at the gateway; 0
-        when absent or not an integer (the replica answers that 400)."""
+        """vLLM's ``priority`` (lower first), which orders requests held at the gateway, read
+        as the replica reads it (``true``, ``5.0`` and ``"5"`` are integers to pydantic); 0
+        when absent or not one (the replica answers that 400)."""
         value = self.body.get("priority", 0)
-        return value if isinstance(value, int) and not isinstance(value, bool) else 0
+        if isinstance(value, (bool, int)):
+            return int(value)
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                return 0
+        return 0
 
     @cached_property
     def response_tag(self) -> str | None:

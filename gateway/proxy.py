@@ -175,7 +175,8 @@ class Proxy:
         if not pool.has_ready():
             failure = await self._holding.until_ready(pool, request.arrival)
         if failure is None:
-            failure = await self._holding.until_room(pool, request.arrival, route.priority)
+            priority = route.priority if pool.orders_by_priority() else 0
+            failure = await self._holding.until_room(pool, request.arrival, priority)
         for attempt in range(self._s.max_attempts if failure is None else 0):
             choice = pool.choose(route, self._holding.view(), tried)
             if choice is NoCandidate.QUEUES_FULL:

@@ -46,7 +46,7 @@ class Decision:
     """Why this replica: ``round_robin``, ``least_load``, or for prefix-aware ``affinity`` (the
     prefix's home), ``placement`` (a new prefix), ``overflow`` (its home was overloaded or out
     of reach) or ``rebalance`` (a replica that joined took over its ring arc); for any policy,
-    ``response-affinity`` (the replica storing the response a request continues)."""
+    ``response_affinity`` (the replica storing the response a request continues)."""
 
 
 class RoutingPolicy(Protocol):

@@ -118,14 +118,16 @@ class GatewaySettings:
     Retry-After at once, so a burst against a sleeping model cannot exhaust the gateway."""
 
     queue_at_gateway: bool = False
-    """Hold requests at the gateway, by vLLM's ``priority`` field (lower first, as a replica
-    started with --scheduling-policy priority runs them) and then in arrival order, while every ready replica of their
-    model has its batch full and --replica-queue requests waiting, and send each to the first
-    replica with room (as Knative's activator or llm-d's flow control). A replica added by a
-    scale-up then takes the oldest requests at once, where otherwise they wait on the replica
-    they were sent to. Held requests count toward the model's --max-held-requests and
+    """Hold requests at the gateway while every ready replica of their model has its batch
+    full and --replica-queue requests waiting, and send each to the first replica with room
+    (as Knative's activator or llm-d's flow control): by vLLM's ``priority`` field (lower
+    first, as a replica started with --scheduling-policy priority runs them; not for a pool
+    with SGLang replicas, which read it otherwise), then in arrival order. A replica added by
+    a scale-up then takes the first held requests at once, where otherwise they wait on the
+    replica they were sent to. Held requests count toward the model's --max-held-requests and
     --hold-timeout, and no more are held than the replicas' own queue bounds add up to (429
-    past it, as a replica would answer). With --workers, each process keeps its own queue."""
+    past it, as a replica would answer, whatever the priority). With --workers, each process
+    keeps its own queue."""
 
     replica_queue: int = 1
     """With --queue-at-gateway: requests let wait on a replica beyond its batch (at least 1,

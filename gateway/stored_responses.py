@@ -29,9 +29,10 @@ async def on_holder(
     method: str,
     response_id: str,
     query: str = "",
+    timeout: float = 60.0,
 ) -> Response:
     """``method`` on the stored response ``response_id`` (with the URL's ``query``), answered
-    by the replica holding it."""
+    by the replica holding it within ``timeout`` seconds."""
     tag = tag_of(response_id)
     holder = next((r for r in registry.replicas.values() if tag and r.tag == tag), None)
     if holder is None:
@@ -43,7 +44,9 @@ async def on_holder(
         )
     try:
         url = f"{holder.url}/v1/responses/{response_id}" + (f"?{query}" if query else "")
-        answer = await client.request(method, url, headers=headers)
+        # the control client's timeout is a /load poll's (1 s): a busy replica's event loop
+        # may take longer to answer, and a stored response may be megabytes
+        answer = await client.request(method, url, headers=headers, timeout=timeout)
     except httpx.HTTPError as exc:
         log.warning("stored response %s: %s did not answer: %r", response_id, holder.url, exc)
         return _error(502, f"the replica storing response {response_id!r} did not answer")

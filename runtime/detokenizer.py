@@ -1,7 +1,7 @@
 """Incremental detokenisation with stop strings, where the engine's outputs are read.
 
 The engine hands back token ids only. Their text is made by whoever reads its outputs: the
-HTTP server on its event loop, one detokeniser per choice (``server/serving_generate.py``),
+HTTP server on its event loop, one detokeniser per choice (``server/choices.py``),
 and the offline ``LLM`` between steps; never inside a step. Torch-free.
 
 Text is produced from token ids as they arrive (the ``tokenizers`` library's

@@ -191,6 +191,7 @@ def load_from_metrics(
         max_running_requests=limits.max_running or engine.default_max_running,
         max_queued_requests=limits.max_queued,
         ready=True,
+        engine=engine.engine,
     )
 
 

@@ -46,6 +46,9 @@ class ReplicaLoad:
     steps: int | None = None
     """Engine steps taken since the replica started, where it says it: a replica whose count
     stops while it holds requests is stuck, however its server answers."""
+    engine: str | None = None
+    """The engine whose ``/metrics`` the record was read from (``vllm``, ``sglang``); None
+    for Conveyor's ``/load`` (not part of the document)."""
 
     def to_json(self) -> dict[str, JsonValue]:
         """The ``/load`` document; ``model``, ``in_flight`` and ``steps`` only where known."""

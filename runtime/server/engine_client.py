@@ -3,7 +3,8 @@
 The asyncio event loop never waits on the model. Requests and aborts enter the engine
 thread through a queue; after each step the thread hands that step's outputs, its stats
 and its timing back to the loop with one ``call_soon_threadsafe``. Tokenising and
-detokenising happen on the asyncio side (``serving_generate.py``), never inside a step.
+detokenising happen on the asyncio side (``serving_common.py``, ``choices.py``), never inside
+a step.
 """
 
 from __future__ import annotations

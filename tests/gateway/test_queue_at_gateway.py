@@ -1,6 +1,6 @@
 """Queueing at the gateway (``--queue-at-gateway``): while every ready replica has its batch
-full and ``--replica-queue`` requests waiting, requests are held at the gateway in arrival
-order, and a replica that comes up takes the oldest of them at once.
+full and ``--replica-queue`` requests waiting, requests are held at the gateway by priority,
+then in arrival order, and a replica that comes up takes the first of them at once.
 
 The first tests drive ``Holding`` on a hand-made pool (the order and the bounds); the last runs
 real gateway and stub processes.
@@ -24,6 +24,7 @@ from conveyor.contracts.load import ReplicaLoad
 from conveyor.gateway.holding import Holding
 from conveyor.gateway.metrics import BACKEND_LOAD, GatewayMetrics
 from conveyor.gateway.pool import Registry
+from conveyor.gateway.prefix_key import RouteRequest
 from conveyor.gateway.replica import Replica
 from conveyor.gateway.routing import make_policy
 from conveyor.gateway.settings import GatewaySettings
@@ -109,6 +110,28 @@ async def test_held_requests_go_by_priority_then_arrival() -> None:
         await asyncio.wait_for(_until(functools.partial(lambda n: len(gone) == n, sent)), 5)
     await asyncio.wait_for(asyncio.gather(*tasks), 5)
     assert gone == ["d", "b", "e", "a", "c"] and not pool.queue
+    assert not registry._wake  # no event of a request gone is kept to be woken
+
+
+@pytest.mark.parametrize(
+    ("value", "read"),
+    [(3, 3), (-2, -2), (True, 1), (5.0, 5), (" 7 ", 7), ("x", 0), (1.5, 0), (None, 0), ([1], 0)],
+)
+def test_priority_is_read_as_the_replica_reads_it(value: object, read: int) -> None:
+    body = {"model": MODEL, "prompt": "p"} if value is None else {"priority": value}
+    assert RouteRequest("/v1/completions", body).priority == read
+
+
+def test_a_pool_with_an_sglang_replica_holds_by_arrival_alone() -> None:
+    """SGLang's default ignores ``priority`` (and runs higher values first where it reads
+    it): the gateway's lower-first order would let a request jump a queue its replica keeps."""
+    _, registry, replica = one_replica()
+    pool = registry.pools[MODEL]
+    replica.record_poll(load(0, 0), 0.0, 0)
+    assert pool.orders_by_priority()
+    sglang = ReplicaLoad(0, 0, 0.0, 1, None, True, engine="sglang")
+    replica.record_poll(sglang, 0.0, 0)
+    assert not pool.orders_by_priority()
 
 
 async def test_no_more_are_held_than_the_replicas_would_queue() -> None:

@@ -57,7 +57,7 @@ def test_a_continued_response_goes_to_the_replica_that_stores_it(policy: str) ->
         previous = new_response_id(holder.tag)
         for turn in range(5):
             decision = pool.choose(continuing(previous, f"turn {turn}"), VIEW, set())
-            assert decision.replica is holder and decision.reason == "response-affinity"
+            assert decision.replica is holder and decision.reason == "response_affinity"
 
 
 def test_a_holder_that_cannot_take_it_now_is_waited_for_and_one_gone_is_not() -> None:

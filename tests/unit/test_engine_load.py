@@ -125,6 +125,7 @@ def test_sglang_text_from_its_metric_definitions_reads_as_one_load_record() -> N
         max_running_requests=SGLANG.default_max_running,
         max_queued_requests=None,
         ready=True,
+        engine="sglang",
     )
     assert read_load("/metrics", text.encode()) == load_from_metrics(text)
 
