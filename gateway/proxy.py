@@ -174,7 +174,7 @@ class Proxy:
         failure: Failure | None = None
         if not pool.has_ready():
             failure = await self._holding.until_ready(pool, request.arrival)
-        if failure is None:
+        if failure is None and self._s.queue_at_gateway:
             priority = route.priority if pool.orders_by_priority() else 0
             failure = await self._holding.until_room(pool, request.arrival, priority)
         for attempt in range(self._s.max_attempts if failure is None else 0):
