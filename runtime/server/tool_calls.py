@@ -143,20 +143,16 @@ class ToolCalling:
 
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         """``(content, tool_calls)`` from the whole output, or None when it holds no tool
-        call that parses (plain text, or a forced call cut short by max_tokens). For ``auto``,
-        ``tool_calls`` is empty when the model wrote an empty list of calls; ``content`` is
-        then its text without that list."""
+        call (plain text, or an ``auto`` call that does not parse). A forced call cut short
+        by max_tokens is kept with the arguments it has, as its stream sent them (the
+        choice's finish reason says ``length``). For ``auto``, ``tool_calls`` is empty when
+        the model wrote an empty list of calls; ``content`` is then its text without it."""
         if self.mode == "named":
-            try:
-                json.loads(text)
-            except (ValueError, RecursionError):  # RecursionError: nested too deep
-                return None
-            return None, [_call(self.name or "", text)]
+            return (None, [_call(self.name or "", text)]) if text else None
         if self.mode == "required":
-            # The grammar's array; its complete calls, should max_tokens or a stop string
-            # have cut it short (a streamed choice has sent them as they closed).
-            calls = [c for e in ArrayElements().feed(text) if (c := _required_call(e))]
-            return (None, calls) if calls else None
+            calls = RequiredCalls()
+            calls.feed(text)
+            return (None, calls.calls) if calls.calls else None
         if self.mode == "auto":
             return _parse_hermes(text)
         return None
@@ -165,8 +161,8 @@ class ToolCalling:
 class ToolCallStream:
     """One streamed choice's deltas when the request has tools.
 
-    A named function's arguments stream as they are generated (the call's id and name in
-    the first delta, as OpenAI streams them). Otherwise text that is, or may start, a tool
+    A forced call's arguments stream as they are generated (the call's id and name in its
+    first delta, as OpenAI streams them). For ``auto``, text that is, or may start, a tool
     call is held back, and the calls go whole into the choice's last chunk.
     """
 
@@ -176,13 +172,11 @@ class ToolCallStream:
         self.sent = 0
         """Characters of ``text`` already sent (as content or as arguments)."""
         self.call_id: str | None = None
-        self.elements = ArrayElements()
-        """``required``: the forced array's elements, each sent as a call once it closes."""
-        self.calls_sent = 0
+        self.required = RequiredCalls()
 
     def update(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
-        """The deltas to send for ``new_text`` (at least one), and whether the choice ended
-        in tool calls (its finish reason is then ``tool_calls``)."""
+        """The deltas to send for ``new_text`` (at least one), and, with the choice's last
+        text, whether it ended in tool calls (its finish reason is then ``tool_calls``)."""
         self.text += new_text
         if self.tools.mode == "named":
             return self._named(new_text, finished)
@@ -207,41 +201,61 @@ class ToolCallStream:
         return [{"content": content} if content else {}], False
 
     def _required(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
-        calls = []
-        for element in self.elements.feed(new_text):
-            if (call := _required_call(element)) is not None:
-                calls.append({"index": self.calls_sent, **call})
-                self.calls_sent += 1
-        if calls:
-            return [{"tool_calls": calls}], True
-        if finished and not self.calls_sent:  # no whole call came: the text is the answer
+        calls = self.required.feed(new_text)
+        if finished and not self.required.calls:  # no call came: the text is the answer
             return [{"content": self.text}] if self.text else [{}], False
-        return [{}], self.calls_sent > 0
+        return [{"tool_calls": calls} if calls else {}], finished
 
     def _named(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
-        called = finished and self.tools.extract(self.text) is not None
         if not new_text:
-            return [{}], called
+            return [{}], finished and self.call_id is not None
         if self.call_id is None:
             first = _call(self.tools.name or "", new_text)
             self.call_id = first["id"]
-            return [{"tool_calls": [{"index": 0, **first}]}], called
-        return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], called
+            return [{"tool_calls": [{"index": 0, **first}]}], finished
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], finished
 
 
-class ArrayElements:
-    """The elements of a JSON array as its text arrives: ``feed`` returns the text of each
-    element that closed (an object or array at depth one), so that a forced ``required``
-    call streams as soon as it is whole rather than with the choice's end."""
+class RequiredCalls:
+    """The calls of a forced ``required`` array (``[{"name": ..., "parameters": {...}}, ...]``)
+    read as its text arrives, so that each call's arguments stream as they are generated, as
+    vLLM and OpenAI stream them: ``feed`` returns chat tool-call deltas, the first of a call
+    with its id and name once the name is whole and its arguments have begun.
+
+    The arguments are the generated text of ``parameters`` as it is (a named function's are
+    too), so a streamed call's deltas add up to the whole answer's. An element whose name or
+    arguments cannot be read this way (a grammar that put ``parameters`` first) is sent
+    whole when it closes."""
 
     def __init__(self) -> None:
+        self.buffer = ""
         self.depth = 0
         self.in_string = self.escaped = False
-        self.start: int | None = None
-        self.buffer = ""
+        self.calls: list[dict[str, Any]] = []
+        """The calls begun so far; the last is open until its element closes."""
+        self.closed = 0
+        """Calls whose element has closed."""
+        self._new_element(0)
 
-    def feed(self, text: str) -> list[str]:
-        done = []
+    def _new_element(self, start: int) -> None:
+        self.element_start = start
+        self.string_start: int | None = None
+        self.last_string: str | None = None
+        self.key: str | None = None
+        self.name: str | None = None
+        self.args_start: int | None = None
+        self.args_end: int | None = None
+        self.awaiting_args = False
+        self.sent = 0
+        """Characters of ``buffer`` sent as the open call's arguments."""
+
+    @property
+    def open(self) -> bool:
+        """Whether a call has begun and its element has not closed (it was cut short)."""
+        return len(self.calls) > self.closed
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
         base = len(self.buffer)
         self.buffer += text
         for i, ch in enumerate(text, base):
@@ -252,27 +266,76 @@ class ArrayElements:
                     self.escaped = True
                 elif ch == '"':
                     self.in_string = False
-            elif ch == '"':
+                    if self.depth == 2 and self.string_start is not None:
+                        self.last_string = _string(self.buffer[self.string_start : i + 1])
+                continue
+            if self.awaiting_args and not ch.isspace():
+                self.awaiting_args, self.args_start = False, i
+            if ch == '"':
                 self.in_string = True
+                self.string_start = i
             elif ch in "[{":
                 self.depth += 1
                 if self.depth == 2:
-                    self.start = i
+                    self._new_element(i)
             elif ch in "]}":
                 self.depth -= 1
-                if self.depth == 1 and self.start is not None:
-                    done.append(self.buffer[self.start : i + 1])
-                    self.start = None
-        return done
+                if self.depth == 2 and self.args_start is not None and self.args_end is None:
+                    self.args_end = i + 1
+                elif self.depth == 1:
+                    self._end_member(i)
+                    self._close(i + 1, out)
+            elif self.depth == 2 and ch == ":":
+                self.key = self.last_string
+                self.awaiting_args = self.key == "parameters"
+            elif self.depth == 2 and ch == ",":
+                self._end_member(i)
+        self._send(out)
+        return out
+
+    def _end_member(self, at: int) -> None:
+        if self.key == "name" and self.name is None:
+            self.name = self.last_string
+        if self.args_start is not None and self.args_end is None:  # a scalar's end
+            self.args_end = at
+
+    def _send(self, out: list[dict[str, Any]]) -> None:
+        """The open call's arguments generated since the last send (a scalar's only whole)."""
+        if self.name is None or self.args_start is None:
+            return
+        if self.args_end is None and self.buffer[self.args_start] not in "[{":
+            return
+        end = len(self.buffer) if self.args_end is None else self.args_end
+        if not self.open and self.sent == 0:
+            call = _call(self.name, self.buffer[self.args_start : end])
+            self.calls.append(call)
+            # a copy: the call's arguments grow as they come; the delta has what came so far
+            out.append({"index": len(self.calls) - 1, **call, "function": {**call["function"]}})
+        elif end > self.sent:
+            arguments = self.buffer[self.sent : end]
+            self.calls[-1]["function"]["arguments"] += arguments
+            out.append({"index": len(self.calls) - 1, "function": {"arguments": arguments}})
+        self.sent = end
+
+    def _close(self, end: int, out: list[dict[str, Any]]) -> None:
+        self._send(out)
+        if not self.open:  # not read as it came: the element whole, if it is a call
+            try:
+                c = json.loads(self.buffer[self.element_start : end])
+                call = _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+            except (ValueError, RecursionError, KeyError, TypeError):
+                return
+            self.calls.append(call)
+            out.append({"index": len(self.calls) - 1, **call})
+        self.closed = len(self.calls)
 
 
-def _required_call(element: str) -> dict[str, Any] | None:
-    """One element of the ``required`` array as an OpenAI tool call; None if it is not one."""
+def _string(token: str) -> str | None:
     try:
-        c = json.loads(element)
-        return _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-    except (ValueError, RecursionError, KeyError, TypeError):
+        value = json.loads(token)
+    except ValueError:
         return None
+    return value if isinstance(value, str) else None
 
 
 def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:

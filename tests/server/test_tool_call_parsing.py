@@ -49,40 +49,72 @@ def test_auto_streams_everything_but_what_may_start_a_call() -> None:
     assert forced.visible_len("[{") == 0
 
 
-def test_forced_output_cut_short_is_no_call() -> None:
+def test_forced_output_cut_before_a_call_begins_is_no_call() -> None:
     required = ToolCalling([TOOL], "required")
     assert required.extract('[{"name": "f", "parameters": {}}]') is not None
     assert required.extract('[{"name": "f", "param') is None
     assert required.extract("[1]") is None
-    assert ToolCalling([TOOL], "named", name="f").extract('{"a": ') is None
+    named = ToolCalling([TOOL], "named", name="f").extract('{"a": ')
+    assert named is not None and named[1][0]["function"]["arguments"] == '{"a": '
 
 
-def test_required_calls_stream_each_as_soon_as_it_closes() -> None:
-    """The forced array's calls go out one by one as each element closes (a string holding
-    brackets, quotes and escapes does not close one), not all with the choice's end; a
-    call cut off by max_tokens is left out, whole and streamed alike."""
+def _stream(tools: ToolCalling, text: str) -> list[tuple[int, dict, bool]]:
+    """(character, tool-call delta, called) for ``text`` streamed a character at a time."""
+    stream = ToolCallStream(tools)
+    sent = []
+    for at, ch in enumerate(text):
+        deltas, called = stream.update(ch, at == len(text) - 1)
+        sent += [(at, call, called) for d in deltas for call in d.get("tool_calls", [])]
+        assert not called or at == len(text) - 1, "called before the choice's end"
+    return sent
+
+
+def test_required_arguments_stream_as_they_are_generated() -> None:
+    """A call opens (id, name) once its name is whole and its arguments begin; then its
+    arguments go out as generated: a string holding brackets, quotes and escapes does not
+    end them, and nothing after them (the element's brace, the comma) is sent. The deltas
+    add up to the whole answer's calls, the one cut short by max_tokens too."""
     required = ToolCalling([TOOL], "required")
     first = '{"name": "f", "parameters": {"s": "}] \\" {["}}'
-    text = f'[{first}, {{"name": "f", "parameters": {{"n": 2}}}}, {{"name": "f", "para'
-    stream = ToolCallStream(required)
-    sent: list[tuple[int, dict]] = []
-    for at, ch in enumerate(text):
-        deltas, _ = stream.update(ch, at == len(text) - 1)
-        for d in deltas:
-            for call in d.get("tool_calls", []):
-                sent.append((at, call))
-    assert [at for at, _ in sent] == [len(first), text.index("}}, {", len(first) + 2) + 1]
-    assert [c["index"] for _, c in sent] == [0, 1]
-    assert [json.loads(c["function"]["arguments"]) for _, c in sent] == [
-        {"s": '}] " {['},
-        {"n": 2},
+    text = f'[{first}, {{"name" : "f" ,"parameters":  {{"n": [2]}}}}, {{"name": "f", "parameters": {{"a'
+    sent = _stream(required, text)
+    opens = [(at, c) for at, c, _ in sent if "id" in c]
+    assert [at for at, _ in opens] == [
+        text.index("{", 2),
+        text.index("{", text.index('"parameters":  ')),
+        text.rindex("{"),
     ]
+    assert [c["index"] for _, c in opens] == [0, 1, 2]
+    assert all(c["function"]["name"] == "f" for _, c in opens)
+    args = ["", "", ""]
+    for _, c, _ in sent:
+        args[c["index"]] += c["function"]["arguments"]
+    assert args == ['{"s": "}] \\" {["}', '{"n": [2]}', '{"a']
+    assert json.loads(args[0]) == {"s": '}] " {['}
     whole = required.extract(text)
     assert whole is not None
-    assert [json.loads(c["function"]["arguments"]) for c in whole[1]] == [
-        {"s": '}] " {['},
-        {"n": 2},
-    ]
+    assert [c["function"]["arguments"] for c in whole[1]] == args
+    assert sent[-1][2], "the last delta says the choice called tools"
+
+
+def test_required_scalar_arguments_go_whole() -> None:
+    required = ToolCalling([TOOL], "required")
+    sent = _stream(required, '[{"name": "f", "parameters": "x, y"}]')
+    assert [c["function"]["arguments"] for _, c, _ in sent] == ['"x, y"']
+
+
+def test_required_element_with_parameters_first_is_sent_when_it_closes() -> None:
+    required = ToolCalling([TOOL], "required")
+    sent = _stream(required, '[{"parameters": {"n": 1}, "name": "f"}]')
+    assert [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for _, c, _ in sent
+    ] == [("f", {"n": 1})]
+
+
+def test_named_call_streams_from_its_first_character() -> None:
+    sent = _stream(ToolCalling([TOOL], "named", name="f"), '{"a": 1}')
+    assert sent[0][0] == 0 and sent[0][1]["function"] == {"name": "f", "arguments": "{"}
+    assert "".join(c["function"]["arguments"] for _, c, _ in sent) == '{"a": 1}'
 
 
 SMOLLM2 = ToolCalling([TOOL], "auto", parser="smollm2")
@@ -199,12 +231,14 @@ def test_tool_history_becomes_text_in_the_familys_format() -> None:
 
 def test_output_nested_too_deep_for_the_json_parser_is_no_call() -> None:
     """A recursive parameters schema (or a regex) lets the model nest past ``json.loads``'
-    recursion limit within the context: no call, not a 500 once the answer is written."""
+    recursion limit within the context: not a 500 once the answer is written. ``auto`` and
+    ``required`` read no call; a named function's arguments are the text as generated (as
+    streamed), which is never parsed."""
     deep = "[" * 100_000 + "]" * 100_000
-    named = ToolCalling([TOOL], "named", name="f")
     for calling, text in [
         (AUTO, f"<tool_call>{deep}</tool_call>"),
-        (named, deep),
         (ToolCalling([TOOL], "required"), deep),
     ]:
         assert calling.extract(text) is None
+    named = ToolCalling([TOOL], "named", name="f").extract(deep)
+    assert named is not None and named[1][0]["function"]["arguments"] == deep

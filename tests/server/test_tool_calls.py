@@ -106,15 +106,44 @@ def test_named_function_streamed_and_not(client: openai.OpenAI) -> None:
         max_tokens=200,
         stream=True,
     )
-    calls, content, finish = [], "", None
+    deltas, content, finishes = [], "", []
     for chunk in stream:
         for c in chunk.choices:
             content += c.delta.content or ""
-            calls += c.delta.tool_calls or []
-            finish = c.finish_reason or finish
-    assert finish == "tool_calls" and content == ""
-    assert len(calls) == 1  # parallel_tool_calls false: one call
-    assert_valid_call(calls[0])
+            deltas += c.delta.tool_calls or []
+            finishes += [c.finish_reason] if c.finish_reason else []
+    assert finishes == ["tool_calls"] and content == ""
+    # the call's id and name first, then its arguments as they are generated
+    assert {d.index for d in deltas} == {0}  # parallel_tool_calls false: one call
+    assert deltas[0].id and deltas[0].function.name
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    if deltas[0].function.name == "get_weather":  # get_time's {} may be one token
+        assert len(deltas) > 2, "the arguments came in one piece"
+    deltas[0].function.arguments = "".join(d.function.arguments or "" for d in deltas)
+    assert_valid_call(deltas[0])
+
+
+def test_a_forced_call_cut_short_says_length_streamed_or_not(client: openai.OpenAI) -> None:
+    """max_tokens ending a ``required`` call half-way: finish_reason ``length``, and the
+    stream's deltas add up to the whole answer (the same greedy tokens), arguments and all."""
+    ask = {"model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "tool_choice": "required",
+           "parallel_tool_calls": False, "temperature": 0}  # fmt: skip
+    full = client.chat.completions.create(**ask, max_tokens=300)  # type: ignore[call-overload]
+    assert full.choices[0].finish_reason == "tool_calls"
+    cut = full.usage.completion_tokens - 3  # before the closing brackets
+    whole = client.chat.completions.create(**ask, max_tokens=cut).choices[0]  # type: ignore[call-overload]
+    assert whole.finish_reason == "length"
+    arguments, names, finishes = "", [], []
+    for chunk in client.chat.completions.create(**ask, max_tokens=cut, stream=True):  # type: ignore[call-overload]
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                arguments += d.function.arguments or ""
+                names += [d.function.name] if d.function.name else []
+            finishes += [c.finish_reason] if c.finish_reason else []
+    assert finishes == ["length"]
+    assert whole.message.tool_calls and names == ["get_weather"]
+    assert arguments == whole.message.tool_calls[0].function.arguments
+    assert full.choices[0].message.tool_calls[0].function.arguments.startswith(arguments)
 
 
 def test_none_answers_in_text_and_history_with_tool_calls_renders(
