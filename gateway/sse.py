@@ -4,7 +4,9 @@ that ends a stream which broke after its first byte went out."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 from conveyor.gateway.errors import error_json
 
@@ -63,6 +65,47 @@ DONE = b"data: [DONE]\n\n"
 stream's last)."""
 
 
-def error_event(message: str, status: int = 502) -> bytes:
-    """The last event of a stream that broke after its first byte went out."""
-    return b"data: " + error_json(status, message) + b"\n\n" + DONE
+def error_event(message: str, first: bytes = b"", last: bytes = b"", status: int = 502) -> bytes:
+    """The last events of a stream that broke after its first byte went out (``first`` is
+    what went out first, ``last`` the latest chunk): for chat and completions an error
+    chunk and ``[DONE]``; for a response (which has no ``[DONE]``) an ``error`` event and a
+    ``response.failed``, numbered on from the replica's events, as a replica ends a response
+    that fails."""
+    if not first.startswith(b"event: response."):
+        return b"data: " + error_json(status, message) + b"\n\n" + DONE
+    numbers = _SEQUENCE.findall(last) or _SEQUENCE.findall(first) or [b"-1"]
+    sequence = max(int(n) for n in numbers) + 1
+    error = {"type": "error", "sequence_number": sequence, "code": "server_error",
+             "message": message, "param": None}  # fmt: skip
+    events = [_event(error)]
+    if (response := _created_response(first)) is not None:
+        response.update(status="failed", error={"code": "server_error", "message": message})
+        events.append(
+            _event(
+                {"type": "response.failed", "sequence_number": sequence + 1, "response": response}
+            )
+        )
+    return b"".join(events)
+
+
+_SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
+
+
+def _created_response(first: bytes) -> dict[str, Any] | None:
+    """The response object of the ``response.created`` event at the start of ``first``."""
+    head = first.split(b"\n\n", 1)[0]
+    if not head.startswith(b"event: response.created"):
+        return None
+    for line in head.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                response = json.loads(line[5:]).get("response")
+            except (ValueError, AttributeError):
+                return None
+            return response if isinstance(response, dict) else None
+    return None
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    data = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {payload['type']}\ndata: {data}\n\n".encode()

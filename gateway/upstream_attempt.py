@@ -296,8 +296,10 @@ class Upstream:
             if ended:
                 request.responded()
                 self._finish(pool, replica, status, request.arrival)
+            last = first
             try:
                 async for chunk in chunks:
+                    last = chunk
                     if ended:
                         watched.last = loop.time()
                         log.debug("%s sent %d bytes after [DONE]; dropped", replica.url, len(chunk))
@@ -319,7 +321,7 @@ class Upstream:
                 message = f"replica {replica.url} failed mid-stream: {_describe(exc)}"
                 log.warning("model %s: %s", pool.model, message)
                 self._eject(pool, replica, message)
-                event = sse.error_event(message)
+                event = sse.error_event(message, first, last)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             if not ended:
                 await send({"type": "http.response.body", "body": b""})

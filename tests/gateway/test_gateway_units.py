@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -255,6 +256,37 @@ def test_the_error_event_ends_the_stream() -> None:
     from conveyor.gateway.sse import DONE, error_event
 
     assert error_event("gone").endswith(DONE)
+
+
+def test_a_response_that_breaks_ends_with_error_and_failed_events() -> None:
+    """A Responses stream has no ``[DONE]``: it ends as a replica ends one that fails, an
+    ``error`` event and a ``response.failed`` numbered on from the last event sent."""
+    from conveyor.gateway.sse import DONE, error_event
+
+    def event(kind: str, sequence: int, **fields: object) -> bytes:
+        data = json.dumps({"type": kind, "sequence_number": sequence, **fields})
+        return f"event: {kind}\ndata: {data}\n\n".encode()
+
+    created = {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}
+    first = event("response.created", 0, response=created) + event(
+        "response.in_progress", 1, response=created
+    )
+    last = event("response.output_text.delta", 7, delta="a") + event(
+        "response.output_text.delta", 8, delta="b"
+    )
+    out = error_event("replica gone", first, last)
+    assert not out.endswith(DONE)
+    events = [e for e in out.decode().split("\n\n") if e]
+    kinds = [e.split("\n")[0] for e in events]
+    assert kinds == ["event: error", "event: response.failed"]
+    error, failed = (json.loads(e.split("\n")[1].removeprefix("data: ")) for e in events)
+    assert (error["sequence_number"], failed["sequence_number"]) == (9, 10)
+    assert error["message"] == "replica gone"
+    assert failed["response"]["id"] == "resp_1"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"]["message"] == "replica gone"
+    # the opening events alone went out: numbered on from them
+    assert b'"sequence_number":2' in error_event("x", first, first)
 
 
 def test_a_replica_has_the_limits_of_the_source_that_lists_it() -> None:
