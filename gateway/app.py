@@ -1,9 +1,10 @@
 """The gateway's ASGI app: components are built in the lifespan and passed to each other.
 
 Routes: ``POST /v1/completions``, ``/v1/chat/completions``, ``/v1/responses``, ``/tokenize``
-and ``/detokenize`` (proxied, see ``proxy.py``); ``GET`` and ``DELETE /v1/responses/{id}`` (on
-the replica that stores it, ``stored_responses.py``); ``GET /v1/models`` (every pool's model,
-with the card its replicas give), ``/health``, ``/ready``, ``/metrics``, ``/debug/pools``.
+and ``/detokenize`` (proxied, see ``proxy.py``); ``GET`` and ``DELETE /v1/responses/{id}``
+and ``GET /v1/responses/{id}/input_items`` (on the replica that stores it,
+``stored_responses.py``); ``GET /v1/models`` (every pool's model, with the card its replicas
+give), ``/health``, ``/ready``, ``/metrics``, ``/debug/pools``.
 """
 
 from __future__ import annotations
@@ -359,6 +360,13 @@ def build_app(settings: GatewaySettings) -> FastAPI:
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, request: Request) -> Response:
+        return await _on_holder(request, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def stored_input_items(response_id: str, request: Request) -> Response:
+        return await _on_holder(request, response_id, "/input_items")
+
+    async def _on_holder(request: Request, response_id: str, suffix: str = "") -> Response:
         gateway: Gateway = request.app.state.gateway
         if (refused := unauthorized(request)) is not None:
             return refused
@@ -367,7 +375,7 @@ def build_app(settings: GatewaySettings) -> FastAPI:
             headers["x-request-id"] = request_id
         return await on_holder(
             gateway.registry, gateway.client, headers, request.method, response_id,
-            request.url.query, gateway.settings.upstream_timeout_s,
+            request.url.query, gateway.settings.upstream_timeout_s, suffix,
         )  # fmt: skip
 
     @app.get("/debug/pools")

@@ -1,4 +1,5 @@
-"""``GET`` and ``DELETE /v1/responses/{id}``: a stored response is read where it is stored.
+"""``GET`` and ``DELETE /v1/responses/{id}``, ``GET /v1/responses/{id}/input_items``: a stored
+response is read where it is stored.
 
 A replica keeps the responses it made in its own memory; the id names it
 (``conveyor/contracts/response_id.py``), so the gateway forwards these to that replica and
@@ -30,9 +31,10 @@ async def on_holder(
     response_id: str,
     query: str = "",
     timeout: float = 60.0,
+    suffix: str = "",
 ) -> Response:
-    """``method`` on the stored response ``response_id`` (with the URL's ``query``), answered
-    by the replica holding it within ``timeout`` seconds."""
+    """``method`` on the stored response ``response_id`` (its path ``suffix``, with the URL's
+    ``query``), answered by the replica holding it within ``timeout`` seconds."""
     tag = tag_of(response_id)
     holder = next((r for r in registry.replicas.values() if tag and r.tag == tag), None)
     if holder is None:
@@ -43,7 +45,7 @@ async def on_holder(
             code="response_not_found",
         )
     try:
-        url = f"{holder.url}/v1/responses/{response_id}" + (f"?{query}" if query else "")
+        url = f"{holder.url}/v1/responses/{response_id}{suffix}" + (f"?{query}" if query else "")
         # the control client's timeout is a /load poll's (1 s): a busy replica's event loop
         # may take longer to answer, and a stored response may be megabytes
         answer = await client.request(method, url, headers=headers, timeout=timeout)

@@ -12,9 +12,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -50,6 +50,7 @@ from conveyor.runtime.server.serving_responses import (
     create_response,
     delete_response,
     get_response,
+    list_input_items,
 )
 from conveyor.runtime.server.serving_tokenize import create_detokenize, create_tokenize
 from conveyor.runtime.server.settings import ServerSettings
@@ -211,6 +212,18 @@ def build_app(
     @app.get("/v1/responses/{response_id}")
     async def read_response(response_id: str, request: Request) -> Response:
         return get_response(request.state.ctx, response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(
+        response_id: str,
+        request: Request,
+        after: Annotated[str | None, Query(description="list the items after this id")] = None,
+        before: Annotated[str | None, Query(description="list the items before this id")] = None,
+        limit: Annotated[int, Query(ge=1, le=100, description="items per page")] = 20,
+        order: Annotated[Literal["asc", "desc"], Query(description="desc: newest first")] = "desc",
+        include: Annotated[list[str] | None, Query(description="accepted; adds nothing")] = None,
+    ) -> dict[str, Any]:
+        return list_input_items(request.state.ctx, response_id, after, before, limit, order)
 
     @app.delete("/v1/responses/{response_id}")
     async def remove_response(response_id: str, request: Request) -> dict[str, Any]:

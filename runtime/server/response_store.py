@@ -18,18 +18,29 @@ class StoredResponse:
     conversation: bytes
     """Its chat messages, input and output, as JSON, without ``instructions`` (which a
     response that continues it does not inherit, as OpenAI has it)."""
+    input_items: bytes
+    """Its request's ``input`` as items (JSON), for ``GET /v1/responses/{id}/input_items``."""
 
     @classmethod
-    def of(cls, body: dict[str, Any], conversation: list[dict[str, Any]]) -> StoredResponse:
-        return cls(_json(body), _json(conversation))
+    def of(
+        cls,
+        body: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        input_items: list[dict[str, Any]],
+    ) -> StoredResponse:
+        return cls(_json(body), _json(conversation), _json(input_items))
 
     @property
     def size(self) -> int:
-        return len(self.body) + len(self.conversation)
+        return len(self.body) + len(self.conversation) + len(self.input_items)
 
     def messages(self) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = json.loads(self.conversation)
         return messages
+
+    def items(self) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = json.loads(self.input_items)
+        return items
 
 
 class ResponseStore:

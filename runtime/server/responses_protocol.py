@@ -12,6 +12,7 @@ the answer in the Responses shape. The sampling extensions vLLM and SGLang accep
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -190,6 +191,30 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 param=param,
             )
     return messages
+
+
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The items of a Responses ``input`` as ``GET /v1/responses/{id}/input_items`` lists
+    them (checked by ``input_messages`` first): a string is one user message; a message's
+    string content becomes one text part; an item without an ``id`` gets one."""
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": value}]
+    items = []
+    for given in value:
+        item = {"type": "message", **given}
+        kind = item["type"]
+        if kind == "message":
+            if isinstance(item.get("content"), str):
+                part = "output_text" if item.get("role") == "assistant" else "input_text"
+                item["content"] = [{"type": part, "text": item["content"]}]
+            item.setdefault("status", "completed")
+        if not isinstance(item.get("id"), str):
+            item["id"] = f"{ITEM_ID_PREFIXES.get(kind, kind)}_{uuid.uuid4().hex}"
+        items.append(item)
+    return items
 
 
 def _content(content: Any, param: str) -> str | list[dict[str, str]]:

@@ -10,7 +10,8 @@ same deltas as a streamed one, so the two are the same items.
 
 Responses are kept (``store``, true by default as OpenAI has it) in memory, the newest
 within ``--responses-store-mb`` (``response_store.py``): a later request continues one with
-``previous_response_id``, and ``GET`` / ``DELETE /v1/responses/{id}`` read and remove it. The
+``previous_response_id``, ``GET`` / ``DELETE /v1/responses/{id}`` read and remove it, and
+``GET /v1/responses/{id}/input_items`` lists what its request sent. The
 id names the replica that holds it, so the gateway sends those requests there
 (``conveyor/contracts/response_id.py``).
 """
@@ -27,12 +28,13 @@ from conveyor.contracts.response_id import REPLICA_TAG_HEADER, new_response_id
 from conveyor.runtime.server.choices import run_choices, usage
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.engine_client import OutputStream
-from conveyor.runtime.server.errors import NOT_FOUND, APIError
+from conveyor.runtime.server.errors import NOT_FOUND, APIError, bad_request
 from conveyor.runtime.server.response_items import EventWriter, OutputItems, said_items
 from conveyor.runtime.server.response_store import StoredResponse
 from conveyor.runtime.server.responses_protocol import (
     NamedFunctionChoice,
     ResponsesRequest,
+    input_items,
     input_messages,
 )
 from conveyor.runtime.server.serving_chat import ChatCompletion
@@ -99,6 +101,48 @@ def delete_response(ctx: ServerContext, response_id: str) -> dict[str, Any]:
     if not ctx.responses.delete(response_id):
         raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
+
+
+def list_input_items(
+    ctx: ServerContext,
+    response_id: str,
+    after: str | None = None,
+    before: str | None = None,
+    limit: int = 20,
+    order: str = "desc",
+) -> dict[str, Any]:
+    """``GET /v1/responses/{id}/input_items``: a page of the items its request's ``input``
+    held, newest first unless ``order`` is ``asc``, as OpenAI lists them. ``after`` and
+    ``before`` are item ids of the same listing; one the response does not have is a 400."""
+    stored = ctx.responses.get(response_id)
+    if stored is None:
+        raise not_found(response_id)
+    items = stored.items()
+    if order == "desc":
+        items.reverse()
+    ids = [item["id"] for item in items]
+    start, end = 0, len(items)
+    for param, at in (("after", after), ("before", before)):
+        if at is None:
+            continue
+        if at not in ids:
+            raise bad_request(
+                f"{param}: response {response_id!r} has no input item {at!r}; send an id "
+                "from its input_items",
+                param=param,
+            )
+        if param == "after":
+            start = ids.index(at) + 1
+        else:
+            end = ids.index(at)
+    page = items[start:end][:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": start + len(page) < end,
+    }
 
 
 class ResponseGeneration(ChatCompletion):
@@ -180,7 +224,8 @@ class ResponseGeneration(ChatCompletion):
         }
         if self.source.store and self.ctx.responses.enabled:
             said = input_messages(said_items(items.done))
-            stored = StoredResponse.of(body, [*self.conversation, *said])
+            sent = input_items(self.source.input)
+            stored = StoredResponse.of(body, [*self.conversation, *said], sent)
             self.ctx.responses.put(self.request_id, stored)
         return body
 

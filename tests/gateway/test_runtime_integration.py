@@ -337,6 +337,8 @@ async def test_a_conversation_of_stored_responses_stays_on_the_replica_that_stor
                 previous = raw.parse().id
         stored = await client.responses.retrieve(previous)
         assert stored.previous_response_id is not None and stored.status == "incomplete"
+        items = await client.responses.input_items.list(previous)
+        assert [item.content[0].text for item in items.data] == ["turn 3"]
         await client.responses.delete(previous)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(previous)

@@ -112,7 +112,9 @@ def test_a_thought_or_a_call_takes_no_message_logprobs() -> None:
 
 def test_the_store_keeps_the_newest_within_its_bytes() -> None:
     def stored(n: int) -> StoredResponse:
-        return StoredResponse.of({"id": n, "pad": "x" * 100}, [{"role": "user", "content": "q"}])
+        return StoredResponse.of(
+            {"id": n, "pad": "x" * 100}, [{"role": "user", "content": "q"}], [{"id": "msg_1"}]
+        )
 
     size = stored(0).size
     store = ResponseStore(max_bytes=3 * size)
@@ -122,7 +124,7 @@ def test_the_store_keeps_the_newest_within_its_bytes() -> None:
     assert store.get("r1") is None and store.get("r4") is not None
     assert store.get("r4").messages() == [{"role": "user", "content": "q"}]
     assert store.delete("r4") and not store.delete("r4") and store.used == 2 * size
-    huge = StoredResponse.of({"pad": "x" * 4 * size}, [])
+    huge = StoredResponse.of({"pad": "x" * 4 * size}, [], [])
     store.put("huge", huge)  # larger than the whole budget: not kept, nothing evicted
     assert store.get("huge") is None and len(store) == 2
     assert not ResponseStore(0).enabled

@@ -98,6 +98,50 @@ def test_previous_response_id_continues_the_stored_conversation(client: openai.O
     assert err.value.body["param"] == "previous_response_id"
 
 
+def test_input_items_list_what_the_request_sent_in_pages(client: openai.OpenAI) -> None:
+    """``client.responses.input_items.list``: the request's items, newest first unless
+    ``order`` is asc, each with an id (given or made), a string content as a text part;
+    ``after`` pages on; an unknown ``after`` or a bad ``limit`` is a 400."""
+    sent = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny", "id": "fco_given"},
+        {"type": "message", "role": "assistant", "content": "It is sunny."},
+        {"role": "user", "content": [{"type": "input_text", "text": "And tomorrow?"}]},
+    ]
+    response = client.responses.create(model=MODEL, input=sent, max_output_tokens=2)
+    listed = client.responses.input_items.list(response.id, order="asc", limit=100)
+    assert [item.type for item in listed.data] == [
+        "message", "function_call", "function_call_output", "message", "message"
+    ]  # fmt: skip
+    assert listed.data[0].content[0].type == "input_text"
+    assert listed.data[0].content[0].text == sent[0]["content"]
+    assert listed.data[3].content[0].type == "output_text"
+    assert listed.data[2].id == "fco_given" and listed.data[1].call_id == "c1"
+    ids = [item.id for item in listed.data]
+    assert len(set(ids)) == 5 and not listed.has_more
+
+    newest = client.responses.input_items.list(response.id, limit=2)
+    assert [item.id for item in newest.data] == ids[::-1][:2] and newest.has_more
+    rest = client.responses.input_items.list(response.id, limit=2, after=newest.last_id)
+    assert [item.id for item in rest.data] == ids[::-1][2:4] and rest.has_more
+    # the SDK's pager follows ``after`` to the end
+    assert [item.id for item in client.responses.input_items.list(response.id, limit=2)] == (
+        ids[::-1]
+    )
+    one = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
+    [item] = client.responses.input_items.list(one.id).data
+    assert (item.role, item.content[0].text) == ("user", "hi")
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.input_items.list(response.id, after="msg_unknown")
+    assert err.value.body["param"] == "after"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(response.id, limit=0)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_" + "0" * 40)
+
+
 def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
     response = client.responses.create(model=MODEL, input="hi", max_output_tokens=2, store=False)
     assert response.store is False
