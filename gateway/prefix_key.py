@@ -1,5 +1,6 @@
 """What a request is routed by: its model and a stable hash of its prompt's leading blocks
-(and, for a response that continues a stored one, the replica that stores it).
+and its ``cache_salt`` (and, for a response that continues a stored one, the replica that
+stores it).
 
 The gateway has no tokenizer, so the prompt is cut in blocks of characters. A chat is keyed
 by its opening (system messages and the first user message), which every later turn of the
@@ -100,7 +101,13 @@ class RouteRequest:
 
     @cached_property
     def key(self) -> int:
-        return prefix_key(routing_text(self.path, self.body), self.block_chars, self.max_blocks)
+        """The prompt's prefix key; with vLLM's ``cache_salt``, one of that salt's own (a
+        replica shares cached blocks only between requests with the same salt)."""
+        key = prefix_key(routing_text(self.path, self.body), self.block_chars, self.max_blocks)
+        salt = self.body.get("cache_salt")
+        if isinstance(salt, str) and salt:
+            key = stable_hash(key.to_bytes(8, "big") + salt.encode("utf-8", "surrogatepass"))
+        return key
 
     @property
     def priority(self) -> int:

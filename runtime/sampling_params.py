@@ -93,6 +93,8 @@ class SamplingParams:
     (-100 all but bans the token, +100 all but forces it)."""
     structured_output: StructuredOutputParams | None = None
     """Constrain the output to a JSON schema, a regex, a choice or a grammar."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be generated (a classifier's labels, say)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,6 +102,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -150,6 +154,14 @@ class SamplingParams:
                     "structured_output cannot be combined with ignore_eos or min_tokens: the "
                     "grammar decides where the output ends"
                 )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError(
+                    "allowed_token_ids must list at least one token id (leave it out to allow "
+                    "every token)"
+                )
+            for t in self.allowed_token_ids:
+                _int_at_least("allowed_token_ids", t, 0)
         for t, bias in self.logit_bias.items():
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {t!r}")

@@ -3,7 +3,7 @@
 No torch: the model runner owns the tensors, this owns which block holds what.
 
 A full block is identified by a chained hash: hash(parent block's hash, the
-block's token ids). Two requests whose prompts share a prefix share those
+block's token ids); a request's ``cache_salt`` stands in for the first block's parent. Two requests whose prompts share a prefix share those
 blocks (reference count > 1). A block whose last user finished keeps its hash
 and sits in the free list; it can be found again by a later prompt until it is
 evicted, least recently freed first.
@@ -27,6 +27,14 @@ def hash_block(parent: bytes | None, token_ids: Seq[int]) -> bytes:
         h.update(parent)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def salt_root(cache_salt: str | None) -> bytes | None:
+    """The parent of a salted prompt's first block: two salts (or a salt and none) never
+    give the same chain, so their blocks are never found by each other."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
 
 
 @dataclass
@@ -84,9 +92,8 @@ class BlockManager:
         found: list[int] = []
         for i in range((len(seq.token_ids) - 1) // bs):
             if i == len(hashes):
-                hashes.append(
-                    hash_block(hashes[-1] if hashes else None, seq.token_ids[i * bs : (i + 1) * bs])
-                )
+                parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
+                hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
             block_id = self._cached.get(hashes[i])
             if block_id is None:
                 break
@@ -162,7 +169,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
             h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]

@@ -38,6 +38,9 @@ NORMALIZER_MARGIN = 4
 """A tokenizer's normalizer may fold characters before matching tokens (NFC composes up to
 three into one); a prompt refused unread must not fit under any tokenisation."""
 
+TRUNCATION_SLACK = 64
+"""Tokens more than ``truncate_prompt_tokens`` keeps that a truncated text prompt is read for."""
+
 log = logging.getLogger("conveyor.runtime")
 
 
@@ -156,13 +159,20 @@ class LLMEngine:
         add_special_tokens: bool = True,
         *,
         max_tokens: int | None = None,
+        keep_last: int | None = None,
     ) -> list[int]:
         """Token ids of ``prompt``; ValueError for text that is not valid Unicode and, given
         ``max_tokens``, for text too long to be that many tokens however it tokenises, found
-        without tokenising it (megabytes of text would hold a tokenizer thread for seconds)."""
+        without tokenising it (megabytes of text would hold a tokenizer thread for seconds).
+        ``keep_last``: only the last this many tokens will be used (``truncate_prompt_tokens``),
+        so only the text's end is read, enough of it for ``TRUNCATION_SLACK`` more tokens
+        however it tokenises (where it is cut, the tokens may differ from the whole text's)."""
         if isinstance(prompt, str):
             _require_unicode(prompt)
-            if max_tokens is not None and len(prompt) > max_tokens * self.max_chars_per_token:
+            if keep_last is not None:
+                chars = (keep_last + TRUNCATION_SLACK) * self.max_chars_per_token
+                prompt = prompt[-chars:]
+            elif max_tokens is not None and len(prompt) > max_tokens * self.max_chars_per_token:
                 raise ValueError(
                     f"prompt is {len(prompt)} characters, more than this model's context length "
                     f"of {max_tokens} tokens can hold; shorten the prompt"
@@ -192,6 +202,18 @@ class LLMEngine:
         for t in params.logit_bias:
             if isinstance(t, int) and t >= vocab:
                 raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}), got {t}")
+        for t in params.allowed_token_ids or ():
+            if t >= vocab:
+                raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab}), got {t}")
+        if params.allowed_token_ids and params.min_tokens > 0:
+            ending = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ending |= set(self.runner.eos_token_ids)
+            if ending.issuperset(params.allowed_token_ids):
+                raise ValueError(
+                    "allowed_token_ids holds only tokens that end the output, which min_tokens "
+                    "forbids until it is reached; allow another token or drop min_tokens"
+                )
         limit = self.state.max_model_len
         if len(prompt_token_ids) >= limit:
             raise ValueError(
@@ -221,10 +243,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         grammar: xgrammar.CompiledGrammar | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """``grammar``: ``params.structured_output`` compiled by ``structured_outputs.compile``
         off this thread; compiled here if not given. ``priority``: lower runs sooner, under
-        ``--scheduling-policy priority``."""
+        ``--scheduling-policy priority``. ``cache_salt``: the prompt's blocks are shared in
+        the prefix cache only with requests that bring the same salt."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
@@ -239,6 +263,7 @@ class LLMEngine:
             params=params,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
+            cache_salt=cache_salt,
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

@@ -410,8 +410,12 @@ class ModelRunner:
             t.prompt_mask = prompt_mask.to(self.device)
             t.output_counts = counts.to(self.device).to(f32)
         bans = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-        if bans:
+        allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
+        if bans or allowed:
             banned = torch.zeros(n, vocab, dtype=torch.bool)
+            for i, ids in allowed:  # every token but these
+                banned[i] = True
+                banned[i, torch.tensor(ids)] = False
             for i, s in bans:
                 ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:

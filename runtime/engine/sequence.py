@@ -64,6 +64,9 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """With ``params.prompt_logprobs``: prompt token i's logprob at index i (None for the
     first), filled in as the prompt's chunks are computed."""
+    cache_salt: str | None = field(default=None, repr=False)
+    """Its blocks are found in and shared through the prefix cache only by requests with the
+    same salt (vLLM's ``cache_salt``): it seeds the chain of block hashes."""
     prefix_hashes: list[bytes] = field(default_factory=list, repr=False)
     """Chained hashes of the first full blocks of ``token_ids``, as far as prefix-cache
     lookups have needed them (the ids are only ever appended to, so these never change)."""

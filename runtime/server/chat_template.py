@@ -28,11 +28,13 @@ def render_chat(
     tool_prompt: ToolPrompt | None = None,
     add_special_tokens: bool = False,
     max_tokens: int | None = None,
+    keep_last: int | None = None,
 ) -> list[int]:
     """Chat template, then token ids (the template brings its own special tokens, so
     ``add_special_tokens`` is off unless asked for). With a ``tool_prompt``, tools that the
     template would drop are written into the conversation in that model family's format.
-    ``max_tokens``: refuse a conversation too long for it unread (``encode_prompt``)."""
+    ``max_tokens``: refuse a conversation too long for it unread; ``keep_last``: read only
+    what the last this many tokens need (``encode_prompt``)."""
     tokenizer = engine.tokenizer
     if tokenizer.chat_template is None:
         raise bad_request(
@@ -61,7 +63,9 @@ def render_chat(
         raise bad_request(
             f"the chat template rejected these messages: {exc}", param="messages"
         ) from exc
-    return engine.encode_prompt(text, add_special_tokens=add_special_tokens, max_tokens=max_tokens)
+    return engine.encode_prompt(
+        text, add_special_tokens=add_special_tokens, max_tokens=max_tokens, keep_last=keep_last
+    )
 
 
 def use_chat_template(engine: LLMEngine, template: str) -> None:

@@ -121,6 +121,7 @@ def submit(
     arrival: float,
     grammar: xgrammar.CompiledGrammar | None = None,
     priority: int = 0,
+    cache_salt: str | None = None,
 ) -> OutputStream:
     """Admit the choices (429 above the queue bound) and hand them to the engine, with no
     ``await`` in between, so concurrent requests cannot all pass the same check.
@@ -129,7 +130,9 @@ def submit(
     try:
         return ctx.client.submit(
             [
-                EngineRequest(c.request_id, c.prompt_ids, c.params, arrival, grammar, priority)
+                EngineRequest(
+                    c.request_id, c.prompt_ids, c.params, arrival, grammar, priority, cache_salt
+                )
                 for c in choices
             ]
         )

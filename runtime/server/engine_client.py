@@ -77,6 +77,8 @@ class EngineRequest:
     """``params.structured_output``, compiled off the engine thread."""
     priority: int = 0
     """Lower runs sooner under ``--scheduling-policy priority``; checked with the request."""
+    cache_salt: str | None = None
+    """Prefix-cache blocks are shared only between requests with the same salt."""
 
 
 @dataclass(frozen=True)
@@ -325,6 +327,7 @@ class EngineClient:
                         arrival_time=msg.arrival_time,
                         grammar=msg.grammar,
                         priority=msg.priority,
+                        cache_salt=msg.cache_salt,
                     )
                 except ValueError as exc:
                     # Checked before submit; kept so that one bad request cannot end the loop.

@@ -56,6 +56,15 @@ class GenerateRequestBody(BaseModel):
     prompt_logprobs: int | None = None
     """vLLM's: each prompt token's logprob and rank, with this many alternatives (0-20);
     not streamed."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM's: only these token ids may be generated."""
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    """vLLM's: the prompt's KV blocks are shared through the prefix cache only with requests
+    that bring the same salt (a tenant's secret), so that no one else can tell from a
+    response's speed or ``cached_tokens`` what was asked before."""
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    """vLLM's: keep only the prompt's last this many tokens (-1: as many as the context
+    holds beside the output)."""
     # Structured outputs (``structured_outputs.py``): one of these per request.
     response_format: dict[str, Any] | None = None
     guided_json: Any = None
@@ -120,6 +129,7 @@ class GenerateRequestBody(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_logit_bias(self.logit_bias),
             structured_output=structured_output,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
 

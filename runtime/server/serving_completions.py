@@ -62,7 +62,10 @@ class Completion(GenerateRequest[CompletionRequest]):
         for prompt in self._prompts:
             if isinstance(prompt, str):
                 encode = partial(
-                    self.engine.encode_prompt, prompt, max_tokens=self.engine.max_model_len
+                    self.engine.encode_prompt,
+                    prompt,
+                    max_tokens=self.engine.max_model_len,
+                    keep_last=self.keep_tokens(),
                 )
                 yield await tokenize(self.ctx, encode, "prompt")
             else:
@@ -95,7 +98,9 @@ class Completion(GenerateRequest[CompletionRequest]):
         if not self.req.echo:
             return ""
         prompt = self._prompts[choice.prompt_index]
-        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+        if isinstance(prompt, str) and self.req.truncate_prompt_tokens is None:
+            return prompt
+        return self.engine.tokenizer.decode(choice.prompt_ids)  # what was run, truncated or not
 
     def _delta_logprobs(self, choice: Choice, delta: Delta) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []

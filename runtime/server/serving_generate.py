@@ -90,6 +90,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 param="stream_options",
             )
         self.check()
+        self.keep_tokens()  # a truncate_prompt_tokens out of range: a 400 before tokenising
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request(
                 "prompt_logprobs are answered whole, not streamed (as vLLM's); set stream to "
@@ -99,12 +100,13 @@ class GenerateRequest(ABC, Generic[RequestT]):
         check_priority(ctx, req.priority)
         structured = self.structured_output()
         async with aclosing(self.prompts()) as prompts:
-            async for prompt_ids in prompts:
+            async for whole in prompts:
+                prompt_ids = self.truncated(whole)
                 params = self.sampling_params(len(prompt_ids), structured)
                 check_prompt(ctx, prompt_ids, params, self.prompt_param)
                 self._add_choices(prompt_ids, params)
         grammar = await compile_grammar(ctx, *structured) if structured else None
-        stream = submit(ctx, self.choices, arrival, grammar, req.priority)
+        stream = submit(ctx, self.choices, arrival, grammar, req.priority, req.cache_salt)
 
         self.created = int(time.time())
         if req.stream:
@@ -169,6 +171,30 @@ class GenerateRequest(ABC, Generic[RequestT]):
         engine = self.ctx.client.engine
         assert engine is not None  # check_engine() refused the request otherwise
         return engine
+
+    def keep_tokens(self) -> int | None:
+        """How many of the prompt's last tokens ``truncate_prompt_tokens`` keeps (vLLM's; -1:
+        as many as the context holds beside the ``max_tokens`` asked for, or one token);
+        None without it."""
+        keep = self.req.truncate_prompt_tokens
+        if keep is None:
+            return None
+        limit = self.engine.max_model_len
+        if keep == -1:
+            asked, _ = self.max_tokens()
+            return max(1, limit - max(1, asked or 1))
+        if not 1 <= keep <= limit:
+            raise bad_request(
+                f"truncate_prompt_tokens must be -1 (as much as the context holds) or from 1 "
+                f"to this model's context length, {limit} tokens; got {keep}",
+                param="truncate_prompt_tokens",
+            )
+        return keep
+
+    def truncated(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last ``truncate_prompt_tokens`` tokens; all of it without."""
+        keep = self.keep_tokens()
+        return prompt_ids if keep is None else prompt_ids[-keep:]
 
     def sampling_params(
         self, prompt_len: int, structured: tuple[StructuredOutputParams, str] | None

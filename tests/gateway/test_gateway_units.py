@@ -43,6 +43,21 @@ def test_completion_key_is_leading_whole_blocks() -> None:
     assert stable_hash(b"x") == stable_hash(b"x")
 
 
+def test_a_cache_salt_keys_its_own_prefixes() -> None:
+    """A replica shares cached blocks only within one ``cache_salt``: each salt's prompts are
+    keyed apart, and an unsalted request keys as before."""
+    from conveyor.gateway.prefix_key import RouteRequest
+
+    body = {"model": "m", "prompt": "the same prompt " * 20}
+    plain = RouteRequest("/v1/completions", body).key
+    assert plain == prefix_key(routing_text("/v1/completions", body), 128, 32)
+    a = RouteRequest("/v1/completions", {**body, "cache_salt": "a"}).key
+    b = RouteRequest("/v1/completions", {**body, "cache_salt": "b"}).key
+    assert len({plain, a, b}) == 3
+    assert a == RouteRequest("/v1/completions", {**body, "cache_salt": "a"}).key
+    assert RouteRequest("/v1/completions", {**body, "cache_salt": 5}).key == plain
+
+
 def test_hash_ring_walks_each_member_once_and_moves_few_keys() -> None:
     ring = HashRing([f"r{i}" for i in range(5)], vnodes=50)
     assert sorted(ring.walk(123)) == [f"r{i}" for i in range(5)]
