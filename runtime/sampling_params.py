@@ -10,6 +10,8 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 """A signed 64-bit seed: torch's generators refuse more."""
 LOGIT_BIAS_LIMIT = 100.0
+MAX_BAD_WORDS = 256
+"""Most ``bad_words`` per request: each is looked up at every step of its request."""
 """OpenAI's bound on a logit bias."""
 
 
@@ -95,6 +97,9 @@ class SamplingParams:
     """Constrain the output to a JSON schema, a regex, a choice or a grammar."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be generated (a classifier's labels, say)."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM's: words not to generate, each as its tokens alone and after a space
+    (``engine/bad_words.py``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +109,7 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         self.validate()
 
     def validate(self) -> None:
@@ -154,6 +160,13 @@ class SamplingParams:
                     "structured_output cannot be combined with ignore_eos or min_tokens: the "
                     "grammar decides where the output ends"
                 )
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(
+                f"bad_words holds {len(self.bad_words)} words; at most {MAX_BAD_WORDS} are taken"
+            )
+        for word in self.bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be words (non-blank strings), got {word!r}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError(

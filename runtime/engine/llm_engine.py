@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from conveyor.runtime.engine.bad_words import BadWords
 from conveyor.runtime.engine.block_manager import BlockManager
 from conveyor.runtime.engine.model_runner import ModelRunner, Sample
 from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
@@ -264,6 +265,7 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
+            bad_words=BadWords.of(self.tokenizer, params.bad_words) if params.bad_words else None,
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

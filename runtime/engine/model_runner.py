@@ -411,11 +411,17 @@ class ModelRunner:
             t.output_counts = counts.to(self.device).to(f32)
         bans = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
-        if bans or allowed:
+        words = [
+            (i, w) for i, s in enumerate(seqs)
+            if s.bad_words and (w := s.bad_words.banned(s.token_ids, s.num_output_tokens))
+        ]  # fmt: skip
+        if bans or allowed or words:
             banned = torch.zeros(n, vocab, dtype=torch.bool)
             for i, ids in allowed:  # every token but these
                 banned[i] = True
                 banned[i, torch.tensor(ids)] = False
+            for i, ids in words:
+                banned[i, torch.tensor([x for x in ids if x < vocab], dtype=torch.long)] = True
             for i, s in bans:
                 ids = list(s.params.stop_token_ids)
                 if not s.params.ignore_eos:

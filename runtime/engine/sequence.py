@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from conveyor.runtime.engine.bad_words import BadWords
 from conveyor.runtime.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     """With ``params.prompt_logprobs``: prompt token i's logprob at index i (None for the
     first), filled in as the prompt's chunks are computed."""
+    bad_words: BadWords | None = field(default=None, repr=False)
+    """``params.bad_words`` as token sequences (``bad_words.py``)."""
     cache_salt: str | None = field(default=None, repr=False)
     """Its blocks are found in and shared through the prefix cache only by requests with the
     same salt (vLLM's ``cache_salt``): it seeds the chain of block hashes."""

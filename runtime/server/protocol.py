@@ -58,6 +58,8 @@ class GenerateRequestBody(BaseModel):
     not streamed."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be generated."""
+    bad_words: list[str] | None = None
+    """vLLM's: words not to generate."""
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     """vLLM's: the prompt's KV blocks are shared through the prefix cache only with requests
     that bring the same salt (a tenant's secret), so that no one else can tell from a
@@ -130,6 +132,7 @@ class GenerateRequestBody(BaseModel):
             logit_bias=_logit_bias(self.logit_bias),
             structured_output=structured_output,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=list(self.bad_words or []),
         )
 
 

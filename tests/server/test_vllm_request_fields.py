@@ -1,5 +1,5 @@
 """vLLM's request fields beyond OpenAI's that change what a request gets, through the
-``openai`` client's ``extra_body``: ``allowed_token_ids``, ``cache_salt`` and
+``openai`` client's ``extra_body``: ``allowed_token_ids``, ``bad_words``, ``cache_salt`` and
 ``truncate_prompt_tokens``. Each would otherwise be ignored as an unknown field, silently."""
 
 from __future__ import annotations
@@ -48,6 +48,29 @@ def test_allowed_token_ids_limit_what_is_generated(client: openai.OpenAI) -> Non
     assert "at least one" in _refused(client, "allowed_token_ids", allowed_token_ids=[])
     assert "[0, " in _refused(client, "allowed_token_ids", allowed_token_ids=[10**7])
     _refused(client, "allowed_token_ids", allowed_token_ids=[-1])
+
+
+def test_bad_words_never_come_out(client: openai.OpenAI) -> None:
+    """Outputs of "a" and "b" only: without bad_words they hold "ab"; with it, never (a
+    word of one token is banned at every step)."""
+
+    def texts(**extra: Any) -> list[str]:
+        r = client.completions.create(
+            model=MODEL, prompt="Hello", max_tokens=30, temperature=2.0, seed=11, n=4,
+            extra_body={"allowed_token_ids": [97, 98], **extra},
+        )  # fmt: skip
+        return [c.text for c in r.choices]
+
+    assert any("ab" in t for t in texts())
+    for t in texts(bad_words=["ab"]):
+        assert "ab" not in t and len(t) == 30, t
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=20,
+        temperature=1.5, extra_body={"allowed_token_ids": [97, 98], "bad_words": [" a"]},
+    )  # fmt: skip
+    assert r.choices[0].message.content == "b" * 20
+    assert "non-blank" in _refused(client, "bad_words", bad_words=["  "])
+    assert "at most" in _refused(client, "bad_words", bad_words=["w"] * 1000)
 
 
 def _cached(client: openai.OpenAI, prompt: str, salt: str | None = None) -> int:
