@@ -65,29 +65,68 @@ DONE = b"data: [DONE]\n\n"
 stream's last)."""
 
 
-def error_event(message: str, first: bytes = b"", last: bytes = b"", status: int = 502) -> bytes:
-    """The last events of a stream that broke after its first byte went out (``first`` is
-    what went out first, ``last`` the latest chunk): for chat and completions an error
-    chunk and ``[DONE]``; for a response (which has no ``[DONE]``) an ``error`` event and a
-    ``response.failed``, numbered on from the replica's events, as a replica ends a response
-    that fails."""
-    if not first.startswith(b"event: response."):
-        return b"data: " + error_json(status, message) + b"\n\n" + DONE
-    numbers = _SEQUENCE.findall(last) or _SEQUENCE.findall(first) or [b"-1"]
-    sequence = max(int(n) for n in numbers) + 1
-    error = {"type": "error", "sequence_number": sequence, "code": "server_error",
-             "message": message, "param": None}  # fmt: skip
-    events = [_event(error)]
-    if (response := _created_response(first)) is not None:
-        response.update(status="failed", error={"code": "server_error", "message": message})
-        events.append(
-            _event(
-                {"type": "response.failed", "sequence_number": sequence + 1, "response": response}
+class StreamEnd:
+    """Where a proxied stream stands, from the chunks that went out: whether its last event
+    did (``[DONE]`` for chat and completions; ``response.completed``, ``.failed`` or
+    ``.incomplete`` whole for a response), and what ends it if it breaks. Only a response's
+    chunks are read, for its events' sequence numbers; chat's are only looked at the end of."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        self.responses = first.startswith(b"event: response.")
+        self.sequence = -1
+        """A response's highest ``sequence_number`` sent."""
+        self.closing = False
+        """A response's last event has begun."""
+        self._carry = b""
+        """A response's latest chunk's end: a number or event name cut by the chunk boundary
+        is read whole with the next chunk."""
+        self._whole = True
+        """The chunks sent so far end at an event's end."""
+        self.ended = self.sent(first)
+
+    def sent(self, chunk: bytes) -> bool:
+        """Note ``chunk`` as gone out; whether the stream is over with it."""
+        self._whole = chunk.endswith(b"\n\n")
+        if not self.responses:
+            return chunk.endswith(DONE)
+        seen = self._carry + chunk
+        self._carry = seen[-64:]
+        if numbers := _SEQUENCE.findall(seen):
+            self.sequence = max(self.sequence, *(int(n) for n in numbers))
+        self.closing = self.closing or any(kind in seen for kind in LAST_EVENTS)
+        return self.closing and self._whole
+
+    def error(self, message: str, status: int = 502) -> bytes:
+        """The events that end the stream where it broke: for chat and completions an error
+        chunk and ``[DONE]``; for a response an ``error`` event and a ``response.failed``,
+        numbered on from the events sent, as a replica ends a response that fails."""
+        lead = b"" if self._whole else b"\n\n"  # the event cut part-way is left behind
+        if not self.responses:
+            return lead + b"data: " + error_json(status, message) + b"\n\n" + DONE
+        sequence = self.sequence + 1
+        error = {"type": "error", "sequence_number": sequence, "code": "server_error",
+                 "message": message, "param": None}  # fmt: skip
+        events = [_event(error)]
+        if (response := _created_response(self.first)) is not None:
+            response.update(status="failed", error={"code": "server_error", "message": message})
+            events.append(
+                _event(
+                    {
+                        "type": "response.failed",
+                        "sequence_number": sequence + 1,
+                        "response": response,
+                    }
+                )
             )
-        )
-    return b"".join(events)
+        return lead + b"".join(events)
 
 
+LAST_EVENTS = tuple(
+    b"\nevent: response.%s\n" % kind for kind in (b"completed", b"failed", b"incomplete")
+)
+"""The events that end a response's stream (it has no ``[DONE]``), as lines: an event's
+data is one line of JSON, so generated text cannot hold them."""
 _SEQUENCE = re.compile(rb'"sequence_number":\s*(\d+)')
 
 

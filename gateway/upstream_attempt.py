@@ -283,10 +283,12 @@ class Upstream:
                 return self._eject(pool, replica, f"{replica.url} broke off: {_describe(exc)}")
             watched.last = loop.time()
             # The first byte goes out now: from here on there is no retry. The chunk that
-            # ends the stream (``data: [DONE]``) ends the client's response with it, in one
+            # ends the stream (``data: [DONE]``, a response's last event) ends the client's
+            # response with it, in one
             # write; the replica's own end of the response is still read, so that its
             # connection goes back to the pool.
-            ended = first.endswith(sse.DONE)
+            stream = sse.StreamEnd(first)
+            ended = stream.ended
             # a client slow to take it is not the replica's silence (but has a bound of its own)
             watched.last, watched.writing_since = math.inf, loop.time()
             await send({"type": "http.response.start", "status": status, "headers": out_headers})
@@ -296,15 +298,13 @@ class Upstream:
             if ended:
                 request.responded()
                 self._finish(pool, replica, status, request.arrival)
-            last = first
             try:
                 async for chunk in chunks:
-                    last = chunk
                     if ended:
                         watched.last = loop.time()
                         log.debug("%s sent %d bytes after [DONE]; dropped", replica.url, len(chunk))
                         continue
-                    ended = chunk.endswith(sse.DONE)
+                    ended = stream.sent(chunk)
                     watched.last, watched.writing_since = math.inf, loop.time()
                     await send(
                         {"type": "http.response.body", "body": chunk, "more_body": not ended}
@@ -321,7 +321,7 @@ class Upstream:
                 message = f"replica {replica.url} failed mid-stream: {_describe(exc)}"
                 log.warning("model %s: %s", pool.model, message)
                 self._eject(pool, replica, message)
-                event = sse.error_event(message, first, last)
+                event = stream.error(message)
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             if not ended:
                 await send({"type": "http.response.body", "body": b""})

@@ -82,7 +82,9 @@ UNION_BRANCH = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
 def _field_path(loc: tuple[int | str, ...]) -> list[str]:
     """The request fields of an error's ``loc``, without pydantic's union branch names."""
     return [
-        str(p) for p in loc if p != "body" and not (isinstance(p, str) and UNION_BRANCH.match(p))
+        str(p)
+        for p in loc
+        if p not in ("body", "query") and not (isinstance(p, str) and UNION_BRANCH.match(p))
     ]
 
 

@@ -193,16 +193,20 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+ITEM_ID_PREFIXES = {
+    "message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"
+}  # fmt: skip
 
 
 def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The items of a Responses ``input`` as ``GET /v1/responses/{id}/input_items`` lists
     them (checked by ``input_messages`` first): a string is one user message; a message's
-    string content becomes one text part; an item without an ``id`` gets one."""
+    string content becomes one text part; an item without an ``id`` gets one, and so does
+    one whose id an earlier item has (a page's last id must say where the next begins)."""
     if isinstance(value, str):
         value = [{"type": "message", "role": "user", "content": value}]
     items = []
+    seen: set[str] = set()
     for given in value:
         item = {"type": "message", **given}
         kind = item["type"]
@@ -211,8 +215,9 @@ def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 part = "output_text" if item.get("role") == "assistant" else "input_text"
                 item["content"] = [{"type": part, "text": item["content"]}]
             item.setdefault("status", "completed")
-        if not isinstance(item.get("id"), str):
+        if not isinstance(item.get("id"), str) or item["id"] in seen:
             item["id"] = f"{ITEM_ID_PREFIXES.get(kind, kind)}_{uuid.uuid4().hex}"
+        seen.add(item["id"])
         items.append(item)
     return items
 

@@ -145,8 +145,8 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         calls = self.tools.extract(answer or "") if self.tools is not None else None
         if calls is not None and calls[1]:
             message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
-            if finish_reason != "length":  # calls cut short by max_tokens say so
-                finish_reason = "tool_calls"
+            if self.tools is not None and self.tools.complete(answer or ""):
+                finish_reason = "tool_calls"  # else cut short: max_tokens or a stop string
         elif calls is not None:  # an empty list of calls: the rest is the answer
             message["content"] = calls[0] or ""
         if reasoning is not None:
@@ -174,7 +174,7 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
             deltas = [{"content": text} if text or (delta.num_tokens and not thought) else {}]
         else:
             deltas, called = self._tool_streams[choice.index].update(text, finish is not None)
-            finish = "tool_calls" if called and finish != "length" else finish
+            finish = "tool_calls" if called else finish
         if thought:  # the thinking first, then the answer's deltas that say something
             deltas = [{"reasoning_content": thought}, *(d for d in deltas if d)]
         last = len(deltas) - 1

@@ -113,7 +113,8 @@ def list_input_items(
 ) -> dict[str, Any]:
     """``GET /v1/responses/{id}/input_items``: a page of the items its request's ``input``
     held, newest first unless ``order`` is ``asc``, as OpenAI lists them. ``after`` and
-    ``before`` are item ids of the same listing; one the response does not have is a 400."""
+    ``before`` are item ids of the same listing (one the response does not have is a 400):
+    the page is the ``limit`` items just after ``after``, or else just before ``before``."""
     stored = ctx.responses.get(response_id)
     if stored is None:
         raise not_found(response_id)
@@ -135,13 +136,14 @@ def list_input_items(
             start = ids.index(at) + 1
         else:
             end = ids.index(at)
-    page = items[start:end][:limit]
+    window = items[start:end]
+    page = window[-limit:] if before is not None and after is None else window[:limit]
     return {
         "object": "list",
         "data": page,
         "first_id": page[0]["id"] if page else None,
         "last_id": page[-1]["id"] if page else None,
-        "has_more": start + len(page) < end,
+        "has_more": len(window) > limit,
     }
 
 

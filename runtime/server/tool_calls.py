@@ -141,6 +141,21 @@ class ToolCalling:
                 return len(text) - keep
         return len(text)
 
+    def complete(self, text: str) -> bool:
+        """Whether a forced output holds whole calls: a stop string can end it part-way,
+        as max_tokens can (the finish reason then stays the engine's)."""
+        if self.mode == "named":
+            try:
+                json.loads(text)
+            except (ValueError, RecursionError):  # RecursionError: nested too deep
+                return False
+            return True
+        if self.mode == "required":
+            calls = RequiredCalls()
+            calls.feed(text)
+            return bool(calls.calls) and not calls.open
+        return True
+
     def extract(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         """``(content, tool_calls)`` from the whole output, or None when it holds no tool
         call (plain text, or an ``auto`` call that does not parse). A forced call cut short
@@ -204,16 +219,18 @@ class ToolCallStream:
         calls = self.required.feed(new_text)
         if finished and not self.required.calls:  # no call came: the text is the answer
             return [{"content": self.text}] if self.text else [{}], False
-        return [{"tool_calls": calls} if calls else {}], finished
+        called = finished and bool(self.required.calls) and not self.required.open
+        return [{"tool_calls": calls} if calls else {}], called
 
     def _named(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
+        called = finished and bool(self.text) and self.tools.complete(self.text)
         if not new_text:
-            return [{}], finished and self.call_id is not None
+            return [{}], called
         if self.call_id is None:
             first = _call(self.tools.name or "", new_text)
             self.call_id = first["id"]
-            return [{"tool_calls": [{"index": 0, **first}]}], finished
-        return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], finished
+            return [{"tool_calls": [{"index": 0, **first}]}], called
+        return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], called
 
 
 class RequiredCalls:
@@ -286,8 +303,8 @@ class RequiredCalls:
                     self._end_member(i)
                     self._close(i + 1, out)
             elif self.depth == 2 and ch == ":":
-                self.key = self.last_string
-                self.awaiting_args = self.key == "parameters"
+                self.key, self.last_string = self.last_string, None
+                self.awaiting_args = self.key == "parameters" and self.args_start is None
             elif self.depth == 2 and ch == ",":
                 self._end_member(i)
         self._send(out)
@@ -322,6 +339,8 @@ class RequiredCalls:
         if not self.open:  # not read as it came: the element whole, if it is a call
             try:
                 c = json.loads(self.buffer[self.element_start : end])
+                if not isinstance(c["name"], str):
+                    return
                 call = _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
             except (ValueError, RecursionError, KeyError, TypeError):
                 return

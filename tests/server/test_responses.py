@@ -129,6 +129,11 @@ def test_input_items_list_what_the_request_sent_in_pages(client: openai.OpenAI) 
     assert [item.id for item in client.responses.input_items.list(response.id, limit=2)] == (
         ids[::-1]
     )
+    # before (no longer in the SDK's signature): the page just before that item
+    back = client.responses.input_items.list(
+        response.id, order="asc", limit=2, extra_query={"before": ids[4]}
+    )
+    assert [item.id for item in back.data] == ids[2:4] and back.has_more
     one = client.responses.create(model=MODEL, input="hi", max_output_tokens=2)
     [item] = client.responses.input_items.list(one.id).data
     assert (item.role, item.content[0].text) == ("user", "hi")
@@ -136,8 +141,15 @@ def test_input_items_list_what_the_request_sent_in_pages(client: openai.OpenAI) 
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.input_items.list(response.id, after="msg_unknown")
     assert err.value.body["param"] == "after"
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as err:
         client.responses.input_items.list(response.id, limit=0)
+    assert err.value.body["param"] == "limit"
+    twice = client.responses.create(
+        model=MODEL, input=[{"role": "user", "content": c, "id": "msg_same"} for c in "ab"],
+        max_output_tokens=2,
+    )  # fmt: skip
+    ids = [item.id for item in client.responses.input_items.list(twice.id, limit=1)]
+    assert len(ids) == len(set(ids)) == 2  # a repeated id is made anew: paging ends
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_" + "0" * 40)
 

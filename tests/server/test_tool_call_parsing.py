@@ -94,7 +94,37 @@ def test_required_arguments_stream_as_they_are_generated() -> None:
     whole = required.extract(text)
     assert whole is not None
     assert [c["function"]["arguments"] for c in whole[1]] == args
-    assert sent[-1][2], "the last delta says the choice called tools"
+    assert not sent[-1][2], "a choice whose last call was cut short is no call"
+    assert not required.complete(text)
+
+
+def test_only_whole_calls_make_a_tool_calls_finish() -> None:
+    """Cut short (max_tokens or a stop string): the calls go out as generated, but the
+    finish reason stays the engine's; whole, it is ``tool_calls``."""
+
+    def called(tools: ToolCalling, text: str) -> bool:
+        stream = ToolCallStream(tools)
+        stream.update(text[:-1], False)
+        return stream.update(text[-1], True)[1]
+
+    required = ToolCalling([TOOL], "required")
+    whole = '[{"name": "f", "parameters": {"a": 1}}]'
+    assert required.complete(whole) and called(required, whole)
+    assert required.complete(whole[:-1])  # its call closed; only the array did not
+    cut = '[{"name": "f", "parameters": {'
+    assert not required.complete(cut) and not called(required, cut)
+    named = ToolCalling([TOOL], "named", name="f")
+    assert named.complete('{"a": 1}') and called(named, '{"a": 1}')
+    assert not named.complete('{"a": ') and not called(named, '{"a": ')
+
+
+def test_required_scanner_reads_odd_elements_as_json_would() -> None:
+    """What the grammar cannot produce still reads sensibly: a second ``parameters`` key
+    does not restart the arguments, and a name that is not a string is no name."""
+    required = ToolCalling([TOOL], "required")
+    found = required.extract('[{"name": "f", "parameters": {"a": 1}, "parameters": {"b": 2}}]')
+    assert found is not None and found[1][0]["function"]["arguments"] == '{"a": 1}'
+    assert required.extract('[{"name": 5, "parameters": {}}]') is None
 
 
 def test_required_scalar_arguments_go_whole() -> None:

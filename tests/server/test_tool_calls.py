@@ -145,6 +145,15 @@ def test_a_forced_call_cut_short_says_length_streamed_or_not(client: openai.Open
     assert arguments == whole.message.tool_calls[0].function.arguments
     assert full.choices[0].message.tool_calls[0].function.arguments.startswith(arguments)
 
+    # a stop string ends it part-way: finish_reason stop (not tool_calls), streamed or not
+    stopped = client.chat.completions.create(**ask, max_tokens=300, stop=['"city"'])  # type: ignore[call-overload]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.tool_calls[0].function.arguments == "{"
+    stream = client.chat.completions.create(**ask, max_tokens=300, stop=['"city"'], stream=True)  # type: ignore[call-overload]
+    assert [c.finish_reason for chunk in stream for c in chunk.choices if c.finish_reason] == [
+        "stop"
+    ]
+
 
 def test_none_answers_in_text_and_history_with_tool_calls_renders(
     client: openai.OpenAI,
