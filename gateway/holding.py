@@ -102,13 +102,11 @@ class Holding:
             return None
         bound = pool.queue_bound(view, self._s.max_held_requests)
         if len(pool.queue) >= bound:
-            return Failure(
-                429,
-                f"every replica of model {pool.model!r} is busy and {len(pool.queue)} requests "
-                "already wait at the gateway; retry later",
-                str(self._s.retry_after_s).encode(),
-                code="queue_full",
-            )
+            if pool.queue[-1][0] <= priority:  # nobody held would come after this one
+                return self._queue_full(pool)
+            _, number, event = pool.queue.pop()  # the last in order gives way, as vLLM's
+            pool.bumped.add(number)  # priority scheduling preempts the last in its order
+            event.set()
         loop = asyncio.get_running_loop()
         deadline = arrival + self._s.hold_timeout_s
         turn = asyncio.Event()
@@ -121,6 +119,9 @@ class Holding:
         pool.held += 1
         try:
             while True:
+                if entry[1] in pool.bumped:
+                    pool.bumped.discard(entry[1])
+                    return self._queue_full(pool, bumped=True)
                 first = pool.queue[0] is entry
                 if first and pool.has_ready() and not pool.saturated(self.view()):
                     return None
@@ -136,10 +137,12 @@ class Holding:
                         await turn.wait()
         finally:
             self._registry.forget_wake(turn)
-            was_first = pool.queue[0] is entry
-            pool.queue.remove(entry)
-            if was_first and pool.queue:
-                pool.queue[0][2].set()
+            pool.bumped.discard(entry[1])
+            at = bisect.bisect_left(pool.queue, entry[:2], key=lambda e: e[:2])
+            if at < len(pool.queue) and pool.queue[at] is entry:  # not bumped out already
+                del pool.queue[at]
+                if at == 0 and pool.queue:
+                    pool.queue[0][2].set()
             pending.dec()
             pool.held -= 1
         return Failure(
@@ -147,6 +150,20 @@ class Holding:
             f"every replica of model {pool.model!r} stayed busy for "
             f"{self._s.hold_timeout_s:g} s; retry later",
             str(self._s.retry_after_s).encode(),
+        )
+
+    def _queue_full(self, pool: Pool, bumped: bool = False) -> Failure:
+        why = (
+            "this request gave way to one of a lower priority value, and"
+            if bumped
+            else "every replica of model {model!r} is busy and"
+        ).format(model=pool.model)
+        return Failure(
+            429,
+            f"{why} {len(pool.queue)} requests already wait at the gateway for model "
+            f"{pool.model!r}; retry later",
+            str(self._s.retry_after_s).encode(),
+            code="queue_full",
         )
 
     @staticmethod

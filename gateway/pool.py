@@ -45,6 +45,9 @@ class Pool:
         it should look again (``Holding.until_room``)."""
         self.arrivals = itertools.count()
         """Numbers the held requests in arrival order."""
+        self.bumped: set[int] = set()
+        """Arrival numbers of held requests taken out of a full ``queue`` for one that comes
+        first in its order (a lower ``priority``): each is answered a 429 when it wakes."""
 
     def has_ready(self) -> bool:
         """Whether any replica said ready in its last /load poll (ejected ones included: panic

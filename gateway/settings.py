@@ -125,9 +125,10 @@ class GatewaySettings:
     with SGLang replicas, which read it otherwise), then in arrival order. A replica added by
     a scale-up then takes the first held requests at once, where otherwise they wait on the
     replica they were sent to. Held requests count toward the model's --max-held-requests and
-    --hold-timeout, and no more are held than the replicas' own queue bounds add up to (429
-    past it, as a replica would answer, whatever the priority). With --workers, each process
-    keeps its own queue."""
+    --hold-timeout, and no more are held than the replicas' own queue bounds add up to: past
+    it a request that comes before the last held (a lower priority value) takes its place and
+    the last gets the 429, as vLLM's priority scheduling preempts the last in its order;
+    otherwise the new request gets it. With --workers, each process keeps its own queue."""
 
     replica_queue: int = 1
     """With --queue-at-gateway: requests let wait on a replica beyond its batch (at least 1,

@@ -149,6 +149,30 @@ async def test_no_more_are_held_than_the_replicas_would_queue() -> None:
     assert pool.held == 0 and not pool.queue  # a client that left gives its place up
 
 
+async def test_a_full_queue_makes_room_for_a_lower_priority_value() -> None:
+    """Full, the queue takes a request that comes before its last (a lower ``priority``):
+    the last gives way with a 429; one that would come last is refused itself."""
+    holding, registry, replica = one_replica()
+    pool = registry.pools[MODEL]
+    report(replica, running=1, waiting=1, max_queued=2)
+    now = asyncio.get_running_loop().time()
+    held = {p: asyncio.create_task(holding.until_room(pool, now, p)) for p in (0, 5)}
+    await asyncio.sleep(0)
+    refused = await holding.until_room(pool, now, 5)  # would come after both: refused
+    assert refused is not None and refused.status == 429
+    urgent = asyncio.create_task(holding.until_room(pool, now, -1))
+    bumped = await asyncio.wait_for(held[5], 5)
+    assert bumped is not None and bumped.status == 429 and "gave way" in bumped.message
+    assert [p for p, _, _ in pool.queue] == [-1, 0] and pool.held == 2
+    replica.in_flight = 0
+    report(replica, running=1, waiting=0, max_queued=2)
+    Holding.room_freed(pool)
+    assert await asyncio.wait_for(urgent, 5) is None  # the lowest value goes first
+    held[0].cancel()
+    await asyncio.gather(held[0], return_exceptions=True)
+    assert pool.held == 0 and not pool.queue and not pool.bumped
+
+
 async def test_a_request_held_past_the_hold_timeout_gets_a_503() -> None:
     holding, registry, replica = one_replica(hold_timeout_s=0.1)
     pool = registry.pools[MODEL]
