@@ -5,6 +5,10 @@ Each word is banned as the token sequences it tokenises to, on its own and after
 is banned at every step; a longer one only its last token, at a step whose output so far
 ends with the tokens before it. So the word never appears as those tokens, and the output
 may still hold its tokens apart or the word spelled by other tokens, as with vLLM.
+
+vLLM 0.32 bans the spaced form only when it is as many tokens as the bare word: "Berlin"
+is two tokens on SmolLM2 and " Berlin" one, so there "The capital of Germany is" still
+ends " Berlin" with ``bad_words: ["Berlin"]``; here it does not.
 """
 
 from __future__ import annotations

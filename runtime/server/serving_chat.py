@@ -145,8 +145,8 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         calls = self.tools.extract(answer or "") if self.tools is not None else None
         if calls is not None and calls[1]:
             message = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
-            if self.tools is not None and self.tools.complete(answer or ""):
-                finish_reason = "tool_calls"  # else cut short: max_tokens or a stop string
+            if self.tools is not None:
+                finish_reason = self.tools.finish_reason(answer or "", finish_reason)
         elif calls is not None:  # an empty list of calls: the rest is the answer
             message["content"] = calls[0] or ""
         if reasoning is not None:
@@ -177,6 +177,8 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
             finish = "tool_calls" if called else finish
         if thought:  # the thinking first, then the answer's deltas that say something
             deltas = [{"reasoning_content": thought}, *(d for d in deltas if d)]
+        elif self.tools is not None and finish is None and not delta.logprobs and deltas == [{}]:
+            return []  # a token held back (a call's wrapper): nothing to send for it
         last = len(deltas) - 1
         return [
             self._chunk(

@@ -141,6 +141,15 @@ class ToolCalling:
                 return len(text) - keep
         return len(text)
 
+    def finish_reason(self, text: str, finish: str | None) -> str | None:
+        """The choice's finish reason when its output ``text`` holds calls: ``tool_calls``
+        when they are whole, else the engine's (``length`` or ``stop``: cut short). A named
+        function's stays the engine's ``stop``, as OpenAI and vLLM answer a call the request
+        forced by name."""
+        if self.mode == "named" or not self.complete(text):
+            return finish
+        return "tool_calls"
+
     def complete(self, text: str) -> bool:
         """Whether a forced output holds whole calls: a stop string can end it part-way,
         as max_tokens can (the finish reason then stays the engine's)."""
@@ -223,7 +232,7 @@ class ToolCallStream:
         return [{"tool_calls": calls} if calls else {}], called
 
     def _named(self, new_text: str, finished: bool) -> tuple[list[dict[str, Any]], bool]:
-        called = finished and bool(self.text) and self.tools.complete(self.text)
+        called = False  # the finish reason stays the engine's (``ToolCalling.finish_reason``)
         if not new_text:
             return [{}], called
         if self.call_id is None:

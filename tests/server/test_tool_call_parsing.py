@@ -113,9 +113,12 @@ def test_only_whole_calls_make_a_tool_calls_finish() -> None:
     assert required.complete(whole[:-1])  # its call closed; only the array did not
     cut = '[{"name": "f", "parameters": {'
     assert not required.complete(cut) and not called(required, cut)
-    named = ToolCalling([TOOL], "named", name="f")
-    assert named.complete('{"a": 1}') and called(named, '{"a": 1}')
-    assert not named.complete('{"a": ') and not called(named, '{"a": ')
+    assert required.finish_reason(whole, "stop") == "tool_calls"
+    assert required.finish_reason(cut, "length") == "length"
+    named = ToolCalling([TOOL], "named", name="f")  # forced by name: the engine's, as OpenAI's
+    assert named.complete('{"a": 1}') and not called(named, '{"a": 1}')
+    assert named.finish_reason('{"a": 1}', "stop") == "stop"
+    assert not named.complete('{"a": ')
 
 
 def test_required_scanner_reads_odd_elements_as_json_would() -> None:
