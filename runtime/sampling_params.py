@@ -12,6 +12,8 @@ SEED_MAX = 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0
 MAX_BAD_WORDS = 256
 """Most ``bad_words`` per request: each is looked up at every step of its request."""
+MAX_BAD_WORD_CHARS = 1000
+"""Longest of ``bad_words``: a word or phrase, not a document to tokenise."""
 """OpenAI's bound on a logit bias."""
 
 
@@ -167,6 +169,11 @@ class SamplingParams:
         for word in self.bad_words:
             if not isinstance(word, str) or not word.strip():
                 raise ValueError(f"bad_words must be words (non-blank strings), got {word!r}")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(
+                    f"bad_words holds a word of {len(word)} characters; at most "
+                    f"{MAX_BAD_WORD_CHARS} each"
+                )
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError(

@@ -245,11 +245,13 @@ class LLMEngine:
         grammar: xgrammar.CompiledGrammar | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        bad_words: BadWords | None = None,
     ) -> None:
         """``grammar``: ``params.structured_output`` compiled by ``structured_outputs.compile``
         off this thread; compiled here if not given. ``priority``: lower runs sooner, under
         ``--scheduling-policy priority``. ``cache_salt``: the prompt's blocks are shared in
-        the prefix cache only with requests that bring the same salt."""
+        the prefix cache only with requests that bring the same salt. ``bad_words``:
+        ``params.bad_words`` as tokens, made off this thread; made here if not given."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids = self.encode_prompt(prompt)
@@ -265,7 +267,8 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
             cache_salt=cache_salt,
-            bad_words=BadWords.of(self.tokenizer, params.bad_words) if params.bad_words else None,
+            bad_words=bad_words
+            or (BadWords.of(self.tokenizer, params.bad_words) if params.bad_words else None),
         )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)

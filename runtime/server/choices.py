@@ -24,6 +24,7 @@ from conveyor.runtime.server.serving_common import check_queue
 if TYPE_CHECKING:
     import xgrammar
 
+    from conveyor.runtime.engine.bad_words import BadWords
     from conveyor.runtime.engine.outputs import RequestOutput
     from conveyor.runtime.engine.sequence import TokenLogprob
 
@@ -122,16 +123,25 @@ def submit(
     grammar: xgrammar.CompiledGrammar | None = None,
     priority: int = 0,
     cache_salt: str | None = None,
+    bad_words: BadWords | None = None,
 ) -> OutputStream:
     """Admit the choices (429 above the queue bound) and hand them to the engine, with no
     ``await`` in between, so concurrent requests cannot all pass the same check.
-    ``grammar``: the choices' compiled structured output, if they have one."""
+    ``grammar``: the choices' compiled structured output, if they have one; ``bad_words``
+    their ``bad_words`` as tokens."""
     check_queue(ctx, len(choices))
     try:
         return ctx.client.submit(
             [
                 EngineRequest(
-                    c.request_id, c.prompt_ids, c.params, arrival, grammar, priority, cache_salt
+                    c.request_id,
+                    c.prompt_ids,
+                    c.params,
+                    arrival,
+                    grammar,
+                    priority,
+                    cache_salt,
+                    bad_words,
                 )
                 for c in choices
             ]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import xgrammar
 
+    from conveyor.runtime.engine.bad_words import BadWords
     from conveyor.runtime.engine.llm_engine import LLMEngine
     from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
     from conveyor.runtime.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class EngineRequest:
     """Lower runs sooner under ``--scheduling-policy priority``; checked with the request."""
     cache_salt: str | None = None
     """Prefix-cache blocks are shared only between requests with the same salt."""
+    bad_words: BadWords | None = None
+    """``params.bad_words`` as tokens, made off the engine thread."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +331,7 @@ class EngineClient:
                         grammar=msg.grammar,
                         priority=msg.priority,
                         cache_salt=msg.cache_salt,
+                        bad_words=msg.bad_words,
                     )
                 except ValueError as exc:
                     # Checked before submit; kept so that one bad request cannot end the loop.

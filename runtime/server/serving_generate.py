@@ -12,6 +12,7 @@ how it writes a choice in a response body and in a stream chunk.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from abc import ABC, abstractmethod
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from conveyor.runtime.engine.bad_words import BadWords
 from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
 from conveyor.runtime.server.choices import (
     Choice,
@@ -106,7 +108,11 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 check_prompt(ctx, prompt_ids, params, self.prompt_param)
                 self._add_choices(prompt_ids, params)
         grammar = await compile_grammar(ctx, *structured) if structured else None
-        stream = submit(ctx, self.choices, arrival, grammar, req.priority, req.cache_salt)
+        words = self.choices[0].params.bad_words if self.choices else None
+        bad_words = await tokenize_bad_words(ctx, words) if words else None
+        stream = submit(
+            ctx, self.choices, arrival, grammar, req.priority, req.cache_salt, bad_words
+        )
 
         self.created = int(time.time())
         if req.stream:
@@ -357,6 +363,15 @@ def check_prompt(
         named = str(exc).split(" ", 1)[0]
         param = named if named in SAMPLING_PARAM_NAMES else param
         raise bad_request(str(exc), param=param, code=code) from None
+
+
+async def tokenize_bad_words(ctx: ServerContext, words: list[str]) -> BadWords | None:
+    """``bad_words`` as token sequences, made on the tokenizer pool (not the engine's
+    thread, whose every request would wait for it)."""
+    assert ctx.client.engine is not None
+    tokenizer = ctx.client.engine.tokenizer
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(ctx.tokenize_pool, BadWords.of, tokenizer, words)
 
 
 def check_priority(ctx: ServerContext, priority: int) -> None:

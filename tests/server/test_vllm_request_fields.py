@@ -71,6 +71,7 @@ def test_bad_words_never_come_out(client: openai.OpenAI) -> None:
     assert r.choices[0].message.content == "b" * 20
     assert "non-blank" in _refused(client, "bad_words", bad_words=["  "])
     assert "at most" in _refused(client, "bad_words", bad_words=["w"] * 1000)
+    assert "characters" in _refused(client, "bad_words", bad_words=["w" * 5000])
 
 
 def _cached(client: openai.OpenAI, prompt: str, salt: str | None = None) -> int:
