@@ -154,13 +154,13 @@ class Holding:
 
     def _queue_full(self, pool: Pool, bumped: bool = False) -> Failure:
         why = (
-            "this request gave way to one of a lower priority value, and"
+            "this request gave way to one of a lower priority value"
             if bumped
-            else "every replica of model {model!r} is busy and"
-        ).format(model=pool.model)
+            else ("every replica is busy")
+        )
         return Failure(
             429,
-            f"{why} {len(pool.queue)} requests already wait at the gateway for model "
+            f"{why} and {len(pool.queue)} requests already wait at the gateway for model "
             f"{pool.model!r}; retry later",
             str(self._s.retry_after_s).encode(),
             code="queue_full",

@@ -10,11 +10,11 @@ SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1
 """A signed 64-bit seed: torch's generators refuse more."""
 LOGIT_BIAS_LIMIT = 100.0
+"""OpenAI's bound on a logit bias."""
 MAX_BAD_WORDS = 256
 """Most ``bad_words`` per request: each is looked up at every step of its request."""
 MAX_BAD_WORD_CHARS = 1000
 """Longest of ``bad_words``: a word or phrase, not a document to tokenise."""
-"""OpenAI's bound on a logit bias."""
 
 
 @dataclass(frozen=True)

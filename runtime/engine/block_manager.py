@@ -3,8 +3,8 @@
 No torch: the model runner owns the tensors, this owns which block holds what.
 
 A full block is identified by a chained hash: hash(parent block's hash, the
-block's token ids); a request's ``cache_salt`` stands in for the first block's parent. Two requests whose prompts share a prefix share those
-blocks (reference count > 1). A block whose last user finished keeps its hash
+block's token ids); a request's ``cache_salt`` stands in for the first block's parent.
+Two requests whose prompts share a prefix share those blocks (reference count > 1). A block whose last user finished keeps its hash
 and sits in the free list; it can be found again by a later prompt until it is
 evicted, least recently freed first.
 """

@@ -29,8 +29,8 @@ class SamplingTensors:
     frequency_penalty: torch.Tensor | None = None  # (N,)
     prompt_mask: torch.Tensor | None = None  # (N, V) bool: token occurs in the prompt
     output_counts: torch.Tensor | None = None  # (N, V) int: occurrences in the output
-    banned: torch.Tensor | None = None  # (N, V) bool: EOS/stop ids before min_tokens, and
-    # every token but a request's allowed_token_ids
+    banned: torch.Tensor | None = None  # (N, V) bool: EOS/stop ids before min_tokens, every
+    # token but a request's allowed_token_ids, the last tokens of its bad_words due now
     logit_bias: torch.Tensor | None = None  # (N, V) float32: added to the logits
     token_bitmask: torch.Tensor | None = None  # (N, ceil(V/32)) int32: bit set = token allowed
     token_bitmask_rows: list[int] = field(default_factory=list)  # the rows it constrains

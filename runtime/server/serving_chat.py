@@ -92,7 +92,7 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
                 tools=tools.template_tools() if tools is not None else None,
                 tool_prompt=tools.tool_prompt if tools is not None else None,
                 max_tokens=engine.max_model_len,
-                keep_last=self.keep_tokens(),
+                keep_last=self.keep,
             ),
             "messages",
         )

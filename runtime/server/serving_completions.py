@@ -65,7 +65,7 @@ class Completion(GenerateRequest[CompletionRequest]):
                     self.engine.encode_prompt,
                     prompt,
                     max_tokens=self.engine.max_model_len,
-                    keep_last=self.keep_tokens(),
+                    keep_last=self.keep,
                 )
                 yield await tokenize(self.ctx, encode, "prompt")
             else:

@@ -79,6 +79,8 @@ class GenerateRequest(ABC, Generic[RequestT]):
         self.choices: list[Choice] = []
         self.created = 0
         """When the choices were submitted (Unix seconds), as OpenAI reports it."""
+        self.keep: int | None = None
+        """The prompt's last tokens ``truncate_prompt_tokens`` keeps (``keep_tokens``)."""
 
     async def create(self, request: Request) -> Response:
         """The request's response: a JSON body, or a stream of Server-Sent Events."""
@@ -92,7 +94,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 param="stream_options",
             )
         self.check()
-        self.keep_tokens()  # a truncate_prompt_tokens out of range: a 400 before tokenising
+        self.keep = self.keep_tokens()  # out of range: a 400 before any tokenising
         if req.stream and req.prompt_logprobs is not None:
             raise bad_request(
                 "prompt_logprobs are answered whole, not streamed (as vLLM's); set stream to "
@@ -199,8 +201,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
 
     def truncated(self, prompt_ids: list[int]) -> list[int]:
         """The prompt's last ``truncate_prompt_tokens`` tokens; all of it without."""
-        keep = self.keep_tokens()
-        return prompt_ids if keep is None else prompt_ids[-keep:]
+        return prompt_ids if self.keep is None else prompt_ids[-self.keep :]
 
     def sampling_params(
         self, prompt_len: int, structured: tuple[StructuredOutputParams, str] | None
