@@ -3,7 +3,8 @@
 No torch: the model runner owns the tensors, this owns which block holds what.
 
 A full block is identified by a chained hash: hash(parent block's hash, the
-block's token ids); a request's ``cache_salt`` stands in for the first block's parent.
+block's token ids); a request's ``cache_salt`` and LoRA adapter stand in for the first
+block's parent.
 Two requests whose prompts share a prefix share those blocks (reference count > 1). A block whose last user finished keeps its hash
 and sits in the free list; it can be found again by a later prompt until it is
 evicted, least recently freed first.
@@ -29,12 +30,16 @@ def hash_block(parent: bytes | None, token_ids: Seq[int]) -> bytes:
     return h.digest()
 
 
-def salt_root(cache_salt: str | None) -> bytes | None:
-    """The parent of a salted prompt's first block: two salts (or a salt and none) never
-    give the same chain, so their blocks are never found by each other."""
-    if cache_salt is None:
+def chain_root(seq: Sequence) -> bytes | None:
+    """The parent of a prompt's first block, from its ``cache_salt`` and its LoRA adapter:
+    two salts (or a salt and none), two adapters (or one and the base model) never give the
+    same chain, so their blocks are never found by each other."""
+    if seq.cache_salt is None and seq.lora_key is None:
         return None
-    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache_salt").digest()
+    h = hashlib.blake2b(digest_size=16, person=b"chain_root")
+    for part in (seq.cache_salt, seq.lora_key):
+        h.update(b"\x00" if part is None else b"\x01" + part.encode() + b"\xff")
+    return h.digest()
 
 
 @dataclass
@@ -92,7 +97,7 @@ class BlockManager:
         found: list[int] = []
         for i in range((len(seq.token_ids) - 1) // bs):
             if i == len(hashes):
-                parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
+                parent = hashes[-1] if hashes else chain_root(seq)
                 hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
             block_id = self._cached.get(hashes[i])
             if block_id is None:
@@ -169,7 +174,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
         for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
+            parent = hashes[-1] if hashes else chain_root(seq)
             h = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]

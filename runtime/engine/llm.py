@@ -66,10 +66,16 @@ class LLM:
         prompts: str | list[int] | Seq[str | list[int]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         priority: Seq[int] | None = None,
+        lora: str | Seq[str | None] | None = None,
     ) -> list[GenerationResult]:
         """Every prompt is checked before any enters the batch; results keep the prompts' order.
-        ``priority``: one per prompt, lower runs sooner (with ``scheduling_policy="priority"``)."""
+        ``priority``: one per prompt, lower runs sooner (with ``scheduling_policy="priority"``).
+        ``lora``: the name of a LoRA adapter of ``lora_modules`` for all prompts, or one per
+        prompt (None: the base model)."""
         prompt_list = _prompt_list(prompts)
+        loras = [lora] * len(prompt_list) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(loras)} lora names")
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(priorities)} priorities")
@@ -82,6 +88,8 @@ class LLM:
         )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params)} sampling params")
+        for name in set(loras) - {None}:
+            self.engine.check_lora(name)
         encoded = [self.engine.encode_prompt(p) for p in prompt_list]
         for i, (ids, p, pri) in enumerate(zip(encoded, params, priorities, strict=True)):
             try:
@@ -99,10 +107,10 @@ class LLM:
             rid: IncrementalDetokenizer(self.tokenizer, p)
             for rid, p in zip(request_ids, params, strict=True)
         }
-        for rid, ids, p, g, pri in zip(
-            request_ids, encoded, params, grammars, priorities, strict=True
+        for rid, ids, p, g, pri, name in zip(
+            request_ids, encoded, params, grammars, priorities, loras, strict=True
         ):
-            self.engine.add_request(rid, ids, p, grammar=g, priority=pri)
+            self.engine.add_request(rid, ids, p, grammar=g, priority=pri, lora=name)
         finals: dict[str, RequestOutput] = {}
         logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
         while self.engine.has_unfinished_requests():

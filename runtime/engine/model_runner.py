@@ -38,6 +38,7 @@ from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
 from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_supported
+from conveyor.runtime.layers.lora import Adapter, LoRASlots, read_adapter
 from conveyor.runtime.layers.parallel import SINGLE, TensorParallel, check_split
 from conveyor.runtime.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
@@ -175,6 +176,8 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.eos_token_ids: tuple[int, ...] = ()  # set by the engine once derived
         self.structured_outputs: StructuredOutputs | None = None  # set by the engine
+        if settings.lora_enabled:
+            self._load_loras(on_progress or log.info)
         if self.backend.layer_kernels is not None:  # Triton on GPU, C++ on CPU
             use_fused_layers(self.model, self.backend.layer_kernels)
         if self.device.type == "cpu" and self.backend.name == "cpu":
@@ -202,6 +205,30 @@ class ModelRunner:
                 self.piecewise_graphs = PiecewiseCudaGraphs(
                     self.model, min(budget, pieces or budget), self.device, self.dtype
                 )
+
+    def _load_loras(self, progress: Callable[[str], None]) -> None:
+        """The adapter slots, and ``--lora-modules`` read into them (``layers/lora.py``)."""
+        st = self.settings
+        lora = self.model.lora = LoRASlots(self.model, st.lora_slots, st.max_lora_rank)
+        for slot, module in enumerate(st.lora_modules):
+            lora.put(slot, read_adapter(module.name, module.path, self.model, st.max_lora_rank))
+            progress(f"LoRA adapter {module.name!r} loaded from {module.path}")
+
+    def put_lora(self, slot: int, adapter: Adapter | None) -> None:
+        """Fill ``slot`` with ``adapter`` (None: empty it), on every rank: the others read it
+        from its folder themselves."""
+        lora = self.model.lora
+        assert lora is not None, "LoRA is not enabled"
+        if self.ranks is not None:
+            name, path = (adapter.name, adapter.path) if adapter else (None, None)
+            self.ranks.send(tensor_parallel.PutLoRA(slot, name, path))
+        lora.put(slot, adapter)
+
+    def read_lora(self, name: str, path: str) -> Adapter:
+        """The adapter in folder ``path``, checked against the model (any thread may call it);
+        raises ``AdapterError`` for one that cannot be served."""
+        assert self.model.lora is not None, "LoRA is not enabled"
+        return read_adapter(name, path, self.model, self.model.lora.max_rank)
 
     def _pack_linear_weights(self) -> None:
         """Decode-sized matmuls on oneDNN-packed weights (``layers/linear.py``)."""
@@ -350,10 +377,20 @@ class ModelRunner:
     def _forward(self, layout: StepLayout) -> torch.Tensor:
         """The forward pass over the step's tokens -> hidden states (T, hidden)."""
         input_ids, positions, meta = step_tensors(layout, self.device)
+        if layout.lora:  # adapters' tokens: the layers one by one, with the LoRA deltas
+            lora = self.model.lora
+            assert lora is not None
+            slots = layout.lora_token_slots()
+            lora.step.begin(self._tensor(slots, torch.int64), max(slots) + 1, self.dtype)
+            try:
+                hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
+            finally:
+                lora.step.end()
+            return hidden
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(
             layout.num_decodes, len(input_ids)
         ):
-            hidden: torch.Tensor = self.cuda_graphs.run(input_ids, positions, meta)
+            hidden = self.cuda_graphs.run(input_ids, positions, meta)
         elif self.piecewise_graphs is not None and self.piecewise_graphs.can_run(len(input_ids)):
             assert self.kv_cache is not None  # captured once the cache is allocated
             hidden = self.piecewise_graphs.run(input_ids, positions, self.kv_cache, meta)

@@ -52,3 +52,8 @@ class EngineStats:
     prefix_cache_hits: int
     preemptions: int
     steps: int
+    max_loras: int = 0
+    """LoRA slots (0: LoRA is off)."""
+    running_loras: tuple[str, ...] = ()
+    """The adapters of running requests, and of waiting ones, by name."""
+    waiting_loras: tuple[str, ...] = ()

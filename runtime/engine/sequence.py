@@ -70,6 +70,11 @@ class Sequence:
     cache_salt: str | None = field(default=None, repr=False)
     """Its blocks are found in and shared through the prefix cache only by requests with the
     same salt (vLLM's ``cache_salt``): it seeds the chain of block hashes."""
+    lora_slot: int = -1
+    """The device slot of the LoRA adapter it runs with (``layers/lora.py``); -1: none."""
+    lora_key: str | None = field(default=None, repr=False)
+    """Its adapter's name and load, which seeds the chain of block hashes with the salt: an
+    adapter's KV differs from the base model's for the same tokens."""
     prefix_hashes: list[bytes] = field(default_factory=list, repr=False)
     """Chained hashes of the first full blocks of ``token_ids``, as far as prefix-cache
     lookups have needed them (the ids are only ever appended to, so these never change)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,47 @@ a smaller budget gives a burst of prompts its first tokens in turn rather than a
 last chunk, and stalls the running decodes for a quarter of the time: against vLLM for CPU
 (``conveyor bench peer``, 32 streams of 128 in / 128 out) TTFT p50 went from 1.02x vLLM's to
 0.40x, at 1.25-1.28x its output tokens per second either way."""
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served here; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry: the name requests use as ``model``, and the folder."""
+
+    name: str
+    path: str
+
+    @classmethod
+    def parse(cls, text: str) -> LoRAModule:
+        """``name=path``, or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+        text = text.strip()
+        if text.startswith("{"):
+            try:
+                given = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--lora-modules {text!r} is not valid JSON: {exc}") from None
+            if not isinstance(given, dict) or not {"name", "path"} <= given.keys():
+                raise ValueError(f'--lora-modules JSON needs "name" and "path", got {text!r}')
+            name, path = str(given["name"]), str(given["path"])
+        else:
+            name, sep, path = text.partition("=")
+            if not sep:
+                raise ValueError(f"--lora-modules takes name=path, got {text!r}")
+        check_adapter_name(name.strip())
+        if not path.strip():
+            raise ValueError(f"--lora-modules {text!r} names no folder")
+        return cls(name.strip(), path.strip())
+
+
+def check_adapter_name(name: str) -> None:
+    """An adapter's name is what requests send as ``model``: printable, without spaces."""
+    if not name or len(name) > 256 or not name.isprintable() or any(c.isspace() for c in name):
+        raise AdapterError(
+            f"adapter name {name!r} must be 1-256 printable characters without spaces"
+        )
 
 
 @dataclass(frozen=True)
@@ -118,6 +160,30 @@ class EngineSettings:
     its share of the cores). 1: no split, no extra process. A model's attention heads, MLP
     width and KV heads (or the ranks, for fewer KV heads) must divide by it."""
 
+    lora_modules: tuple[LoRAModule, ...] = ()
+    """LoRA adapters served beside the base model from the start: requests choose one by
+    sending its name as ``model`` (vLLM's ``--lora-modules name=path``)."""
+
+    enable_lora: bool = False
+    """Serve LoRA adapters; implied by ``lora_modules``. Without any given, adapters come
+    through ``POST /v1/load_lora_adapter`` (the server's ``--allow-runtime-lora-updating``)."""
+
+    max_loras: int | None = None
+    """Adapters resident at once, each in a slot on the device. None: as many as
+    ``lora_modules`` holds, at least 1. A step's extra work grows with the highest slot its
+    tokens use."""
+
+    max_lora_rank: int = 16
+    """The highest rank an adapter may have (vLLM's default, 16); lower ranks are padded."""
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
+    @property
+    def lora_slots(self) -> int:
+        return self.max_loras or max(1, len(self.lora_modules))
+
     def token_budget(self, device_type: str) -> int:
         """``chunked_prefill_size``, or the default for a device of this type."""
         if self.chunked_prefill_size is not None:
@@ -149,6 +215,17 @@ class EngineSettings:
             _check_positive("max_total_tokens", self.max_total_tokens)
         _check_positive("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.max_loras is not None:
+            _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        names = [m.name for m in self.lora_modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_modules names must differ, got {names}")
+        if self.lora_slots < len(self.lora_modules):
+            raise ValueError(
+                f"max_loras {self.max_loras} is fewer than the {len(self.lora_modules)} "
+                "lora_modules given: every adapter needs a slot of its own"
+            )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
@@ -303,6 +380,37 @@ class EngineSettings:
             f"heads must divide by it (default {d.tensor_parallel_size})",
         )
 
+        g = parser.add_argument_group("LoRA adapters")
+        g.add_argument(
+            "--lora-modules",
+            nargs="+",
+            type=_lora_module_arg,
+            default=[],
+            metavar="NAME=PATH",
+            help="LoRA adapters to serve (PEFT folders: adapter_config.json and "
+            'adapter_model.safetensors), as name=path or vLLM\'s JSON {"name": ..., "path": '
+            "...}; a request picks one by sending its name as model",
+        )
+        g.add_argument(
+            "--enable-lora",
+            action="store_true",
+            help="serve LoRA adapters (implied by --lora-modules); with "
+            "--allow-runtime-lora-updating they can be loaded later",
+        )
+        g.add_argument(
+            "--max-loras",
+            type=int,
+            default=None,
+            help="adapters resident at once, one device slot each (default: as many as "
+            "--lora-modules gives, at least 1)",
+        )
+        g.add_argument(
+            "--max-lora-rank",
+            type=int,
+            default=d.max_lora_rank,
+            help="the highest adapter rank served (default %(default)s)",
+        )
+
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineSettings:
         return cls(
@@ -328,10 +436,21 @@ class EngineSettings:
             num_threads=args.num_threads,
             tensor_parallel_size=args.tensor_parallel_size,
             generation_config=args.generation_config,
+            lora_modules=tuple(args.lora_modules),
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
         )
 
     def replace(self, **changes: Any) -> EngineSettings:
         return dataclasses.replace(self, **changes)
+
+
+def _lora_module_arg(text: str) -> LoRAModule:
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -367,4 +486,4 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _BYTE_UNITS[m.group(2).lower()])
 
 
-__all__ = ["EngineSettings", "parse_bytes"]
+__all__ = ["AdapterError", "EngineSettings", "LoRAModule", "check_adapter_name", "parse_bytes"]

@@ -8,6 +8,7 @@ every rank does for itself.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,14 @@ class StepLayout:
     prefill_tables: list[list[int]]
     prefill_ctx: list[int]
     prefill_q: list[int]
+    lora: list[int] = dataclasses.field(default_factory=list)
+    """Each sequence's LoRA slot (-1: the base model), in the layout's order; empty when no
+    sequence of the step uses an adapter."""
+
+    def lora_token_slots(self) -> list[int]:
+        """Each token's LoRA slot (a decode has one token, a prefill chunk its query)."""
+        counts = [1] * self.num_decodes + self.prefill_q
+        return [slot for slot, n in zip(self.lora, counts, strict=True) for _ in range(n)]
 
 
 def place_tokens(
@@ -65,9 +74,11 @@ def layout_step(batch: ScheduledBatch, block_size: int) -> tuple[StepLayout, lis
             prefill_tables.append(table)
             prefill_ctx.append(end)
             prefill_q.append(n)
+    lora = [seq.lora_slot for seq in batch.seqs]
     layout = StepLayout(
         ids, pos, slots, batch.num_decodes,
         decode_tables, decode_lens, prefill_tables, prefill_ctx, prefill_q,
+        lora if any(slot >= 0 for slot in lora) else [],
     )  # fmt: skip
     return layout, sample_rows
 

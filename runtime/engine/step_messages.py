@@ -44,6 +44,8 @@ class StepMessage:
     """Keys of sequences that finished since the last step: their tables are dropped."""
     sample_rows: list[int]
     """The rows (among the step's tokens) whose logits rank 0 samples from."""
+    lora: list[int]
+    """Each sequence's LoRA slot, as in the layout (empty: none uses an adapter)."""
 
 
 class StepSender:
@@ -78,7 +80,7 @@ class StepSender:
         released, self._released = self._released, []
         return StepMessage(
             layout.token_ids, keys, batch.num_decodes, context_lens,
-            list(batch.num_new_tokens), tables, released, sample_rows,
+            list(batch.num_new_tokens), tables, released, sample_rows, layout.lora,
         )  # fmt: skip
 
     @property
@@ -119,5 +121,5 @@ class StepReceiver:
         d = m.num_decodes
         return StepLayout(
             m.token_ids, positions, slots, d, tables[:d], m.context_lens[:d],
-            tables[d:], m.context_lens[d:], m.query_lens[d:],
+            tables[d:], m.context_lens[d:], m.query_lens[d:], m.lora,
         )  # fmt: skip

@@ -76,11 +76,20 @@ class AllocateKvCache:
 
 
 @dataclass(frozen=True)
+class PutLoRA:
+    """Fill a LoRA slot with the adapter in ``path`` (None: empty it)."""
+
+    slot: int
+    name: str | None
+    path: str | None
+
+
+@dataclass(frozen=True)
 class Stop:
     pass
 
 
-Command = SizeKvCache | AllocateKvCache | StepMessage | Stop
+Command = SizeKvCache | AllocateKvCache | StepMessage | PutLoRA | Stop
 
 
 @dataclass(frozen=True)
@@ -395,6 +404,10 @@ def main(argv: list[str]) -> None:
             conn.send(runner.num_blocks_for_memory(command.max_tokens_useful))
         elif isinstance(command, AllocateKvCache):
             runner.allocate_kv_cache(command.num_blocks, command.capture_graphs)
+        elif isinstance(command, PutLoRA):  # rank 0 read it first: it reads here too
+            name, path = command.name, command.path
+            adapter = None if name is None or path is None else runner.read_lora(name, path)
+            runner.put_lora(command.slot, adapter)
         else:
             return
 

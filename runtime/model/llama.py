@@ -19,6 +19,7 @@ from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
+from conveyor.runtime.layers.lora import LoRAProjection, LoRASlots
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
@@ -102,6 +103,9 @@ class LlamaAttention(nn.Module):
         self.scale = s.head_dim**-0.5
         self.backend = backend
         self.tp = s.tp if s.tp.size > 1 else None  # o_proj is row-parallel: sum its partials
+        self.lora_qkv_proj: LoRAProjection | None = None
+        self.lora_o_proj: LoRAProjection | None = None
+        """Set when the replica serves LoRA adapters (``layers/lora.py``)."""
 
     def project(
         self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
@@ -109,6 +113,8 @@ class LlamaAttention(nn.Module):
         """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), rotated: all that depends on
         the step's tokens alone (a piecewise CUDA graph holds it, ``piecewise_graphs.py``)."""
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        if self.lora_qkv_proj is not None:
+            qkv = self.lora_qkv_proj(x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
@@ -134,7 +140,10 @@ class LlamaAttention(nn.Module):
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """(T, Hq, D) -> (T, hidden), summed over the ranks' heads."""
-        out = self.o_proj(o.flatten(1))  # (T, hidden), this rank's heads' part
+        o = o.flatten(1)
+        out = self.o_proj(o)  # (T, hidden), this rank's heads' part
+        if self.lora_o_proj is not None:
+            out = self.lora_o_proj(o, out)
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -145,9 +154,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
         self.act = SiluAndMul()
         self.tp = s.tp if s.tp.size > 1 else None  # down_proj is row-parallel
+        self.lora_gate_up_proj: LoRAProjection | None = None
+        self.lora_down_proj: LoRAProjection | None = None
 
     def forward(self, x):
-        out = self.down_proj(self.act(self.gate_up_proj(x)))  # (T, hidden), this rank's part
+        if self.lora_gate_up_proj is None or self.lora_down_proj is None:
+            out = self.down_proj(self.act(self.gate_up_proj(x)))  # (T, hidden), this rank's part
+        else:
+            h = self.act(self.lora_gate_up_proj(x, self.gate_up_proj(x)))
+            out = self.lora_down_proj(h, self.down_proj(h))
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
@@ -206,6 +221,8 @@ class LlamaForCausalLM(nn.Module):
         self.fused_layers: DecoderLayers | None = None
         """All layers in one call, (x, positions, kv_caches, meta) -> (x, residual), with the
         loop below's result; set on CPU when the C++ kernels can (``kernels/cpu/backend.py``)."""
+        self.lora: LoRASlots | None = None
+        """The LoRA adapters on the device, when the replica serves some (``layers/lora.py``)."""
         if s.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -221,7 +238,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions (T,); kv_caches (L, 2, blocks, bs, Hkv, D) -> hidden (T, hidden)."""
-        if self.fused_layers is not None:
+        if self.fused_layers is not None and (self.lora is None or self.lora.step.masks is None):
             x, residual = self.fused_layers(
                 self.embed_tokens(input_ids), positions, kv_caches, meta
             )
