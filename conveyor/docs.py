@@ -120,7 +120,11 @@ def _families(registry) -> list[tuple[str, str, str, list[str]]]:
         labels = list(getattr(collector, "_labelnames", ()) or ())
         for fam in collector.collect():
             name = fam.name + ("_total" if fam.type == "counter" else "")
-            fam_labels = labels or sorted({k for s in fam.samples for k in s.labels if k != "le"})
+            fam_labels = (
+                labels
+                or list(getattr(fam, "_labelnames", ()))
+                or sorted({k for s in fam.samples for k in s.labels if k != "le"})
+            )
             out[name] = (name, fam.type, " ".join(fam.documentation.split()), fam_labels)
     return sorted(out.values())
 

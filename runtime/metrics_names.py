@@ -23,6 +23,11 @@ REQUEST_QUEUE_TIME = "conveyor_request_queue_time_seconds"
 NUM_REQUESTS_RUNNING = "conveyor_num_requests_running"
 NUM_REQUESTS_WAITING = "conveyor_num_requests_waiting"
 KV_CACHE_USAGE = "conveyor_kv_cache_usage_ratio"
+LORA_REQUESTS_INFO = "conveyor_lora_requests_info"
+"""LoRA adapters in use (labels ``running_lora_adapters``, ``waiting_lora_adapters``, comma
+separated, and ``max_lora``), valued at the scrape's Unix time, as vLLM's series the Gateway
+API Inference Extension's endpoint picker reads for LoRA affinity."""
+LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
 
 # Counters (the names as exposed, with their ``_total`` suffix).
 PREFIX_CACHE_QUERIES = "conveyor_prefix_cache_queries_total"
@@ -60,6 +65,7 @@ VLLM_NAMES: dict[str, str] = {
     NUM_REQUESTS_RUNNING: VLLM.running,
     NUM_REQUESTS_WAITING: VLLM.waiting,
     KV_CACHE_USAGE: VLLM.kv_cache_usage,
+    LORA_REQUESTS_INFO: "vllm:lora_requests_info",
     PREFIX_CACHE_QUERIES: "vllm:prefix_cache_queries_total",
     PREFIX_CACHE_HITS: "vllm:prefix_cache_hits_total",
     PROMPT_TOKENS: VLLM.prompt_tokens,

@@ -46,6 +46,12 @@ from conveyor.runtime.server.response_store import ResponseStore
 from conveyor.runtime.server.responses_protocol import ResponsesRequest
 from conveyor.runtime.server.serving_chat import create_chat_completion
 from conveyor.runtime.server.serving_completions import create_completion
+from conveyor.runtime.server.serving_lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    unload_lora_adapter,
+)
 from conveyor.runtime.server.serving_responses import (
     create_response,
     delete_response,
@@ -170,6 +176,7 @@ def build_app(
             tokenize_pool=pool,
             grammar_pool=grammar_pool,
             responses=ResponseStore(int(settings.responses_store_mb * 2**20)),
+            loras={m.name: m.path for m in settings.engine.lora_modules},
         )
         client.start()
         stats_log = (
@@ -229,6 +236,16 @@ def build_app(
     async def remove_response(response_id: str, request: Request) -> dict[str, Any]:
         return delete_response(request.state.ctx, response_id)
 
+    if settings.allow_runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora(body: LoadLoRAAdapterRequest, request: Request) -> Response:
+            return await load_lora_adapter(request.state.ctx, body)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora(body: UnloadLoRAAdapterRequest, request: Request) -> Response:
+            return await unload_lora_adapter(request.state.ctx, body)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         return await create_tokenize(request.state.ctx, body)
@@ -250,7 +267,12 @@ def build_app(
         }
         if engine is not None:
             card["max_model_len"] = engine.max_model_len
-        return {"object": "list", "data": [card]}
+        # LoRA adapters as vLLM lists them: the folder as root, the base model as parent.
+        adapters = [
+            {**card, "id": name, "root": path, "parent": ctx.model_name}
+            for name, path in ctx.loras.items()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.get("/health")
     async def health(request: Request) -> Response:

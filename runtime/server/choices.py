@@ -15,10 +15,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from conveyor.runtime.detokenizer import IncrementalDetokenizer
+from conveyor.runtime.engine.settings import AdapterError
 from conveyor.runtime.sampling_params import SEED_MIN, SamplingParams
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.engine_client import EngineDeadError, EngineRequest, OutputStream
-from conveyor.runtime.server.errors import INTERNAL, UNAVAILABLE, APIError
+from conveyor.runtime.server.errors import INTERNAL, NOT_FOUND, UNAVAILABLE, APIError
 from conveyor.runtime.server.serving_common import check_queue
 
 if TYPE_CHECKING:
@@ -124,11 +125,12 @@ def submit(
     priority: int = 0,
     cache_salt: str | None = None,
     bad_words: BadWords | None = None,
+    lora: str | None = None,
 ) -> OutputStream:
     """Admit the choices (429 above the queue bound) and hand them to the engine, with no
     ``await`` in between, so concurrent requests cannot all pass the same check.
     ``grammar``: the choices' compiled structured output, if they have one; ``bad_words``
-    their ``bad_words`` as tokens."""
+    their ``bad_words`` as tokens; ``lora``: the LoRA adapter they run with."""
     check_queue(ctx, len(choices))
     try:
         return ctx.client.submit(
@@ -142,6 +144,7 @@ def submit(
                     priority,
                     cache_salt,
                     bad_words,
+                    lora,
                 )
                 for c in choices
             ]
@@ -180,6 +183,8 @@ async def run_choices(
         raise APIError(
             INTERNAL, f"the engine stopped: {exc}; the replica needs a restart", code="engine_dead"
         ) from exc
+    except AdapterError as exc:  # unloaded between the request's check and the engine
+        raise APIError(NOT_FOUND, str(exc), param="model", code="model_not_found") from exc
     finally:
         stream.close()
 

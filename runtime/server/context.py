@@ -67,6 +67,8 @@ class ServerContext:
     thread (a large JSON schema takes tens of milliseconds the first time)."""
     responses: ResponseStore
     """Stored responses of ``POST /v1/responses`` (``--responses-store-mb``)."""
+    loras: dict[str, str] = field(default_factory=dict)
+    """The LoRA adapters served (name -> folder): ``--lora-modules`` and those loaded since."""
     token_text: dict[int, str] = field(default_factory=dict)
     """Text of single token ids for logprobs, filled on first use (bounded by the vocabulary)."""
 

@@ -51,6 +51,10 @@ class EngineSnapshot:
     preemptions: int = 0
     steps: int = 0
     """Engine steps taken since the server started."""
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    """LoRA slots, and the adapters of running and waiting requests (``EngineStats``)."""
 
 
 @dataclass
@@ -82,6 +86,17 @@ class EngineRequest:
     """Prefix-cache blocks are shared only between requests with the same salt."""
     bad_words: BadWords | None = None
     """``params.bad_words`` as tokens, made off the engine thread."""
+    lora: str | None = None
+    """The LoRA adapter it runs with (the request's ``model``); None: the base model."""
+
+
+@dataclass(frozen=True)
+class _Call:
+    """To the engine thread: run ``fn(engine)`` between two steps; its result, or its
+    ``ValueError``, settles ``future`` on the event loop."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
 
 
 @dataclass(frozen=True)
@@ -106,7 +121,7 @@ class EngineClient:
     ) -> None:
         self._factory = engine_factory
         self._metrics = metrics
-        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Call | _Stop] = queue.SimpleQueue()
         """Requests, aborts and ``_STOP``, for the engine thread."""
         self._requests: dict[str, _Request] = {}
         self._thread: threading.Thread | None = None
@@ -179,6 +194,9 @@ class EngineClient:
             generation_tokens=s.generation_tokens,
             preemptions=s.preemptions,
             steps=self._steps,
+            max_loras=s.max_loras,
+            running_loras=s.running_loras,
+            waiting_loras=s.waiting_loras,
         )
 
     def submit(self, requests: list[EngineRequest]) -> OutputStream:
@@ -205,6 +223,15 @@ class EngineClient:
         state.aborted = True
         state.finish_reason = finish_reason
         self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` on the engine thread, between two steps (a LoRA load or unload)."""
+        if self.error is not None or self._thread is None:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        assert self._loop is not None
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
 
     # -- the asyncio side of a step ----------------------------------------------------
 
@@ -322,6 +349,14 @@ class EngineClient:
                     engine.abort_request(msg.request_id)
                     aborted = True
                     continue
+                if isinstance(msg, _Call):
+                    try:
+                        result = msg.fn(engine)
+                    except ValueError as exc:
+                        self._post(_settle, msg.future, None, exc)
+                    else:
+                        self._post(_settle, msg.future, result, None)
+                    continue
                 try:
                     engine.add_request(
                         msg.request_id,
@@ -332,6 +367,7 @@ class EngineClient:
                         priority=msg.priority,
                         cache_salt=msg.cache_salt,
                         bad_words=msg.bad_words,
+                        lora=msg.lora,
                     )
                 except ValueError as exc:
                     # Checked before submit; kept so that one bad request cannot end the loop.
@@ -378,3 +414,12 @@ class OutputStream:
         for request_id in self._live:
             self._client.abort(request_id)
         self._live.clear()
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its caller went away
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -7,6 +7,7 @@ cost nothing between scrapes and can never drift from what the engine counted.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -236,6 +237,15 @@ class _EngineStatsCollector(Collector):
             "Used KV blocks / total KV blocks.",
             stats.kv_cache_usage if stats else 0.0,
         )
+        info = GaugeMetricFamily(
+            names.LORA_REQUESTS_INFO,
+            "LoRA adapters of running and waiting requests (labels), at the scrape's Unix time.",
+            labels=[*labels, *names.LORA_LABELS],
+        )
+        if stats is not None and stats.max_loras:
+            running, waiting = (",".join(stats.running_loras), ",".join(stats.waiting_loras))
+            info.add_metric([self._model, str(stats.max_loras), running, waiting], time.time())
+        yield info
         for name, field_name, doc in self._COUNTERS:
             c = CounterMetricFamily(name.removesuffix("_total"), doc, labels=labels)
             c.add_metric([self._model], getattr(stats, field_name) if stats else 0)

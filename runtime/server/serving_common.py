@@ -32,15 +32,19 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def check_model(ctx: ServerContext, model: str | None) -> None:
-    if model is not None and model != ctx.model_name:
-        raise APIError(
-            NOT_FOUND,
-            f"model {model!r} is not served here; this replica serves {ctx.model_name!r} "
-            "(see GET /v1/models)",
-            param="model",
-            code="model_not_found",
-        )
+def check_model(ctx: ServerContext, model: str | None) -> str | None:
+    """The LoRA adapter ``model`` names (None: the base model); a 404 for any other name."""
+    if model is None or model == ctx.model_name:
+        return None
+    if model in ctx.loras:
+        return model
+    served = ", ".join(repr(m) for m in [ctx.model_name, *ctx.loras])
+    raise APIError(
+        NOT_FOUND,
+        f"model {model!r} is not served here; this replica serves {served} (see GET /v1/models)",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def check_engine(ctx: ServerContext) -> None:

@@ -81,12 +81,14 @@ class GenerateRequest(ABC, Generic[RequestT]):
         """When the choices were submitted (Unix seconds), as OpenAI reports it."""
         self.keep: int | None = None
         """The prompt's last tokens ``truncate_prompt_tokens`` keeps (``keep_tokens``)."""
+        self.lora: str | None = None
+        """The LoRA adapter the request's ``model`` names; None: the base model."""
 
     async def create(self, request: Request) -> Response:
         """The request's response: a JSON body, or a stream of Server-Sent Events."""
         arrival = time.monotonic()
         ctx, req = self.ctx, self.req
-        check_model(ctx, req.model)
+        self.lora = check_model(ctx, req.model)
         check_engine(ctx)
         if req.stream_options is not None and not req.stream:
             raise bad_request(
@@ -113,7 +115,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
         words = self.choices[0].params.bad_words if self.choices else None
         bad_words = await tokenize_bad_words(ctx, words) if words else None
         stream = submit(
-            ctx, self.choices, arrival, grammar, req.priority, req.cache_salt, bad_words
+            ctx, self.choices, arrival, grammar, req.priority, req.cache_salt, bad_words, self.lora
         )
 
         self.created = int(time.time())
@@ -280,12 +282,17 @@ class GenerateRequest(ABC, Generic[RequestT]):
             self.ctx.token_text[token_id] = text
         return text
 
+    @property
+    def model_name(self) -> str:
+        """The name answers carry: the adapter's, or the base model's."""
+        return self.lora or self.ctx.model_name
+
     def _head(self, object_: str) -> dict[str, Any]:
         return {
             "id": self.request_id,
             "object": object_,
             "created": self.created,
-            "model": self.ctx.model_name,
+            "model": self.model_name,
         }
 
     def prompt_logprobs_body(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:

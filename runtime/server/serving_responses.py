@@ -255,7 +255,7 @@ class ResponseGeneration(ChatCompletion):
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "metadata": req.metadata or {},
-            "model": self.ctx.model_name,
+            "model": self.model_name,
             "output": output,
             "parallel_tool_calls": req.parallel_tool_calls,
             "previous_response_id": req.previous_response_id,

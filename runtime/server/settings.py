@@ -11,6 +11,13 @@ from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.server.reasoning import REASONING_PARSERS, ReasoningParser
 
 API_KEY_ENV = "CONVEYOR_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 TOOL_CALL_PARSERS = ("hermes", "smollm2")
 """Tool-call formats ``--tool-call-parser`` knows (``tool_calls.py`` reads them, and
 ``tool_prompt.py`` writes tools in them for chat templates that ignore ``tools``)."""
@@ -91,6 +98,11 @@ class ServerSettings:
     Gateway API Inference Extension's endpoint picker, KEDA or HPA rules, vLLM's dashboards.
     Off by default: every such series is a second copy in Prometheus."""
 
+    allow_runtime_lora_updating: bool = False
+    """Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's, behind
+    its ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a client names a folder on the replica to
+    read, so only where clients are trusted. Implies ``--enable-lora``."""
+
     engine: EngineSettings = field(default_factory=EngineSettings)
     """The engine this server drives."""
 
@@ -107,6 +119,13 @@ class ServerSettings:
             )
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
+        if self.allow_runtime_lora_updating and not self.engine.lora_enabled:
+            object.__setattr__(self, "engine", self.engine.replace(enable_lora=True))
+        if self.model_name in {m.name for m in self.engine.lora_modules}:
+            raise ValueError(
+                f"LoRA adapter name {self.model_name!r} is the base model's served name; "
+                "give the adapter another"
+            )
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(
                 f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
@@ -214,6 +233,14 @@ class ServerSettings:
             action="store_true",
             help="accepted as vLLM has it; tool_choice auto needs --tool-call-parser",
         )
+        g.add_argument(
+            "--allow-runtime-lora-updating",
+            action="store_true",
+            default=_env_flag(RUNTIME_LORA_ENV),
+            help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which read an "
+            "adapter from a folder the client names (only where clients are trusted); implies "
+            f"--enable-lora (also set by ${RUNTIME_LORA_ENV}=true, as vLLM)",
+        )
         EngineSettings.add_cli_args(parser)
 
     @classmethod
@@ -233,5 +260,6 @@ class ServerSettings:
             chat_template=read_chat_template(args.chat_template),
             responses_store_mb=args.responses_store_mb,
             vllm_metrics=args.vllm_metrics,
+            allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             engine=EngineSettings.from_cli_args(args),
         )
