@@ -50,6 +50,12 @@ def test_invalid_resources_are_refused_with_what_to_fix(
         "spec.replicas: Invalid value: -1": {"model": {"builtin": "conveyor-tiny"}, "replicas": -1},
         'spec.routing.policy: Unsupported value: "random"': {"model": {"builtin": "conveyor-tiny"}, "routing": {"policy": "random"}},
         "spec.model: Required value": {"replicas": 1},
+        "spec.model.loraAdapters[1]: Duplicate value": {"model": {"builtin": "conveyor-tiny", "loraAdapters": [
+            {"name": "sql", "path": "/a/sql"}, {"name": "sql", "path": "/a/sql2"}]}},
+        "spec.model.loraAdapters[0].path: Invalid value": {"model": {"builtin": "conveyor-tiny", "loraAdapters": [
+            {"name": "sql", "path": "adapters/sql"}]}},
+        "a model.loraAdapters name must differ from model.servedName": {"model": {
+            "builtin": "conveyor-tiny", "servedName": "m", "loraAdapters": [{"name": "m", "path": "/a/m"}]}},
     }  # fmt: skip
     for message, spec in cases.items():
         body = {

@@ -109,6 +109,8 @@ class K8sPoolSpec:
     limits: Limits = NO_LIMITS
     """Batch and queue bounds of the pool's replicas, for those whose load is read from
     ``/metrics`` (vLLM, SGLang), which do not say them there."""
+    adapters: tuple[str, ...] = ()
+    """LoRA adapters the replicas serve beside ``model``: each name routes to them too."""
 
     @property
     def source(self) -> str:
@@ -192,8 +194,8 @@ class KubernetesDiscovery:
             self._tasks[spec.source] = asyncio.create_task(self._run_pool(spec), name=spec.source)
 
     async def update_pool(self, spec: K8sPoolSpec) -> None:
-        """A pool's routing policy or limits changed (its watch, port and model did not): the
-        pool is published again with them, its watch, replicas and their load kept."""
+        """A pool's routing policy, limits or adapters changed (its watch, port and model did
+        not): the pool is published again with them, its watch, replicas and their load kept."""
         if spec.source not in self._tasks:
             self.add_pool(spec)
             return
@@ -248,7 +250,13 @@ class KubernetesDiscovery:
             model = await self._learn_model(spec, urls)
         if model is None:
             return  # no replica has told us its model yet; the next event asks again
-        self._registry.sync(source, {model: urls}, {model: spec.policy}, {model: spec.limits})
+        names = (model, *spec.adapters)
+        self._registry.sync(
+            source,
+            {name: urls for name in names},
+            {name: spec.policy for name in names},
+            {name: spec.limits for name in names},
+        )
 
     async def _learn_model(self, spec: K8sPoolSpec, urls: set[str]) -> str | None:
         for url in sorted(urls):

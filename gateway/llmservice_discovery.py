@@ -42,18 +42,21 @@ def pool_spec(namespace: str, llmservice: dict[str, Any]) -> K8sPoolSpec | None:
         return None
     spec = llmservice.get("spec") or {}
     name = meta["name"]
+    model = spec.get("model") or {}
     return K8sPoolSpec(
         namespace=namespace,
         label_selector=f"{LLMSERVICE_LABEL}={name},{COMPONENT_LABEL}=runtime",
-        model=(spec.get("model") or {}).get("servedName") or name,
+        model=model.get("servedName") or name,
         policy=(spec.get("routing") or {}).get("policy"),
         port_name=PORT_NAME,
         limits=Limits.of_spec(spec),
+        adapters=tuple(a["name"] for a in model.get("loraAdapters") or [] if a.get("name")),
     )
 
 
 def same_pool(a: K8sPoolSpec, b: K8sPoolSpec) -> bool:
-    """The same watch, port and model: what differs (routing policy, limits) changes in place."""
+    """The same watch, port and model: what differs (routing policy, limits, LoRA adapters)
+    changes in place."""
     return (a.source, a.port_name, a.model) == (b.source, b.port_name, b.model)
 
 

@@ -48,6 +48,10 @@ class Engine:
     """Answers once the model is loaded (readiness probe)."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment every replica of the engine gets (before spec.runtime.env)."""
+    lora_flags: tuple[str, ...] = ()
+    """Flags before spec.model.loraAdapters' ``name=path`` list."""
+    max_loras_flag: str | None = None
+    """Flag given how many adapters a batch may mix (all of them)."""
 
 
 CONVEYOR = Engine(
@@ -71,6 +75,7 @@ CONVEYOR = Engine(
     },
     tensor_parallel_flag="--tensor-parallel-size",
     ready_path="/ready",
+    lora_flags=("--lora-modules",),
 )
 VLLM = Engine(
     name="vllm",
@@ -89,6 +94,8 @@ VLLM = Engine(
     },
     tensor_parallel_flag="--tensor-parallel-size",
     env={"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"},
+    lora_flags=("--enable-lora", "--lora-modules"),
+    max_loras_flag="--max-loras",  # vLLM's default, 1, runs one adapter a batch
 )
 SGLANG = Engine(
     name="sglang",
@@ -109,6 +116,7 @@ SGLANG = Engine(
     tensor_parallel_flag="--tp-size",
     always=("--enable-metrics",),
     env={"SGLANG_DISABLE_REQUEST_LOGGING": "1", "DO_NOT_TRACK": "1"},
+    lora_flags=("--enable-lora", "--lora-paths"),
 )
 BY_NAME: dict[str, Engine] = {e.name: e for e in (CONVEYOR, VLLM, SGLANG)}
 assert tuple(BY_NAME) == ENGINES
@@ -189,6 +197,17 @@ def engine_flags(engine: Engine, runtime: dict[str, Any], gpus: int) -> list[str
     if engine.tensor_parallel_flag and gpus > 1:
         args += [engine.tensor_parallel_flag, str(gpus)]  # one replica spans its GPUs
     return args + list(engine.always)
+
+
+def lora_args(engine: Engine, model: dict[str, Any]) -> list[str]:
+    """The engine's flags for spec.model.loraAdapters: every adapter, on every replica."""
+    adapters = model.get("loraAdapters") or []
+    if not adapters:
+        return []
+    args = [*engine.lora_flags, *(f"{a['name']}={a['path']}" for a in adapters)]
+    if engine.max_loras_flag:
+        args += [engine.max_loras_flag, str(len(adapters))]
+    return args
 
 
 def builtin_model_dir(cache_mount: str, name: str) -> str:

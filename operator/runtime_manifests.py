@@ -16,6 +16,7 @@ from conveyor.operator.engines import (
     builtin_model_dir,
     engine_flags,
     engine_of,
+    lora_args,
 )
 from conveyor.operator.names import (
     CACHE_MOUNT,
@@ -86,7 +87,8 @@ def serve_args(llmservice: dict[str, Any]) -> list[str]:
         "--port", str(RUNTIME_PORT),
     ]  # fmt: skip
     gpus = int((spec.get("resources") or {}).get("gpus", 0))
-    return args + engine_flags(CONVEYOR, runtime, gpus) + list(runtime.get("extraArgs") or [])
+    args += engine_flags(CONVEYOR, runtime, gpus) + lora_args(CONVEYOR, spec["model"])
+    return args + list(runtime.get("extraArgs") or [])
 
 
 def engine_model(spec: dict[str, Any]) -> str:
@@ -117,7 +119,8 @@ def engine_command(llmservice: dict[str, Any]) -> tuple[list[str], list[str]]:
         "--port", str(RUNTIME_PORT),
     ]  # fmt: skip
     gpus = int((spec.get("resources") or {}).get("gpus", 0))
-    args += engine_flags(engine, runtime, gpus) + list(runtime.get("extraArgs") or [])
+    args += engine_flags(engine, runtime, gpus) + lora_args(engine, spec["model"])
+    args += list(runtime.get("extraArgs") or [])
     command = list(engine.command)
     if "builtin" in spec["model"]:
         command = ["sh", "-c", WAIT_FOR_MODEL, model, *command]

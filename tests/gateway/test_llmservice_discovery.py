@@ -204,3 +204,19 @@ async def test_a_namespace_without_llmservices_is_synced_with_no_pools() -> None
         assert registry.served_models() == []
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+def with_adapters(obj: dict[str, Any], *names: str) -> dict[str, Any]:
+    obj["spec"]["model"]["loraAdapters"] = [{"name": n, "path": f"/adapters/{n}"} for n in names]
+    return obj
+
+
+async def test_an_llmservices_lora_adapters_route_to_its_replicas() -> None:
+    services = FakeServices([with_adapters(llmservice("chat"), "sql", "legal")])
+    slices = FakeSlices({"chat": "198.18.0.5"})
+    async with watching(services, slices) as (registry, _):
+        assert registry.served_models() == ["chat", "legal", "sql"]
+        assert list(registry.pools["sql"].replicas) == ["http://198.18.0.5:8000"]
+        await services.events.put(("MODIFIED", with_adapters(llmservice("chat"), "sql")))
+        await until(lambda: "legal" not in registry.pools, "a removed adapter's pool")
+        assert registry.served_models() == ["chat", "sql"]  # in place: the others stay

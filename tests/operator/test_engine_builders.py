@@ -231,3 +231,28 @@ def test_the_crd_refuses_what_the_operator_would_report_in_the_same_words() -> N
         engine = BY_NAME[name]
         for setting in typed - set(engine.flags):
             assert (name, setting) in UNSUPPORTED or setting in POD_LEVEL, (name, setting)
+
+
+@pytest.mark.parametrize(
+    ("engine", "flags"),
+    [
+        ("conveyor", ["--lora-modules", "sql=/a/sql", "chat=/a/chat"]),
+        (
+            "vllm",
+            ["--enable-lora", "--lora-modules", "sql=/a/sql", "chat=/a/chat", "--max-loras", "2"],
+        ),
+        ("sglang", ["--enable-lora", "--lora-paths", "sql=/a/sql", "chat=/a/chat"]),
+    ],
+)
+def test_lora_adapters_become_each_engines_flags(engine: str, flags: list[str]) -> None:
+    adapters = [{"name": "sql", "path": "/a/sql"}, {"name": "chat", "path": "/a/chat"}]
+    spec = {
+        "engine": engine,
+        "model": {"hub": "Qwen/Qwen2.5-0.5B-Instruct", "loraAdapters": adapters},
+    }
+    _, args = engine_command(llmservice({**spec, "runtime": {"extraArgs": ["--seed", "7"]}}))
+    start = args.index(flags[0])
+    assert args[start : start + len(flags)] == flags
+    assert args[-2:] == ["--seed", "7"]  # extraArgs still last, to override
+    _, plain = engine_command(llmservice({**spec, "model": {"hub": "Qwen/Qwen2.5-0.5B-Instruct"}}))
+    assert not {"--lora-modules", "--lora-paths", "--enable-lora"} & set(plain)
