@@ -14,6 +14,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "conveyor.bench.engine.structured",
         "grammar compile time and step time with constrained requests in the batch",
     ),
+    "lora": (
+        "conveyor.bench.engine.lora",
+        "step time with LoRA adapters in the batch against the base model",
+    ),
     "serve": ("conveyor.bench.serve.command", "HTTP load generator against a server or gateway"),
     "serve-compare": (
         "conveyor.bench.serve.compare",

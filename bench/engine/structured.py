@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Any
 
+from conveyor.bench.engine.steps import fastest_decode_step
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputParams
@@ -32,10 +33,6 @@ SCHEMA: dict[str, Any] = {
 }
 """The schema the structured-output tests validate against: enums, bounded integers and
 strings, an array, no extra properties."""
-
-TIMED_STEPS = 16
-"""Decode steps timed per batch; the fastest is reported (on a shared machine the others
-measure the neighbours), as ``conveyor bench offline`` does."""
 
 
 def compile_times(engine: LLMEngine, schema: dict[str, Any]) -> dict[str, float]:
@@ -58,32 +55,20 @@ def compile_times(engine: LLMEngine, schema: dict[str, Any]) -> dict[str, float]
 def step_time(
     engine: LLMEngine, batch: int, constrained: int, spec: StructuredOutputParams, prompt_len: int
 ) -> float:
-    """Fastest decode step (ms) of ``batch`` requests, ``constrained`` of them by ``spec``,
-    timed while the whole batch still runs."""
+    """Fastest decode step (ms) of ``batch`` requests, ``constrained`` of them by ``spec``."""
     rng = random.Random(1)
     vocab = min(engine.runner.vocab_size, 256)
-    for i in range(batch):
-        prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-        if i < constrained:
-            params = SamplingParams(max_tokens=200, temperature=1.0, structured_output=spec)
-        else:
-            params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True)
-        engine.add_request(f"structured-{batch}-{constrained}-{i}", prompt, params)
-    while (
-        any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running)
-        or engine.scheduler.waiting
-    ):
-        engine.step()  # prefill until everyone decodes
-    times: list[float] = []
-    while len(times) < TIMED_STEPS and len(engine.scheduler.running) == batch:
-        t0 = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t0)
-    for seq in list(engine.scheduler.running):
-        engine.abort_request(seq.request_id)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return min(times) * 1e3
+
+    def add() -> None:
+        for i in range(batch):
+            prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+            if i < constrained:
+                params = SamplingParams(max_tokens=200, temperature=1.0, structured_output=spec)
+            else:
+                params = SamplingParams(max_tokens=200, temperature=1.0, ignore_eos=True)
+            engine.add_request(f"structured-{batch}-{constrained}-{i}", prompt, params)
+
+    return fastest_decode_step(engine, add, batch)
 
 
 def main(argv: list[str] | None = None) -> int:
