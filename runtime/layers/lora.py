@@ -131,6 +131,8 @@ def read_adapter(name: str, path: str | Path, model: LlamaForCausalLM, max_rank:
                 f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                 f"model's ({out_features}, {in_features}) projection; is it this model's adapter?"
             )
+        if rank < 1:
+            raise AdapterError(f"{where}: lora_A has rank 0")
         if rank > max_rank:
             raise AdapterError(
                 f"{where}: rank {rank} is over --max-lora-rank {max_rank}; raise it to serve it"
@@ -162,9 +164,18 @@ def _scaling(name: str, config: Any):
         raise AdapterError(f"adapter {name!r}: lora_alpha must be a number")
     rslora = bool(config.get("use_rslora"))
 
+    try:
+        compiled = [(re.compile(rf"(.*\.)?{k}$"), v) for k, v in patterns.items()]
+    except re.error as exc:
+        raise AdapterError(
+            f"adapter {name!r}: alpha_pattern is not a set of patterns: {exc}"
+        ) from None
+    if not all(isinstance(v, int | float) for _, v in compiled):
+        raise AdapterError(f"adapter {name!r}: alpha_pattern's values must be numbers")
+
     def scaling(layer: int, module: str, rank: int) -> float:
         full = f"model.layers.{layer}.{_BLOCK[module]}.{module}"
-        a = next((v for k, v in patterns.items() if re.match(rf"(.*\.)?{k}$", full)), alpha)
+        a = next((v for k, v in compiled if k.match(full)), alpha)
         return float(a) / (math.sqrt(rank) if rslora else rank)
 
     return scaling

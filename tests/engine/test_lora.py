@@ -155,6 +155,16 @@ def test_adapters_that_cannot_be_served_are_refused_with_the_reason(tmp_path: Pa
         assert "not LORA" in refused(peft_type="PREFIX_TUNING")
         with pytest.raises(AdapterError, match="not a folder"):
             llm.engine.runner.read_lora("x", str(tmp_path / "missing"))
+        assert "alpha_pattern" in refused(alpha_pattern={"(": 2})
+        # PEFT's scaling: lora_alpha / r, with alpha_pattern's alpha for the modules it names
+        folder = tmp_path / "patterned"
+        tensors = write_adapter(folder, base, seed=8, rank=4, alpha=8, layers=[0],
+                                alpha_pattern={"q_proj": 32})  # fmt: skip
+        adapter = llm.engine.runner.read_lora("patterned", str(folder))
+        for module, scaling in (("q_proj", 8.0), ("k_proj", 2.0)):
+            block = "self_attn"
+            b = tensors[f"base_model.model.model.layers.0.{block}.{module}.lora_B.weight"]
+            assert torch.equal(adapter.weights[(0, module)][1], b * scaling)
 
 
 def test_lora_modules_parse_as_vllm_writes_them() -> None:
