@@ -88,7 +88,7 @@ class LLM:
         )
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params)} sampling params")
-        for name in set(loras) - {None}:
+        for name in {n for n in loras if n is not None}:
             self.engine.check_lora(name)
         encoded = [self.engine.encode_prompt(p) for p in prompt_list]
         for i, (ids, p, pri) in enumerate(zip(encoded, params, priorities, strict=True)):

@@ -316,7 +316,8 @@ class LLMEngine:
             slot = lora.free_slot()
         if slot is None:
             raise AdapterError(
-                f"all {len(lora.names)} LoRA slots are taken (--max-loras); unload an adapter first"
+                f"{lora.loaded} LoRA adapters are loaded, as many as --max-cpu-loras allows; "
+                "unload one first"
             )
         self.runner.put_lora(slot, adapter)
 
@@ -455,7 +456,7 @@ class LLMEngine:
             return tuple(sorted({n for s in seqs if (n := lora.name_of(s.lora_slot)) is not None}))
 
         return dict(
-            max_loras=len(lora.names),
+            max_loras=lora.max_resident or len(lora.names),
             running_loras=names(self.scheduler.running),
             waiting_loras=names(self.scheduler.waiting),
         )

@@ -209,7 +209,8 @@ class ModelRunner:
     def _load_loras(self, progress: Callable[[str], None]) -> None:
         """The adapter slots, and ``--lora-modules`` read into them (``layers/lora.py``)."""
         st = self.settings
-        lora = self.model.lora = LoRASlots(self.model, st.lora_slots, st.max_lora_rank)
+        lora = LoRASlots(self.model, st.lora_slots, st.max_lora_rank, st.max_cpu_loras)
+        self.model.lora = lora
         for slot, module in enumerate(st.lora_modules):
             lora.put(slot, read_adapter(module.name, module.path, self.model, st.max_lora_rank))
             progress(f"LoRA adapter {module.name!r} loaded from {module.path}")
@@ -380,8 +381,7 @@ class ModelRunner:
         if layout.lora:  # adapters' tokens: the layers one by one, with the LoRA deltas
             lora = self.model.lora
             assert lora is not None
-            slots = layout.lora_token_slots()
-            lora.step.begin(self._tensor(slots, torch.int64), max(slots) + 1, self.dtype)
+            lora.step.begin(layout.lora_token_slots(), self.device, self.dtype)
             try:
                 hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
             finally:

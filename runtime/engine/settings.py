@@ -169,9 +169,14 @@ class EngineSettings:
     through ``POST /v1/load_lora_adapter`` (the server's ``--allow-runtime-lora-updating``)."""
 
     max_loras: int | None = None
-    """Adapters resident at once, each in a slot on the device. None: as many as
-    ``lora_modules`` holds, at least 1. A step's extra work grows with the highest slot its
-    tokens use."""
+    """Device slots made for adapters at start (vLLM's flag, where it bounds the adapters one
+    batch mixes; here a step mixes any loaded adapters, at a cost that grows with those in
+    it). None: as many as ``lora_modules`` holds, at least 1. More are made as adapters are
+    loaded."""
+
+    max_cpu_loras: int | None = None
+    """Adapters loaded at most (vLLM's name; here they all stay on the device): a load past
+    it is refused until one is unloaded. None: no bound."""
 
     max_lora_rank: int = 16
     """The highest rank an adapter may have (vLLM's default, 16); lower ranks are padded."""
@@ -182,7 +187,9 @@ class EngineSettings:
 
     @property
     def lora_slots(self) -> int:
-        return self.max_loras or max(1, len(self.lora_modules))
+        """Slots made at start: ``max_loras``, and one for each of ``lora_modules``."""
+        slots = max(self.max_loras or 1, len(self.lora_modules))
+        return slots if self.max_cpu_loras is None else min(slots, self.max_cpu_loras)
 
     def token_budget(self, device_type: str) -> int:
         """``chunked_prefill_size``, or the default for a device of this type."""
@@ -221,11 +228,13 @@ class EngineSettings:
         names = [m.name for m in self.lora_modules]
         if len(set(names)) != len(names):
             raise ValueError(f"lora_modules names must differ, got {names}")
-        if self.lora_slots < len(self.lora_modules):
-            raise ValueError(
-                f"max_loras {self.max_loras} is fewer than the {len(self.lora_modules)} "
-                "lora_modules given: every adapter needs a slot of its own"
-            )
+        if self.max_cpu_loras is not None:
+            _check_positive("max_cpu_loras", self.max_cpu_loras)
+            if self.max_cpu_loras < len(self.lora_modules):
+                raise ValueError(
+                    f"max_cpu_loras {self.max_cpu_loras} is fewer than the "
+                    f"{len(self.lora_modules)} lora_modules given"
+                )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}"
@@ -401,8 +410,16 @@ class EngineSettings:
             "--max-loras",
             type=int,
             default=None,
-            help="adapters resident at once, one device slot each (default: as many as "
-            "--lora-modules gives, at least 1)",
+            help="device slots made for adapters at start (more are made as adapters are "
+            "loaded); vLLM's flag, where it bounds the adapters one batch mixes: a Conveyor "
+            "step mixes any loaded adapters (default: one per --lora-modules, at least 1)",
+        )
+        g.add_argument(
+            "--max-cpu-loras",
+            type=int,
+            default=None,
+            help="adapters loaded at most (all on the device); a load past it is refused "
+            "until one is unloaded (default: no bound)",
         )
         g.add_argument(
             "--max-lora-rank",
@@ -439,6 +456,7 @@ class EngineSettings:
             lora_modules=tuple(args.lora_modules),
             enable_lora=args.enable_lora,
             max_loras=args.max_loras,
+            max_cpu_loras=args.max_cpu_loras,
             max_lora_rank=args.max_lora_rank,
         )
 

@@ -191,24 +191,35 @@ def module_dims(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
 
 
 class LoRAStep:
-    """The step's per-token masks, one per number of parts (1, 2, 3); None: no token of the
-    step uses an adapter, and the projections add nothing."""
+    """The step's adapters: per number of parts (1, 2, 3), the slots' columns its tokens use
+    and each token's mask over them; None: no token of the step uses an adapter, and the
+    projections add nothing."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.masks: dict[int, torch.Tensor] | None = None
+        self.columns: dict[int, slice | torch.Tensor] = {}
 
-    def begin(self, token_slots: torch.Tensor, used: int, dtype: torch.dtype) -> None:
-        """``token_slots`` (T,): each token's slot, -1 for the base model; ``used``: one
-        more than the highest slot among them (slots above it are left out of the matmuls)."""
+    def begin(self, token_slots: list[int], device: torch.device, dtype: torch.dtype) -> None:
+        """``token_slots``: each token's slot, -1 for the base model. Only the slots the step
+        uses take part, so its cost grows with the adapters in it, not the adapters loaded."""
+        used = sorted({s for s in token_slots if s >= 0})
+        place = {slot: i for i, slot in enumerate(used)}
+        tokens = torch.tensor([place.get(s, -1) for s in token_slots], device=device)
         self.masks = {}
         for parts in (1, 2, 3):
             width = parts * self.rank
-            column_slot = torch.arange(used * width, device=token_slots.device) // width
-            self.masks[parts] = (token_slots[:, None] == column_slot[None, :]).to(dtype)
+            if used == list(range(len(used))):  # the first slots: a view, no copy
+                self.columns[parts] = slice(0, len(used) * width)
+            else:
+                starts = torch.tensor(used, device=device)[:, None] * width
+                self.columns[parts] = (starts + torch.arange(width, device=device)).flatten()
+            column_slot = torch.arange(len(used) * width, device=device) // width
+            self.masks[parts] = (tokens[:, None] == column_slot[None, :]).to(dtype)
 
     def end(self) -> None:
         self.masks = None
+        self.columns.clear()
 
 
 class LoRAProjection:
@@ -222,21 +233,25 @@ class LoRAProjection:
         masks = self.step.masks
         if masks is None:
             return y
-        mask = masks[self.parts]
-        width = mask.shape[1]
-        return y + (x @ self.a[:width].t() * mask) @ self.b[:, :width].t()
+        cols = self.step.columns[self.parts]
+        return y + (x @ self.a[cols].t() * masks[self.parts]) @ self.b[:, cols].t()
 
 
 class LoRASlots:
-    """The adapters resident on the device: ``max_loras`` slots, and each projection's
-    ``LoRAProjection`` attached to the model's layers (``lora_qkv`` and so on)."""
+    """The adapters resident on the device, one slot each, and each projection's
+    ``LoRAProjection`` attached to the model's layers (``lora_qkv_proj`` and so on). Slots
+    are added (the stacks copied into larger ones, between two steps) as adapters are
+    loaded, up to ``max_resident`` adapters (None: no bound)."""
 
-    def __init__(self, model: LlamaForCausalLM, max_loras: int, max_rank: int) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, slots: int, max_rank: int, max_resident: int | None = None
+    ) -> None:
         self.model = model
         self.max_rank = max_rank
-        self.names: list[str | None] = [None] * max_loras
+        self.max_resident = max_resident
+        self.names: list[str | None] = []
         self.loads = 0
-        self.keys: list[str | None] = [None] * max_loras
+        self.keys: list[str | None] = []
         """Per slot: what keys its requests' prefix-cache blocks (the name and which load of
         it: a name loaded again may have other weights)."""
         self.step = LoRAStep(max_rank)
@@ -247,12 +262,25 @@ class LoRASlots:
             for target, modules in TARGETS.items():
                 block = "self_attn" if target in ("qkv_proj", "o_proj") else "mlp"
                 out_features, in_features = params[f"layers.{i}.{block}.{target}.weight"].shape
-                width = max_loras * len(modules) * max_rank
-                a = torch.zeros(width, in_features, dtype=weight.dtype, device=weight.device)
-                b = torch.zeros(out_features, width, dtype=weight.dtype, device=weight.device)
+                a = weight.new_zeros(0, in_features)
+                b = weight.new_zeros(out_features, 0)
                 projection = LoRAProjection(self.step, len(modules), a, b)
                 self.projections[(i, target)] = projection
                 setattr(getattr(layer, block), f"lora_{target}", projection)
+        self._grow(slots)
+
+    @torch.no_grad()
+    def _grow(self, slots: int) -> None:
+        """Room for ``slots`` adapters: each stack copied into a larger one of zeros."""
+        added = slots - len(self.names)
+        if added <= 0:
+            return
+        for (_, target), p in self.projections.items():
+            width = added * len(TARGETS[target]) * self.max_rank
+            p.a = torch.cat([p.a, p.a.new_zeros(width, p.a.shape[1])])
+            p.b = torch.cat([p.b, p.b.new_zeros(p.b.shape[0], width)], dim=1)
+        self.names += [None] * added
+        self.keys += [None] * added
 
     def slot_of(self, name: str) -> int | None:
         return self.names.index(name) if name in self.names else None
@@ -260,12 +288,26 @@ class LoRASlots:
     def name_of(self, slot: int) -> str | None:
         return self.names[slot] if slot >= 0 else None
 
+    @property
+    def loaded(self) -> int:
+        return sum(name is not None for name in self.names)
+
     def free_slot(self) -> int | None:
-        return self.slot_of(None)  # type: ignore[arg-type]
+        """An empty slot (one more is made if every slot holds an adapter); None when
+        ``max_resident`` adapters are loaded."""
+        if self.max_resident is not None and self.loaded >= self.max_resident:
+            return None
+        return self.names.index(None) if None in self.names else len(self.names)
 
     @torch.no_grad()
     def put(self, slot: int, adapter: Adapter | None) -> None:
-        """Fill ``slot`` with ``adapter`` (this rank's share of it); None empties it."""
+        """Fill ``slot`` with ``adapter`` (this rank's share of it); None empties it. A slot
+        past the last makes room: twice the slots, or as many as needed."""
+        if slot >= len(self.names):
+            doubled = 2 * len(self.names)
+            if self.max_resident is not None:
+                doubled = min(doubled, self.max_resident)
+            self._grow(max(slot + 1, doubled))
         r = self.max_rank
         for (i, target), p in self.projections.items():
             modules = TARGETS[target]

@@ -70,13 +70,13 @@ def test_adapters_load_and_unload_while_the_engine_runs(tmp_path: Path) -> None:
     base = builtin_model_path()
     write_adapter(tmp_path / "a", base, seed=4)
     write_adapter(tmp_path / "b", base, seed=5)
-    with LLM(str(base), enable_lora=True, max_loras=1) as llm:
+    with LLM(str(base), enable_lora=True, max_cpu_loras=1) as llm:
         engine = llm.engine
         with pytest.raises(ValueError, match="not loaded"):
             llm.generate("hi", GREEDY, lora="a")
         engine.load_lora(engine.runner.read_lora("a", str(tmp_path / "a")))
         first = llm.generate(PROMPTS, GREEDY, lora="a")
-        with pytest.raises(AdapterError, match="slots are taken"):
+        with pytest.raises(AdapterError, match="--max-cpu-loras"):
             engine.load_lora(engine.runner.read_lora("b", str(tmp_path / "b")))
         with pytest.raises(AdapterError, match="already loaded"):
             engine.load_lora(engine.runner.read_lora("a", str(tmp_path / "a")))
@@ -98,6 +98,31 @@ def test_adapters_load_and_unload_while_the_engine_runs(tmp_path: Path) -> None:
         engine.load_lora(engine.runner.read_lora("b", str(tmp_path / "a")), replace=True)
         again = llm.generate(PROMPTS, GREEDY, lora="b")  # a's weights under b's name
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
+
+
+def test_slots_are_added_as_adapters_load_and_a_step_computes_only_the_adapters_in_it(
+    tmp_path: Path,
+) -> None:
+    """One slot at start (vLLM's --max-loras 1 with three --lora-modules): every adapter gets
+    one; a fourth loaded at run time adds more; after an unload the step's adapters are not
+    the first slots, and each request still gets what it gets alone."""
+    base = builtin_model_path()
+    for name, seed in (("a", 11), ("b", 12), ("c", 13), ("d", 14)):
+        write_adapter(tmp_path / name, base, seed=seed, std=0.3)
+    modules = tuple(LoRAModule(n, str(tmp_path / n)) for n in "abc")
+    with LLM(str(base), lora_modules=modules, max_loras=1) as llm:
+        engine = llm.engine
+        alone = {n: llm.generate(PROMPTS[0], GREEDY, lora=n)[0] for n in "abc"}
+        engine.load_lora(engine.runner.read_lora("d", str(tmp_path / "d")))
+        assert engine.runner.model.lora.names == ["a", "b", "c", "d", None, None]  # doubled
+        alone["d"] = llm.generate(PROMPTS[0], GREEDY, lora="d")[0]
+        engine.unload_lora("a")
+        names = ["d", None, "b", "c", "d"]
+        mixed = llm.generate([PROMPTS[0]] * len(names), GREEDY, lora=names)
+        base_alone = llm.generate(PROMPTS[0], GREEDY)[0]
+    want = [alone[n] if n else base_alone for n in names]
+    _same(mixed, want)
+    assert len({tuple(r.token_ids) for r in want}) == 4  # d, the base model, b and c differ
 
 
 def _refusal(llm: LLM, tmp_path: Path, base: Path, **changes: object) -> str:

@@ -32,7 +32,7 @@ def server(start_server: Callable[..., ChildProcess], adapters: Path) -> ChildPr
     return start_server(
         "--lora-modules", f"sql={adapters / 'sql'}",
         f'{{"name": "chat", "path": "{adapters / "chat"}"}}',
-        "--max-loras", "3", "--allow-runtime-lora-updating",
+        "--max-cpu-loras", "3", "--allow-runtime-lora-updating",
     )  # fmt: skip
 
 
@@ -81,7 +81,7 @@ def test_adapters_load_and_unload_at_run_time(
     again = post("load_lora_adapter", lora_name="later", lora_path=str(adapters / "later"))
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
     full = post("load_lora_adapter", lora_name="fourth", lora_path=str(adapters / "sql"))
-    assert full.status_code == 400 and "--max-loras" in full.json()["error"]["message"]
+    assert full.status_code == 400 and "--max-cpu-loras" in full.json()["error"]["message"]
     missing = post("load_lora_adapter", lora_name="x", lora_path=str(adapters / "none"))
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     assert post("load_lora_adapter", lora_name=BASE, lora_path="/").status_code == 400
