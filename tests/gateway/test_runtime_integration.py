@@ -344,3 +344,36 @@ async def test_a_conversation_of_stored_responses_stays_on_the_replica_that_stor
             await client.responses.retrieve(previous)
         with pytest.raises(openai.NotFoundError):  # a well-formed id no replica here made
             await client.responses.retrieve("resp_" + "0" * 40)
+
+
+async def test_a_replicas_lora_adapters_are_routed_by_their_names(
+    processes: Processes, tmp_path
+) -> None:
+    """``--backend URL``: the gateway learns the adapters from the replica's /v1/models, and
+    a request naming one reaches the replica that serves it."""
+    from conveyor.bench.engine.lora_adapters import write_adapter
+    from conveyor.runtime.model.builtin import builtin_model_path
+
+    write_adapter(tmp_path / "sql", builtin_model_path(), seed=1, std=0.3)
+    plain = processes.start(runtime())
+    tuned = processes.start(runtime(None, "--lora-modules", f"sql={tmp_path / 'sql'}"))
+    for replica in (plain, tuned):
+        replica.wait_http("/ready", timeout=180)
+    gw = start_gateway(processes, "--backend", plain.url, "--backend", tuned.url)
+    wait_until(lambda: admitted(gw, "sql") == 1 and admitted(gw, MODEL) == 2, 60, "both pools")
+    async with (
+        openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0) as client,
+        openai.AsyncOpenAI(base_url=tuned.url + "/v1", api_key="unused", max_retries=0) as direct,
+    ):
+        cards = {m.id: m for m in (await client.models.list()).data}
+        assert set(cards) == {MODEL, "sql"} and cards["sql"].model_dump()["parent"] == MODEL
+        ask = dict(prompt="Hello", max_tokens=12, temperature=0)
+        for _ in range(4):  # whichever replica the base model's pool picks, sql is the tuned one
+            through = await client.completions.create(model="sql", **ask)
+            assert through.model == "sql"
+        assert (
+            through.choices[0].text
+            == (await direct.completions.create(model="sql", **ask)).choices[0].text
+        )
+        base = await client.completions.create(model=MODEL, **ask)
+        assert base.choices[0].text != through.choices[0].text
