@@ -315,11 +315,23 @@ class LLMEngine:
         if slot is None:
             slot = lora.free_slot()
         if slot is None:
+            waiting = f" ({len(self._retiring)} of them unloaded, until their requests finish)"
             raise AdapterError(
-                f"{lora.loaded} LoRA adapters are loaded, as many as --max-cpu-loras allows; "
-                "unload one first"
+                f"{lora.loaded} LoRA adapters are loaded{waiting if self._retiring else ''}, as "
+                "many as --max-cpu-loras allows; unload one first"
             )
         self.runner.put_lora(slot, adapter)
+
+    def served_loras(self) -> dict[str, str]:
+        """The LoRA adapters requests may name -> their folders (those being unloaded aside)."""
+        lora = self.runner.model.lora
+        if lora is None:
+            return {}
+        return {
+            name: path
+            for slot, (name, path) in enumerate(zip(lora.names, lora.paths, strict=True))
+            if name is not None and path is not None and slot not in self._retiring
+        }
 
     def unload_lora(self, name: str) -> None:
         """New requests may no longer name the adapter; its slot is emptied once the requests

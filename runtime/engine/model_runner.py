@@ -216,14 +216,13 @@ class ModelRunner:
             progress(f"LoRA adapter {module.name!r} loaded from {module.path}")
 
     def put_lora(self, slot: int, adapter: Adapter | None) -> None:
-        """Fill ``slot`` with ``adapter`` (None: empty it), on every rank: the others read it
-        from its folder themselves."""
+        """Fill ``slot`` with ``adapter`` (None: empty it), here and then on every other rank,
+        which takes its share of the same tensors (the folder is not read again)."""
         lora = self.model.lora
         assert lora is not None, "LoRA is not enabled"
-        if self.ranks is not None:
-            name, path = (adapter.name, adapter.path) if adapter else (None, None)
-            self.ranks.send(tensor_parallel.PutLoRA(slot, name, path))
         lora.put(slot, adapter)
+        if self.ranks is not None:
+            self.ranks.send(tensor_parallel.PutLoRA.of(slot, adapter))
 
     def read_lora(self, name: str, path: str) -> Adapter:
         """The adapter in folder ``path``, checked against the model (any thread may call it);
@@ -381,7 +380,7 @@ class ModelRunner:
         if layout.lora:  # adapters' tokens: the layers one by one, with the LoRA deltas
             lora = self.model.lora
             assert lora is not None
-            lora.step.begin(layout.lora_token_slots(), self.device, self.dtype)
+            lora.step.begin(layout.lora_token_slots(), self.device)
             try:
                 hidden: torch.Tensor = self.model(input_ids, positions, self.kv_cache, meta)
             finally:

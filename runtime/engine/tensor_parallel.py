@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
     from conveyor.runtime.engine.settings import EngineSettings
+    from conveyor.runtime.layers.lora import Adapter
     from conveyor.runtime.layers.parallel import Collectives, TensorParallel
 
 log = logging.getLogger("conveyor.runtime")
@@ -77,11 +78,27 @@ class AllocateKvCache:
 
 @dataclass(frozen=True)
 class PutLoRA:
-    """Fill a LoRA slot with the adapter in ``path`` (None: empty it)."""
+    """Fill a LoRA slot with rank 0's adapter, as it read it (no ``data``: empty the slot)."""
 
     slot: int
-    name: str | None
-    path: str | None
+    name: str = ""
+    path: str = ""
+    rank: int = 0
+    data: bytes | None = None
+    """``Adapter.to_bytes``: the tensors, not the folder, which may have changed since."""
+
+    @classmethod
+    def of(cls, slot: int, adapter: Adapter | None) -> PutLoRA:
+        if adapter is None:
+            return cls(slot)
+        return cls(slot, adapter.name, adapter.path, adapter.rank, adapter.to_bytes())
+
+    def adapter(self) -> Adapter | None:
+        from conveyor.runtime.layers.lora import Adapter
+
+        if self.data is None:
+            return None
+        return Adapter.from_bytes(self.name, self.path, self.rank, self.data)
 
 
 @dataclass(frozen=True)
@@ -404,10 +421,8 @@ def main(argv: list[str]) -> None:
             conn.send(runner.num_blocks_for_memory(command.max_tokens_useful))
         elif isinstance(command, AllocateKvCache):
             runner.allocate_kv_cache(command.num_blocks, command.capture_graphs)
-        elif isinstance(command, PutLoRA):  # rank 0 read it first: it reads here too
-            name, path = command.name, command.path
-            adapter = None if name is None or path is None else runner.read_lora(name, path)
-            runner.put_lora(command.slot, adapter)
+        elif isinstance(command, PutLoRA):
+            runner.put_lora(command.slot, command.adapter())
         else:
             return
 

@@ -37,6 +37,9 @@ from conveyor.runtime.engine.settings import AdapterError, check_adapter_name
 if TYPE_CHECKING:
     from conveyor.runtime.model.llama import LlamaForCausalLM
 
+PEFT_DEFAULT_ALPHA = 8
+"""``LoraConfig.lora_alpha``'s default, for a config that leaves it out."""
+
 TARGETS: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
     "o_proj": ("o_proj",),
@@ -66,14 +69,47 @@ class Adapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     """(layer, checkpoint module such as ``q_proj``) -> (A, scaling * B)."""
 
+    def to_bytes(self) -> bytes:
+        """The tensors as safetensors bytes, as a tensor-parallel rank 0 sends them to the
+        others (a pickled tensor would go through torch's shared-memory handles, which the
+        ranks' own processes cannot open)."""
+        from safetensors.torch import save
+
+        tensors = {}
+        for (layer, module), (a, b) in self.weights.items():
+            tensors[f"{layer}.{module}.A"], tensors[f"{layer}.{module}.B"] = a, b
+        return save(tensors)
+
+    @classmethod
+    def from_bytes(cls, name: str, path: str, rank: int, data: bytes) -> Adapter:
+        from safetensors.torch import load
+
+        tensors = load(data)
+        weights = {}
+        for key in tensors:
+            if key.endswith(".A"):
+                layer, module, _ = key.split(".")
+                weights[(int(layer), module)] = (tensors[key], tensors[key[:-1] + "B"])
+        return cls(name, path, rank, weights)
+
 
 def read_adapter(name: str, path: str | Path, model: LlamaForCausalLM, max_rank: int) -> Adapter:
     """Read and check the PEFT adapter in folder ``path`` against ``model``'s shape."""
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     check_adapter_name(name)
     folder = Path(path).expanduser()
+    try:
+        return _read(name, folder, model, max_rank, load_file)
+    except OSError as exc:  # a name too long, a folder that cannot be listed
+        raise AdapterError(f"adapter {name!r}: {str(folder)[:300]!r}: {exc.strerror}") from None
+
+
+def _read(
+    name: str, folder: Path, model: LlamaForCausalLM, max_rank: int, load_file: Any
+) -> Adapter:
+    from safetensors import SafetensorError
+
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
     if not folder.is_dir():
         raise AdapterError(f"adapter {name!r}: {str(folder)!r} is not a folder")
@@ -90,7 +126,7 @@ def read_adapter(name: str, path: str | Path, model: LlamaForCausalLM, max_rank:
         )
     try:
         config = json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # also not UTF-8
         raise AdapterError(f"adapter {name!r}: adapter_config.json cannot be read: {exc}") from None
     scaling_of = _scaling(name, config)
     try:
@@ -137,9 +173,14 @@ def read_adapter(name: str, path: str | Path, model: LlamaForCausalLM, max_rank:
             raise AdapterError(
                 f"{where}: rank {rank} is over --max-lora-rank {max_rank}; raise it to serve it"
             )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"{where}: the weights hold NaN or infinity")
-        weights[(layer, module)] = (a, b * scaling_of(layer, module, rank))
+        b = b * scaling_of(layer, module, rank)
+        dtype = model.embed_tokens.weight.dtype
+        if not (torch.isfinite(a.to(dtype)).all() and torch.isfinite(b.to(dtype)).all()):
+            raise AdapterError(
+                f"{where}: the weights (B scaled by lora_alpha / r) hold NaN or infinity "
+                f"in {str(dtype).removeprefix('torch.')}"
+            )
+        weights[(layer, module)] = (a, b)
     return Adapter(name, str(folder), max(a.shape[0] for a, _ in weights.values()), weights)
 
 
@@ -158,10 +199,10 @@ def _scaling(name: str, config: Any):
     ):
         if not ok(config.get(key)):
             raise AdapterError(f"adapter {name!r}: {why} ({key}: {config.get(key)!r})")
-    alpha = config.get("lora_alpha", config.get("r", 8))
+    alpha = config.get("lora_alpha", PEFT_DEFAULT_ALPHA)
     patterns = config.get("alpha_pattern") or {}
-    if not isinstance(alpha, int | float) or not isinstance(patterns, dict):
-        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number")
+    if not _finite_number(alpha) or not isinstance(patterns, dict):
+        raise AdapterError(f"adapter {name!r}: lora_alpha must be a finite number, got {alpha!r}")
     rslora = bool(config.get("use_rslora"))
 
     try:
@@ -170,8 +211,8 @@ def _scaling(name: str, config: Any):
         raise AdapterError(
             f"adapter {name!r}: alpha_pattern is not a set of patterns: {exc}"
         ) from None
-    if not all(isinstance(v, int | float) for _, v in compiled):
-        raise AdapterError(f"adapter {name!r}: alpha_pattern's values must be numbers")
+    if not all(_finite_number(v) for _, v in compiled):
+        raise AdapterError(f"adapter {name!r}: alpha_pattern's values must be finite numbers")
 
     def scaling(layer: int, module: str, rank: int) -> float:
         full = f"model.layers.{layer}.{_BLOCK[module]}.{module}"
@@ -179,6 +220,11 @@ def _scaling(name: str, config: Any):
         return float(a) / (math.sqrt(rank) if rslora else rank)
 
     return scaling
+
+
+def _finite_number(value: Any) -> bool:
+    """A JSON number that is not a bool, NaN or infinite (Python's json reads NaN and Infinity)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def module_dims(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
@@ -200,7 +246,7 @@ class LoRAStep:
         self.masks: dict[int, torch.Tensor] | None = None
         self.columns: dict[int, slice | torch.Tensor] = {}
 
-    def begin(self, token_slots: list[int], device: torch.device, dtype: torch.dtype) -> None:
+    def begin(self, token_slots: list[int], device: torch.device) -> None:
         """``token_slots``: each token's slot, -1 for the base model. Only the slots the step
         uses take part, so its cost grows with the adapters in it, not the adapters loaded."""
         used = sorted({s for s in token_slots if s >= 0})
@@ -215,7 +261,7 @@ class LoRAStep:
                 starts = torch.tensor(used, device=device)[:, None] * width
                 self.columns[parts] = (starts + torch.arange(width, device=device)).flatten()
             column_slot = torch.arange(len(used) * width, device=device) // width
-            self.masks[parts] = (tokens[:, None] == column_slot[None, :]).to(dtype)
+            self.masks[parts] = tokens[:, None] == column_slot[None, :]
 
     def end(self) -> None:
         self.masks = None
@@ -234,7 +280,10 @@ class LoRAProjection:
         if masks is None:
             return y
         cols = self.step.columns[self.parts]
-        return y + (x @ self.a[cols].t() * masks[self.parts]) @ self.b[:, cols].t()
+        # where, not a multiply: another token's columns are exact zeros, whatever x @ A.T
+        # holds there, so no adapter can reach a request that does not use it
+        shrunk = torch.where(masks[self.parts], x @ self.a[cols].t(), 0.0)
+        return y + shrunk @ self.b[:, cols].t()
 
 
 class LoRASlots:
@@ -250,6 +299,7 @@ class LoRASlots:
         self.max_rank = max_rank
         self.max_resident = max_resident
         self.names: list[str | None] = []
+        self.paths: list[str | None] = []
         self.loads = 0
         self.keys: list[str | None] = []
         """Per slot: what keys its requests' prefix-cache blocks (the name and which load of
@@ -275,11 +325,22 @@ class LoRASlots:
         added = slots - len(self.names)
         if added <= 0:
             return
-        for (_, target), p in self.projections.items():
-            width = added * len(TARGETS[target]) * self.max_rank
-            p.a = torch.cat([p.a, p.a.new_zeros(width, p.a.shape[1])])
-            p.b = torch.cat([p.b, p.b.new_zeros(p.b.shape[0], width)], dim=1)
+        grown = {}
+        try:  # every stack made before any is replaced: a failure leaves them all as they were
+            for key, p in self.projections.items():
+                width = added * len(TARGETS[key[1]]) * self.max_rank
+                a = torch.cat([p.a, p.a.new_zeros(width, p.a.shape[1])])
+                b = torch.cat([p.b, p.b.new_zeros(p.b.shape[0], width)], dim=1)
+                grown[key] = (a, b)
+        except RuntimeError as exc:  # out of memory (torch.OutOfMemoryError is one)
+            raise AdapterError(
+                f"no memory for {slots} LoRA slots ({exc}); unload an adapter or bound them with "
+                "--max-cpu-loras"
+            ) from None
+        for key, (a, b) in grown.items():
+            self.projections[key].a, self.projections[key].b = a, b
         self.names += [None] * added
+        self.paths += [None] * added
         self.keys += [None] * added
 
     def slot_of(self, name: str) -> int | None:
@@ -326,6 +387,7 @@ class LoRASlots:
                 p.a[start : start + a.shape[0]] = a.to(p.a.dtype)
                 p.b[rows, start : start + b.shape[1]] = b.to(p.b.dtype)
         self.names[slot] = None if adapter is None else adapter.name
+        self.paths[slot] = None if adapter is None else adapter.path
         self.loads += 1
         self.keys[slot] = None if adapter is None else f"{adapter.name}\0{self.loads}"
 

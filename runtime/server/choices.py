@@ -132,6 +132,10 @@ def submit(
     ``grammar``: the choices' compiled structured output, if they have one; ``bad_words``
     their ``bad_words`` as tokens; ``lora``: the LoRA adapter they run with."""
     check_queue(ctx, len(choices))
+    if lora is not None and lora not in ctx.loras:  # unloaded while the prompt was tokenised
+        raise APIError(
+            NOT_FOUND, f"LoRA adapter {lora!r} is not loaded", param="model", code="model_not_found"
+        )
     try:
         return ctx.client.submit(
             [

@@ -124,6 +124,8 @@ class EngineClient:
         self._inbox: queue.SimpleQueue[EngineRequest | _Abort | _Call | _Stop] = queue.SimpleQueue()
         """Requests, aborts and ``_STOP``, for the engine thread."""
         self._requests: dict[str, _Request] = {}
+        self._calls: set[asyncio.Future[Any]] = set()
+        """``call``s the engine thread has not answered yet (failed if it stops first)."""
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: EngineStats | None = None
@@ -230,6 +232,8 @@ class EngineClient:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         assert self._loop is not None
         future: asyncio.Future[Any] = self._loop.create_future()
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
         self._inbox.put(_Call(fn, future))
         return await future
 
@@ -293,6 +297,8 @@ class EngineClient:
         for state in self._requests.values():
             state.outputs.put_nowait(error)
         self._requests.clear()
+        for future in list(self._calls):
+            _settle(future, None, error)
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -352,8 +358,11 @@ class EngineClient:
                 if isinstance(msg, _Call):
                     try:
                         result = msg.fn(engine)
-                    except ValueError as exc:
+                    except ValueError as exc:  # refused: the engine is as it was
                         self._post(_settle, msg.future, None, exc)
+                    except BaseException as exc:  # the engine dies of it: say so to the caller
+                        self._post(_settle, msg.future, None, exc)
+                        raise
                     else:
                         self._post(_settle, msg.future, result, None)
                     continue

@@ -10,7 +10,8 @@ its slot is emptied when the requests already running with it have finished.
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated
+from functools import partial
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -19,6 +20,10 @@ from conveyor.runtime.engine.settings import AdapterError, check_adapter_name
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import NOT_FOUND, APIError, bad_request
 from conveyor.runtime.server.serving_common import check_engine
+
+if TYPE_CHECKING:
+    from conveyor.runtime.engine.llm_engine import LLMEngine
+    from conveyor.runtime.layers.lora import Adapter
 
 
 class LoadLoRAAdapterRequest(BaseModel):
@@ -63,10 +68,9 @@ async def load_lora_adapter(ctx: ServerContext, req: LoadLoRAAdapterRequest) -> 
     except AdapterError as exc:
         raise bad_request(str(exc), param="lora_path") from None
     try:
-        await ctx.client.call(lambda e: e.load_lora(adapter, replace=req.load_inplace))
+        ctx.loras = await ctx.client.call(partial(_load, adapter, req.load_inplace))
     except AdapterError as exc:
         raise bad_request(str(exc), param="lora_name") from None
-    ctx.loras[name] = adapter.path
     return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
 
@@ -82,9 +86,24 @@ async def unload_lora_adapter(ctx: ServerContext, req: UnloadLoRAAdapterRequest)
         )
     del ctx.loras[name]  # no new request may name it from here on
     try:
-        await ctx.client.call(lambda e: e.unload_lora(name))
+        ctx.loras = await ctx.client.call(partial(_unload, name))
     except AdapterError as exc:
         raise bad_request(str(exc), param="lora_name") from None
     return Response(
         f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain"
     )
+
+
+# On the engine thread. Each answers with the adapters requests may then name: calls run in
+# order there, so the last answer to arrive is what the engine serves, even where a load and
+# an unload of one name race.
+
+
+def _load(adapter: Adapter, replace: bool, engine: LLMEngine) -> dict[str, str]:
+    engine.load_lora(adapter, replace=replace)
+    return engine.served_loras()
+
+
+def _unload(name: str, engine: LLMEngine) -> dict[str, str]:
+    engine.unload_lora(name)
+    return engine.served_loras()

@@ -181,15 +181,22 @@ def test_adapters_that_cannot_be_served_are_refused_with_the_reason(tmp_path: Pa
         with pytest.raises(AdapterError, match="not a folder"):
             llm.engine.runner.read_lora("x", str(tmp_path / "missing"))
         assert "alpha_pattern" in refused(alpha_pattern={"(": 2})
+        assert "finite number" in refused(lora_alpha=float("nan"))  # json writes NaN
+        assert "finite number" in refused(lora_alpha=True)
+        assert "NaN or infinity" in refused(lora_alpha=1e300)  # B * alpha / r overflows
         # PEFT's scaling: lora_alpha / r, with alpha_pattern's alpha for the modules it names
         folder = tmp_path / "patterned"
         tensors = write_adapter(folder, base, seed=8, rank=4, alpha=8, layers=[0],
                                 alpha_pattern={"q_proj": 32})  # fmt: skip
         adapter = llm.engine.runner.read_lora("patterned", str(folder))
-        for module, scaling in (("q_proj", 8.0), ("k_proj", 2.0)):
-            block = "self_attn"
-            b = tensors[f"base_model.model.model.layers.0.{block}.{module}.lora_B.weight"]
+        config = json.loads((folder / "adapter_config.json").read_text())
+        del config["lora_alpha"]  # PEFT's default, 8
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        default = llm.engine.runner.read_lora("default-alpha", str(folder))
+        for module, scaling, default_scaling in (("q_proj", 8.0, 8.0), ("k_proj", 2.0, 2.0)):
+            b = tensors[f"base_model.model.model.layers.0.self_attn.{module}.lora_B.weight"]
             assert torch.equal(adapter.weights[(0, module)][1], b * scaling)
+            assert torch.equal(default.weights[(0, module)][1], b * default_scaling)
 
 
 def test_lora_modules_parse_as_vllm_writes_them() -> None:
@@ -218,6 +225,9 @@ def test_adapters_split_over_tensor_parallel_ranks_match_one_rank(
             lora_modules=(LoRAModule("a", str(tmp_path / "a")),),
         ) as llm:  # fmt: skip
             engine = llm.engine
-            engine.load_lora(engine.runner.read_lora("b", str(tmp_path / "b")))
+            b = engine.runner.read_lora("b", str(tmp_path / "b"))
+            (tmp_path / "b" / "adapter_model.safetensors").rename(tmp_path / "b.safetensors")
+            engine.load_lora(b)  # the other ranks take rank 0's tensors, not the folder's
+            (tmp_path / "b.safetensors").rename(tmp_path / "b" / "adapter_model.safetensors")
             results.append(llm.generate(PROMPTS, GREEDY, lora=loras))
     _same(results[1], results[0])

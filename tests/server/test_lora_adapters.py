@@ -86,6 +86,8 @@ def test_adapters_load_and_unload_at_run_time(
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "lora_path"
     assert post("load_lora_adapter", lora_name=BASE, lora_path="/").status_code == 400
     assert post("load_lora_adapter", lora_name="x").status_code == 400  # no lora_path
+    long = post("load_lora_adapter", lora_name="x", lora_path="/" + "x" * 300)
+    assert long.status_code == 400 and long.json()["error"]["param"] == "lora_path"
 
     r = post("unload_lora_adapter", lora_name="later")
     assert r.status_code == 200 and "removed" in r.text
