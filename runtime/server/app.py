@@ -264,6 +264,7 @@ def build_app(
             "created": 0,
             "owned_by": "conveyor",
             "root": settings.engine.model,
+            "parent": None,  # as vLLM lists a base model beside its adapters
         }
         if engine is not None:
             card["max_model_len"] = engine.max_model_len

@@ -53,6 +53,7 @@ def test_models_list_the_adapters_with_their_parent(client: openai.OpenAI, adapt
     assert set(cards) == {BASE, "sql", "chat"}
     assert cards["sql"]["parent"] == BASE and cards["sql"]["root"] == str(adapters / "sql")
     assert cards["chat"]["max_model_len"] == cards[BASE]["max_model_len"]
+    assert cards[BASE]["parent"] is None
 
 
 def test_a_request_naming_an_adapter_runs_with_it(client: openai.OpenAI) -> None:
