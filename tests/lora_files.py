@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from conveyor.bench.engine.lora_adapters import write_adapter
+from conveyor.bench.engine.lora_adapters import FUSED_MODULES, MODULES, write_adapter
 
-__all__ = ["write_adapter", "write_merged"]
+__all__ = ["FUSED_MODULES", "MODULES", "write_adapter", "write_merged"]
 
 
 def write_merged(

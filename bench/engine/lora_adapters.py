@@ -10,7 +10,11 @@ import torch
 from safetensors.torch import save_file
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-BLOCK = {m: "self_attn" if m in MODULES[:4] else "mlp" for m in MODULES}
+FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+"""What PEFT targets in a Phi-3, whose checkpoint fuses q/k/v and gate/up."""
+BLOCK = {
+    m: "self_attn" if m in (*MODULES[:4], "qkv_proj") else "mlp" for m in MODULES + FUSED_MODULES
+}
 
 
 def dims_from_config(config: dict) -> tuple[int, dict[str, tuple[int, int]]]:
@@ -20,7 +24,8 @@ def dims_from_config(config: dict) -> tuple[int, dict[str, tuple[int, int]]]:
     q, kv = heads * d, (config.get("num_key_value_heads") or heads) * d
     i = config["intermediate_size"]
     dims = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}  # fmt: skip
     return config["num_hidden_layers"], dims
 
 

@@ -167,6 +167,7 @@ class ModelRunner:
             seed=settings.seed,
             tp=self.tp,
             on_progress=on_progress,
+            context=settings.max_model_len,
         )
         s = self.model.shape
         self.vocab_size = s.vocab_size

@@ -49,11 +49,13 @@ TARGETS: dict[str, tuple[str, ...]] = {
 """Each of the model's (packed) projections -> the checkpoint's modules it holds, in order."""
 
 _BLOCK = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
-          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # fmt: skip
+          "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp",
+          "qkv_proj": "self_attn", "gate_up_proj": "mlp"}  # fmt: skip
+"""Checkpoint module -> its block; ``qkv_proj`` and ``gate_up_proj`` are Phi-3's fused ones."""
 
 _TENSOR = re.compile(
-    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])(?:\.default)?\.weight"
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp)\.(q_proj|k_proj|"
+    r"v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj)\.lora_([AB])(?:\.default)?\.weight"
 )
 
 
@@ -180,7 +182,13 @@ def _read(
                 f"{where}: the weights (B scaled by lora_alpha / r) hold NaN or infinity "
                 f"in {str(dtype).removeprefix('torch.')}"
             )
-        weights[(layer, module)] = (a, b)
+        # A fused module's A is its parts' A, and its B their Bs one under another.
+        parts = TARGETS.get(module, (module,))
+        pieces = b.split([dims[part][0] for part in parts])
+        for part, piece in zip(parts, pieces, strict=True):
+            if (layer, part) in weights:
+                raise AdapterError(f"{where}: {part} is given twice (fused and on its own)")
+            weights[(layer, part)] = (a, model.to_rotary_layout(part, piece))
     return Adapter(name, str(folder), max(a.shape[0] for a, _ in weights.values()), weights)
 
 
@@ -233,7 +241,8 @@ def module_dims(model: LlamaForCausalLM) -> dict[str, tuple[int, int]]:
     q, kv = s.total_num_heads * s.head_dim, s.total_num_kv_heads * s.head_dim
     h, i = s.hidden_size, s.total_intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}  # fmt: skip
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}  # fmt: skip
 
 
 class LoRAStep:

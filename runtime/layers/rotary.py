@@ -1,4 +1,12 @@
-"""Rotary position embeddings (the rotate-half layout of Llama, Qwen and Mistral)."""
+"""Rotary position embeddings (the rotate-half layout of Llama, Qwen, Mistral and Phi-3).
+
+A partial rotary (Phi-3's ``partial_rotary_factor``: only a head's first ``rotary_dim``
+dimensions turn, in pairs ``(i, i + rotary_dim / 2)``) runs in the same full-head layout, so
+every kernel stays as it is: the checkpoint's q and k rows are reordered per head at load
+(``rotary_row_order``) so that each turning pair lands on ``(j, j + head_dim / 2)`` and the
+passing dimensions on the slots whose frequency is zero (cos 1, sin 0). Attention reads only
+q·k, which one order for both leaves as it was.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +22,25 @@ RotaryKernel = Callable[
 """(positions, q, k, cos, sin) -> (q, k), rotated (in place or not)."""
 
 
-def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for ``config``'s rope type.
+def rope_inv_freq(config, head_dim: int, context: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of the turning pairs, ``(rotary_dim / 2,)``, and the attention
+    scaling, for ``config``'s rope type; ``context``: the most positions a sequence may have
+    (the served ``--max-model-len``; None: the model's ``max_position_embeddings``).
 
     Scaled variants (llama3, yarn, linear, dynamic, longrope) come from
     transformers' own initialisers, so they match the reference exactly. A GGUF of
     Llama 3.x states its scaling as per-frequency factors instead (``rope_freq_factors``,
     set by the GGUF reader): each inverse frequency is divided by its factor, as llama.cpp does.
+
+    LongRoPE (Phi-3's 128k models) has two sets of factors: transformers turns a sequence
+    with the short ones while it fits ``original_max_position_embeddings`` and recomputes its
+    whole cache with the long ones once it outgrows them; vLLM switches a whole batch to the
+    long ones once any of its positions is past that length, over a cache computed with the
+    short ones. Here a replica keeps one table: the short factors when ``context`` fits the
+    original length (exactly transformers' rope, for every sequence), the long ones when it
+    does not (transformers' rope for every sequence longer than the original length).
     """
-    inv_freq, attention_scaling = _rope_inv_freq(config, head_dim)
+    inv_freq, attention_scaling = _rope_inv_freq(config, head_dim, context)
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")  # (D/2,)
@@ -38,20 +56,48 @@ def rope_type(config) -> str:
     )
 
 
-def _rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+def rotary_dim(config, head_dim: int) -> int:
+    """How many of a head's dimensions turn: all but under a ``partial_rotary_factor``."""
+    params = getattr(config, "rope_parameters", None) or {}
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    dim = int(head_dim * (1.0 if factor is None else factor))
+    if dim < 2 or dim > head_dim or dim % 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor!r} turns {dim} of a head's {head_dim} dimensions; "
+            "Conveyor needs an even number from 2 to head_dim"
+        )
+    return dim
+
+
+def rotary_row_order(head_dim: int, turning: int) -> torch.Tensor | None:
+    """A head's q/k dimensions in Conveyor's layout under a partial rotary of ``turning``
+    dimensions (see the module docstring): slot ``j`` holds the checkpoint's dimension
+    ``order[j]``; None for a full rotary, where the layouts are the same."""
+    if turning == head_dim:
+        return None
+    half, pairs = head_dim // 2, turning // 2
+    passing = list(range(turning, head_dim))
+    order = list(range(pairs)) + passing[: half - pairs]
+    order += list(range(pairs, turning)) + passing[half - pairs :]
+    return torch.tensor(order)
+
+
+def _rope_inv_freq(config, head_dim: int, context: int | None) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or {}
     kind = rope_type(config)
     if kind == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        dim = rotary_dim(config, head_dim)
         inv_freq = 1.0 / (
-            base
-            ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+            base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
         )
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    longest = context or getattr(config, "max_position_embeddings", None)
+    extra = {"seq_len": longest} if kind == "longrope" and longest else {}
     with torch.device("cpu"):  # it makes some tensors on the default device (the model's)
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu", **extra)
     return inv_freq.float(), float(attention_scaling)
 
 
@@ -71,12 +117,19 @@ class RotaryEmbedding(nn.Module):
         # The tables go where the model is being built (``with torch.device(...)``), and are
         # computed there, as the reference computes them on its own device.
         device = torch.get_default_device()
-        inv_freq = inv_freq.to(device)
+        half, pairs = head_dim // 2, inv_freq.numel()
+        if pairs > half:
+            raise ValueError(f"{pairs} rotary frequencies for a head of {head_dim}")
+        # A partial rotary's passing slots (``rotary_row_order``): frequency 0, unscaled.
+        inv_freq = torch.cat([inv_freq, inv_freq.new_zeros(half - pairs)]).to(device)
+        scale = torch.ones(half, dtype=torch.float32, device=device)
+        scale[:pairs] = scaling
+        scale = torch.cat((scale, scale))  # (D,)
         positions = torch.arange(max_position, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -77,8 +77,8 @@ def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
     """Write a random-weight Llama-family model with a byte-level tokenizer to ``path``.
 
     ``config`` is a Hugging Face config dict of model type llama, mistral, qwen2
-    (q/k/v biases) or qwen3 (q/k norms); the tests use small random Qwen2 and
-    Qwen3 shapes made this way.
+    (q/k/v biases), qwen3 (q/k norms) or phi3 (q/k/v and gate/up fused); the tests use
+    small random shapes of each made this way.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -166,6 +166,8 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from conveyor.runtime.model.llama import FUSED
+
     g = torch.Generator().manual_seed(seed)
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     hd, nh, nkv = config["head_dim"], config["num_attention_heads"], config["num_key_value_heads"]
@@ -206,6 +208,11 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "self_attn.q_norm.weight": 1.0 + normal(hd, std=0.05),
                 p + "self_attn.k_norm.weight": 1.0 + normal(hd, std=0.05),
             }
+        if config["model_type"] == "phi3":  # Phi-3's checkpoints hold q/k/v and gate/up fused
+            for fused, parts in FUSED.items():
+                block = "self_attn" if fused == "qkv_proj" else "mlp"
+                pieces = [tensors.pop(f"{p}{block}.{part}.weight") for part in parts]
+                tensors[f"{p}{block}.{fused}.weight"] = torch.cat(pieces)
     tensors["model.norm.weight"] = torch.ones(h)
     # Logits with a spread of a few units: greedy choices are clear-cut, not ties.
     if not config.get("tie_word_embeddings"):

@@ -127,13 +127,14 @@ def _plain_rope(values: dict[str, Any]) -> dict[str, Any] | None:
 def layer_windows(config: Any) -> tuple[int, ...]:
     """Per layer, how many keys a query sees, its own included (0: every key before it), as
     transformers' masks read ``config`` (a ``ModelConfig`` or transformers' own): Mistral
-    slides in every layer when ``sliding_window`` is set (its class default is 4096); Qwen2 and
+    slides in every layer when ``sliding_window`` is set (its class default is 4096), and so
+    does Phi-3 (Phi-3-mini-4k's config says 2047; the class default is none); Qwen2 and
     Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
     those from ``max_window_layers`` on); Llama never. A query at position ``i`` then sees keys
     ``i - window + 1 .. i``."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or 0
-    if config.model_type == "mistral":
+    if config.model_type in ("mistral", "phi3"):
         return (window,) * layers
     if config.model_type not in ("qwen2", "qwen3") or not getattr(
         config, "use_sliding_window", False

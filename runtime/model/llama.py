@@ -1,9 +1,11 @@
-"""The Llama family's decoder: Llama, Mistral, Qwen2 and Qwen3 share one shape.
+"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3 and Phi-3 share one shape.
 
 RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache,
 and a gated MLP. The differences are flags read from the Hugging Face config:
 Qwen2 has biases on q/k/v, Qwen3 normalises q and k per head, some models tie
-the LM head to the embeddings.
+the LM head to the embeddings. Phi-3's checkpoints hold q/k/v and gate/up fused
+(split at load, so tensor parallelism cuts them as any other), and Phi-4-mini
+turns only part of each head (``layers/rotary.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +21,17 @@ from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
-from conveyor.runtime.layers.lora import LoRAProjection, LoRASlots
+from conveyor.runtime.layers.lora import TARGETS, LoRAProjection, LoRASlots
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorParallel
-from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq
+from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq, rotary_row_order
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
 from conveyor.runtime.model.config import layer_windows
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+FUSED = {packed: parts for packed, parts in TARGETS.items() if len(parts) > 1}
+"""Checkpoint tensors that hold several projections (Phi-3's ``qkv_proj``, ``gate_up_proj``,
+named as the packed parameters they fill) -> those projections, in order."""
 
 Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """A layer up to its attention: q (T, Hq, D), k and v (T, Hkv, D), and the residual (T, hidden)."""
@@ -38,7 +44,7 @@ class DecoderShape:
     tensor parallelism (``layers/parallel.py``); the ``total_`` ones are the model's.
     """
 
-    def __init__(self, config, tp: TensorParallel = SINGLE):
+    def __init__(self, config, tp: TensorParallel = SINGLE, context: int | None = None):
         self.model_type = config.model_type
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -78,7 +84,10 @@ class DecoderShape:
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = self.model_type == "qwen3"
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.inv_freq, self.rope_scaling = rope_inv_freq(config, self.head_dim)
+        self.inv_freq, self.rope_scaling = rope_inv_freq(config, self.head_dim, context)
+        self.qk_order = rotary_row_order(self.head_dim, 2 * self.inv_freq.numel())
+        """A partial rotary's order of a head's q/k dimensions (``layers/rotary.py``); None:
+        the checkpoint's."""
         self.windows = layer_windows(config)
         """Per layer, the keys a query sees (its own included); 0: all before it."""
 
@@ -209,9 +218,17 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, backend: AttentionBackend, tp: TensorParallel = SINGLE):
+    def __init__(
+        self,
+        config,
+        backend: AttentionBackend,
+        tp: TensorParallel = SINGLE,
+        context: int | None = None,
+    ):
+        """``context``: the most positions a sequence may have (the served
+        ``--max-model-len``; None: the model's), which picks LongRoPE's factors."""
         super().__init__()
-        s = self.shape = DecoderShape(config, tp)
+        s = self.shape = DecoderShape(config, tp, context)
         self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend, w) for w in s.windows)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
@@ -312,6 +329,8 @@ class LlamaForCausalLM(nn.Module):
             return Shard(0, sp.kv_head_start * d, sp.num_kv_heads * d)
         if ".gate_proj." in hf_name or ".up_proj." in hf_name:
             return Shard(0, sp.intermediate_start, sp.intermediate_size)
+        if any(f".{fused}." in hf_name for fused in FUSED):
+            return None  # read whole, split and cut by ``_split_fused``
         for row_parallel, start, size in (
             (".o_proj.", sp.head_start * d, sp.num_heads * d),
             (".down_proj.", sp.intermediate_start, sp.intermediate_size),
@@ -327,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
         merged) parameters; all must be set."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, tensor in self._split_fused(weights):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -343,6 +362,10 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}"
                 )
             param = params[target]
+            if shard is not None:
+                tensor = self.to_rotary_layout(shard[0], tensor)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                tensor = self.to_rotary_layout("q_proj", tensor)
             if name in ("embed_tokens.weight", "lm_head.weight"):  # the rows past are padding
                 _copy(param.data[: self.shape.vocab.loaded], tensor, hf_name)
             elif shard is None:
@@ -353,6 +376,39 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _split_fused(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors with each fused one (``FUSED``) split into its projections'
+        (named as Llama names them), each cut to this rank's rows."""
+        s = self.shape
+        q, kv = s.total_num_heads * s.head_dim, s.total_num_kv_heads * s.head_dim
+        sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [s.total_intermediate_size] * 2}
+        for hf_name, tensor in weights:
+            fused = next((f for f in FUSED if f".{f}." in hf_name), None)
+            if fused is None:
+                yield hf_name, tensor
+                continue
+            if tensor.shape[0] != sum(sizes[fused]):
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has {tensor.shape[0]} rows, expected "
+                    f"{' + '.join(map(str, sizes[fused]))}"
+                )
+            for part, piece in zip(FUSED[fused], tensor.split(sizes[fused]), strict=True):
+                name = hf_name.replace(f".{fused}.", f".{part}.")
+                shard = self.weight_shard(name)
+                yield name, piece if shard is None else shard.of(piece)
+
+    def to_rotary_layout(self, hf_part: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Rows of checkpoint projection ``hf_part`` (a weight, bias or LoRA ``B``, whole
+        heads) in the order the rotary tables expect: q's and k's reordered per head under a
+        partial rotary (``layers/rotary.py``), anything else as it is."""
+        order = self.shape.qk_order
+        if order is None or hf_part not in ("q_proj", "k_proj"):
+            return tensor
+        d = self.shape.head_dim
+        return tensor.unflatten(0, (-1, d))[:, order.to(tensor.device)].flatten(0, 1)
 
     def _shard_range(self, hf_part: str) -> tuple[int, int]:
         s = self.shape

@@ -181,16 +181,19 @@ def build_model(
     seed: int,
     tp: TensorParallel = SINGLE,
     on_progress: Callable[[str], None] | None = None,
+    context: int | None = None,
 ) -> LlamaForCausalLM:
     """Build the model directly on ``device`` in ``dtype`` and fill its weights; under tensor
-    parallelism, this rank's part of the model, reading only its shard of each tensor."""
+    parallelism, this rank's part of the model, reading only its shard of each tensor.
+    ``context``: the served ``--max-model-len`` (None: the model's), which picks a LongRoPE
+    model's factors (``layers/rotary.py``)."""
     progress = on_progress or log.info
     started = time.monotonic()
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device), _no_init():
-            model = LlamaForCausalLM(config, backend, tp)
+            model = LlamaForCausalLM(config, backend, tp, context)
     finally:
         torch.set_default_dtype(default_dtype)
     # The rotary tables stay float32 (cast per step), as in the reference.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from model_shapes import QWEN2, QWEN3
+from model_shapes import PHI3, QWEN2, QWEN3
 
 from conveyor.runtime.model.builtin import TINY_CONFIG, builtin_model_path, generate_model
 
@@ -15,6 +15,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "conveyor-tiny": str(builtin_model_path()),
         "qwen2": str(generate_model(root / "qwen2", QWEN2, seed=1)),
         "qwen3": str(generate_model(root / "qwen3", QWEN3, seed=2)),
+        "phi3": str(generate_model(root / "phi3", PHI3, seed=3)),
     }
 
 

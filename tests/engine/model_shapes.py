@@ -25,3 +25,14 @@ QWEN3 = dict(
     tie_word_embeddings=True,
     num_key_value_heads=1,
 )
+PHI3 = dict(
+    SMALL,
+    architectures=["Phi3ForCausalLM"],
+    model_type="phi3",
+    rms_norm_eps=1e-5,
+    partial_rotary_factor=0.75,
+    tie_word_embeddings=False,
+)
+"""Phi-4-mini's shape: q/k/v and gate/up fused in the checkpoint, three quarters of each head
+turned by the rotary (its LM head is tied; an untied one here keeps random weights from
+echoing the last token, so greedy tokens tell a wrong rope apart)."""

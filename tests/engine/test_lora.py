@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_files import write_adapter, write_merged
+from lora_files import FUSED_MODULES, MODULES, write_adapter, write_merged
 
 from conveyor.runtime.engine.llm import LLM, GenerationResult
 from conveyor.runtime.engine.settings import AdapterError, LoRAModule
@@ -28,19 +28,23 @@ def _same(got: list[GenerationResult], want: list[GenerationResult]) -> None:
             assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
 
 
-@pytest.mark.parametrize("model", ["conveyor-tiny", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model", ["conveyor-tiny", "qwen2", "qwen3", "phi3"])
 def test_adapters_and_base_in_one_batch_match_merged_weights(
     model: str, model_dirs: dict[str, str], tmp_path: Path
 ) -> None:
     base = Path(model_dirs[model])
-    a = write_adapter(tmp_path / "a", base, seed=1, rank=8, alpha=16, std=0.3)
+    # Phi-3's adapters target its fused projections (and its q/k rows are reordered for its
+    # partial rotary: the adapter's must be too)
+    fused = model == "phi3"
+    modules = FUSED_MODULES if fused else MODULES
+    a = write_adapter(tmp_path / "a", base, seed=1, rank=8, alpha=16, std=0.3, modules=modules)
     # rsLoRA scaling, another rank, some modules of some layers only
+    some = ("qkv_proj", "down_proj") if fused else ("q_proj", "v_proj", "down_proj")
     b = write_adapter(
-        tmp_path / "b", base, seed=2, rank=4, alpha=8, modules=("q_proj", "v_proj", "down_proj"),
-        layers=[0], use_rslora=True,
-    )  # fmt: skip
-    modules = (LoRAModule("a", str(tmp_path / "a")), LoRAModule("b", str(tmp_path / "b")))
-    with LLM(str(base), lora_modules=modules, max_lora_rank=8) as llm:
+        tmp_path / "b", base, seed=2, rank=4, alpha=8, modules=some, layers=[0], use_rslora=True
+    )
+    served = (LoRAModule("a", str(tmp_path / "a")), LoRAModule("b", str(tmp_path / "b")))
+    with LLM(str(base), lora_modules=served, max_lora_rank=8) as llm:
         mixed = llm.generate(PROMPTS * 3, GREEDY, lora=["a"] * 3 + ["b"] * 3 + [None] * 3)
     merged_a = write_merged(tmp_path / "merged-a", base, a, scaling=16 / 8)
     merged_b = write_merged(tmp_path / "merged-b", base, b, scaling=8 / 4**0.5)

@@ -1,5 +1,5 @@
 """Sliding-window attention: Mistral's (every layer, 4096 keys unless the config says
-otherwise) and Qwen2's and Qwen3's (``use_sliding_window``, the layers ``layer_types`` or
+otherwise), Phi-3's (every layer, where the config says) and Qwen2's and Qwen3's (``use_sliding_window``, the layers ``layer_types`` or
 ``max_window_layers`` pick) give transformers' greedy tokens once a context is longer than
 the window, on every CPU attention path, batched, chunked and prefix-cached. Before, the
 window was ignored and the tokens differed from the first one past it."""
@@ -28,7 +28,8 @@ QWEN3 = dict(
     SMALL, architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True,
     sliding_window=9, layer_types=["sliding_attention", "full_attention"],
 )  # fmt: skip
-CONFIGS = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
+PHI3 = dict(SMALL, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=10)
+CONFIGS = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": PHI3}
 
 BACKENDS = ["torch", "cpu"]
 """The C++ kernels run the layers in one call for Mistral and Qwen2 (``decoder.cpp``) and
