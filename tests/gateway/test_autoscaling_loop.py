@@ -240,8 +240,16 @@ async def test_queued_load_adds_a_replica_and_idle_removes_it(processes: Process
 
             stop.set()
             await asyncio.gather(*load)
-        decisions = [await tick() for _ in range(15)]
-        assert kube.scales == [2, 1]
+        # Idle now: one step down once every hold has passed. A scale-up that the panic window
+        # made (a loaded machine's burst) holds scale-downs for a demand window (60 s of the
+        # test's clock), one from the queue target only for the scale-down window (10 s).
+        decisions = []
+        for _ in range(90):
+            decisions.append(await tick())
+            if decisions[-1].direction == "down":
+                break
+        decisions += [await tick() for _ in range(15)]  # and it stays down
+        assert kube.scales == [2, 1], [(d.direction, d.reason, d.held_by) for d in decisions]
         assert [d.direction for d in decisions].count("down") == 1
         assert failures == [] and answered > 0
         assert [e.split(":")[0] for e in events] == ["ScaledUp", "ScaledDown"]
