@@ -85,7 +85,9 @@ class LLMEngine:
                 self.runner,
                 threads,
             )
-            self.runner.allocate_kv_cache(self.state.num_blocks)
+            self.runner.allocate_kv_cache(
+                self.state.num_blocks, max_model_len=self.state.max_model_len
+            )
         except BaseException:
             self.runner.close()
             raise

@@ -307,9 +307,17 @@ class ModelRunner:
         total = torch.cuda.get_device_properties(self.device).total_memory
         return int(total * self.settings.mem_fraction_static - peak)
 
-    def allocate_kv_cache(self, num_blocks: int, capture_graphs: bool = True) -> None:
+    def allocate_kv_cache(
+        self, num_blocks: int, capture_graphs: bool = True, max_model_len: int | None = None
+    ) -> None:
+        """The KV cache, and the graphs that hold its address; ``max_model_len``: the context
+        served, once the cache has sized it (a LongRoPE model's rope depends on it)."""
         if self.ranks is not None:
-            self.ranks.send(tensor_parallel.AllocateKvCache(num_blocks, capture_graphs))
+            self.ranks.send(
+                tensor_parallel.AllocateKvCache(num_blocks, capture_graphs, max_model_len)
+            )
+        if max_model_len is not None:
+            self.model.fit_rope_to(max_model_len)
         self._allocate_kv_cache(num_blocks, capture_graphs)
 
     def _allocate_kv_cache(self, num_blocks: int, capture_graphs: bool) -> None:

@@ -74,6 +74,7 @@ class SizeKvCache:
 class AllocateKvCache:
     num_blocks: int
     capture_graphs: bool = True
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -420,7 +421,9 @@ def main(argv: list[str]) -> None:
         elif isinstance(command, SizeKvCache):
             conn.send(runner.num_blocks_for_memory(command.max_tokens_useful))
         elif isinstance(command, AllocateKvCache):
-            runner.allocate_kv_cache(command.num_blocks, command.capture_graphs)
+            runner.allocate_kv_cache(
+                command.num_blocks, command.capture_graphs, command.max_model_len
+            )
         elif isinstance(command, PutLoRA):
             runner.put_lora(command.slot, command.adapter())
         else:

@@ -36,7 +36,8 @@ def rope_inv_freq(config, head_dim: int, context: int | None = None) -> tuple[to
     with the short ones while it fits ``original_max_position_embeddings`` and recomputes its
     whole cache with the long ones once it outgrows them; vLLM switches a whole batch to the
     long ones once any of its positions is past that length, over a cache computed with the
-    short ones. Here a replica keeps one table: the short factors when ``context`` fits the
+    short ones. Here a replica keeps one table (``LlamaForCausalLM.fit_rope_to`` rewrites it
+    once the KV cache has sized the served context): the short factors when ``context`` fits the
     original length (exactly transformers' rope, for every sequence), the long ones when it
     does not (transformers' rope for every sequence longer than the original length).
     """
@@ -85,9 +86,9 @@ def rotary_row_order(head_dim: int, turning: int) -> torch.Tensor | None:
 def _rope_inv_freq(config, head_dim: int, context: int | None) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or {}
     kind = rope_type(config)
+    dim = rotary_dim(config, head_dim)  # checked for every kind: transformers' do not
     if kind == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        dim = rotary_dim(config, head_dim)
         inv_freq = 1.0 / (
             base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
         )

@@ -23,7 +23,12 @@ from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
 from conveyor.runtime.layers.lora import TARGETS, LoRAProjection, LoRASlots
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorParallel
-from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq, rotary_row_order
+from conveyor.runtime.layers.rotary import (
+    RotaryEmbedding,
+    rope_inv_freq,
+    rope_type,
+    rotary_row_order,
+)
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
 from conveyor.runtime.model.config import layer_windows
 
@@ -228,6 +233,7 @@ class LlamaForCausalLM(nn.Module):
         """``context``: the most positions a sequence may have (the served
         ``--max-model-len``; None: the model's), which picks LongRoPE's factors."""
         super().__init__()
+        self.config = config
         s = self.shape = DecoderShape(config, tp, context)
         self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend, w) for w in s.windows)
@@ -301,6 +307,24 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
+    @torch.no_grad()
+    def fit_rope_to(self, context: int) -> None:
+        """The rotary tables for a served context that turned out shorter than the one the
+        model was built for (the KV cache holds fewer tokens): LongRoPE's factors depend on
+        it (``layers/rotary.py``). Rewritten in place, so the fused layers and CUDA graphs
+        that hold the tables keep reading them."""
+        if rope_type(self.config) != "longrope":
+            return
+        s = self.shape
+        inv_freq, scaling = rope_inv_freq(self.config, s.head_dim, context)
+        if torch.equal(inv_freq, s.inv_freq) and scaling == s.rope_scaling:
+            return
+        with torch.device(self.rotary.cos.device):
+            table = RotaryEmbedding(s.head_dim, s.max_position, inv_freq, scaling)
+        self.rotary.cos.copy_(table.cos)
+        self.rotary.sin.copy_(table.sin)
+        s.inv_freq, s.rope_scaling = inv_freq, scaling
+
     def layer(self, i: int) -> LlamaDecoderLayer:
         return cast(LlamaDecoderLayer, self.layers[i])
 
@@ -372,7 +396,12 @@ class LlamaForCausalLM(nn.Module):
                 _copy(param.data, tensor, hf_name)
             else:
                 _copy(param.data.narrow(0, *self._shard_range(shard[0])), tensor, hf_name)
-            loaded.add(target if shard is None else f"{target}:{shard[1]}")
+            key = target if shard is None else f"{target}:{shard[1]}"
+            if key in loaded:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} is given twice (fused and on its own?)"
+                )
+            loaded.add(key)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")

@@ -42,19 +42,24 @@ def _requests(lengths: tuple[int, ...], max_tokens: int) -> list[tuple[list[int]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("served", ["original", "long"])
+@pytest.mark.parametrize("served", ["original", "kv-cache", "long"])
 def test_longrope_greedy_tokens_equal_transformers(longrope, reference, backend, served):
     if backend == "cpu" and (not cpu.enabled() or cpu.load() is None):
         pytest.skip(f"the CPU kernels are {cpu.load_error()}")
     if served == "original":  # every sequence fits: the short factors, as transformers
         requests, settings = _requests((3, 17, 40), 20), {"max_model_len": ORIGINAL}
+    elif served == "kv-cache":  # no --max-model-len, but a cache that holds only the original
+        # length: the served context is cut to it after the model is built, and so are the factors
+        requests, settings = _requests((3, 17, 40), 20), {"max_total_tokens": ORIGINAL}
     else:  # prompts past the original length: the long factors, as transformers
         requests, settings = _requests((70, 90, 130), 16), {}
+    settings.setdefault("max_total_tokens", 4096)
     engine = make_engine(
         longrope, "longrope", attention_backend=backend, chunked_prefill_size=32, block_size=16,
         **settings,
     )  # fmt: skip
     try:
+        assert served != "kv-cache" or engine.max_model_len == ORIGINAL
         outputs = run_staggered(engine, requests, [0, 0, 2])
     finally:
         engine.close()
@@ -74,3 +79,31 @@ def test_the_two_sets_of_factors_give_other_tokens(longrope, reference):
         engine.close()
     expected = [reference.greedy(longrope["longrope"], p, n) for p, n in requests]
     assert [outputs[f"r{i}"] for i in range(len(requests))] != expected
+
+
+def test_checkpoints_the_decoder_cannot_read_are_refused_with_the_reason(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    def start(folder) -> None:
+        make_engine({"m": str(folder)}, "m", attention_backend="torch").close()
+
+    folder = generate_model(tmp_path / "m", PHI3, seed=1)
+    good = load_file(str(folder / "model.safetensors"))
+    q_rows = PHI3["num_attention_heads"] * PHI3["head_dim"]
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    gate_up = "model.layers.1.mlp.gate_up_proj.weight"
+    for changed, why in (
+        ({"model.layers.0.self_attn.q_proj.weight": good[qkv][:q_rows]}, "given twice"),
+        ({gate_up: good[gate_up][:-1]}, r"gate_up_proj.*has 511 rows, expected 256 \+ 256"),
+    ):
+        tensors = {k: v.clone() for k, v in {**good, **changed}.items()}
+        save_file(tensors, str(folder / "model.safetensors"))
+        with pytest.raises(ValueError, match=why):
+            start(folder)
+    # a LongRoPE that would turn an odd number of dimensions
+    odd = dict(LONGROPE, head_dim=16, hidden_size=64, partial_rotary_factor=0.3125)
+    odd["rope_scaling"] = dict(
+        LONGROPE["rope_scaling"], short_factor=[1.0] * 2, long_factor=[2.0] * 2
+    )
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        start(generate_model(tmp_path / "odd", odd, seed=2))
