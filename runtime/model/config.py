@@ -4,8 +4,8 @@ transformers 5's config classes of the Llama family import ``transformers.activa
 pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, only to hold a
 dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
 read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
-``Qwen2Config`` and ``Qwen3Config`` (tests/engine/test_model_config.py compares every field
-with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
+``Qwen2Config``, ``Qwen3Config`` and ``Phi3Config`` (tests/engine/test_model_config.py
+compares every field with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
 frequencies transformers' own initialisers compute), rope parameters per layer type -- still
 gets transformers' config: ``from_values`` says None.
 """
@@ -42,9 +42,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=32, head_dim=128,
         max_position_embeddings=32768, sliding_window=4096, max_window_layers=28,
     ),
+    "phi3": dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=32000, pad_token_id=32000,
+    ),
 }  # fmt: skip
 
-_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral")
+_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral", "phi3")
 """Types whose config derives a missing head_dim as hidden_size // num_attention_heads (Qwen2
 has no such field: the decoder derives it the same way; Qwen3's default is 128)."""
 
@@ -85,6 +90,8 @@ class ModelConfig:
     """Qwen2/Qwen3: layers from this index on slide, where ``layer_types`` is not given."""
     layer_types: list[str] | None = None
     """``full_attention`` or ``sliding_attention`` per layer (Qwen2, Qwen3)."""
+    partial_rotary_factor: float = 1.0
+    """The share of a head's dimensions the rotary turns (Phi-4-mini: 0.75)."""
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> ModelConfig | None:

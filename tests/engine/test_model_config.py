@@ -21,8 +21,8 @@ SMALL = dict(
 
 CONFIGS = [
     # (model type, config.json's other keys): missing keys take each class's defaults
-    *[(t, {}) for t in ("llama", "mistral", "qwen2", "qwen3")],
-    *[(t, SMALL) for t in ("llama", "mistral", "qwen2", "qwen3")],
+    *[(t, {}) for t in ("llama", "mistral", "qwen2", "qwen3", "phi3")],
+    *[(t, SMALL) for t in ("llama", "mistral", "qwen2", "qwen3", "phi3")],
     ("llama", {**TINY_CONFIG}),
     ("llama", {**SMALL, "num_key_value_heads": 2, "head_dim": None, "rope_theta": 5e5}),
     ("llama", {**SMALL, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
@@ -36,6 +36,8 @@ CONFIGS = [
     ("qwen2", {**SMALL, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
     ("qwen3", {**SMALL, "use_sliding_window": True, "layer_types": ["sliding_attention"] * 2}),
     ("llama", {**SMALL, "hidden_act": "swish"}),
+    ("phi3", {**SMALL, "num_key_value_heads": 2, "partial_rotary_factor": 0.5}),
+    ("phi3", {**SMALL, "sliding_window": 2047, "rope_scaling": None, "rope_theta": 250000.0}),
 ]
 
 READ = (
