@@ -175,7 +175,10 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     def normal(*shape: int, std: float) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=1.0)}
+    # A tied head reads the embedding: at std 1 a token's own row outweighs what the layers
+    # add to it, and greedy decoding only repeated the prompt's last token.
+    embed_std = 0.2 / h**0.5 if config.get("tie_word_embeddings") else 1.0
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=embed_std)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {

@@ -272,7 +272,7 @@ class GGUFModel:
             vocab_size=vocab,
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_id=self.field("tokenizer.ggml.eos_token_id"),
+            eos_token_id=self._stop_ids(),
             pad_token_id=self.field("tokenizer.ggml.padding_token_id"),
             dtype="float32",  # dequantized weights: the file's types say nothing
         )
@@ -286,6 +286,14 @@ class GGUFModel:
         if scaling := self._rope_scaling():
             values["rope_scaling"] = scaling
         return values
+
+    def _stop_ids(self) -> int | list[int] | None:
+        """The end-of-sequence id, and the end-of-turn and end-of-message ids where the file
+        names them: llama.cpp ends generation on each (a GGUF has no generation_config.json
+        to list them; Llama 3's chat turns end with ``<|eot_id|>``, not its EOS)."""
+        ids = [self.field(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+        found = list(dict.fromkeys(i for i in ids if isinstance(i, int)))
+        return found[0] if len(found) == 1 else (found or None)
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self.arch_field("rope.scaling.type")

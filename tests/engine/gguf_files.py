@@ -89,6 +89,11 @@ def _write_tokenizer(w, model_dir: Path, config: dict) -> None:
     if merges:
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
     w.add_eos_token_id(config["eos_token_id"])
+    # the directory's other stop id (generation_config.json's), as an end-of-turn
+    stops = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id")
+    others = [i for i in stops if i != config["eos_token_id"]] if isinstance(stops, list) else []
+    if others:
+        w.add_eot_token_id(others[0])
     w.add_pad_token_id(config["pad_token_id"])
     template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
     if template is None and (model_dir / "chat_template.jinja").exists():
