@@ -38,7 +38,7 @@ class EngineState:
         """Size the KV cache for ``settings`` on ``runner``'s device; ValueError when the
         settings cannot fit the model or its cache."""
         model_limit = int(getattr(config, "max_position_embeddings", 0) or 4096)
-        wanted = settings.max_model_len or model_limit
+        wanted = settings.max_model_len or _default_context(config, model_limit)
         if wanted > model_limit:
             raise ValueError(
                 f"--max-model-len {wanted} exceeds the model's max_position_embeddings {model_limit}"
@@ -61,6 +61,29 @@ class EngineState:
             eos_token_ids=_eos_ids(config, tokenizer, generation_config),
             num_threads=threads,
         )
+
+
+def _default_context(config: PretrainedConfig, model_limit: int) -> int:
+    """The context served when ``--max-model-len`` is not given: the model's own, but a
+    LongRoPE model's original one (``original_max_position_embeddings``), as vLLM serves it:
+    its short rope factors are the ones trained for short sequences (``layers/rotary.py``)."""
+    from conveyor.runtime.layers.rotary import rope_type
+
+    if rope_type(config) != "longrope":
+        return model_limit
+    params = getattr(config, "rope_parameters", None) or {}
+    original = params.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    )
+    if not original or int(original) >= model_limit:
+        return model_limit
+    log.info(
+        "LongRoPE: max model len %d, the model's original context, as vLLM serves it; "
+        "--max-model-len up to %d serves longer sequences with the long rope factors",
+        int(original),
+        model_limit,
+    )
+    return int(original)
 
 
 def _eos_ids(

@@ -34,12 +34,12 @@ def rope_inv_freq(config, head_dim: int, context: int | None = None) -> tuple[to
 
     LongRoPE (Phi-3's 128k models) has two sets of factors: transformers turns a sequence
     with the short ones while it fits ``original_max_position_embeddings`` and recomputes its
-    whole cache with the long ones once it outgrows them; vLLM switches a whole batch to the
-    long ones once any of its positions is past that length, over a cache computed with the
-    short ones. Here a replica keeps one table (``LlamaForCausalLM.fit_rope_to`` rewrites it
-    once the KV cache has sized the served context): the short factors when ``context`` fits the
-    original length (exactly transformers' rope, for every sequence), the long ones when it
-    does not (transformers' rope for every sequence longer than the original length).
+    whole cache with the long ones once it outgrows them. A replica keeps one table, as vLLM
+    0.32 does (``LlamaForCausalLM.fit_rope_to`` rewrites it once the KV cache has sized the
+    served context): the short factors when ``context`` fits the original length (exactly
+    transformers' rope, for every sequence), the long ones when it does not (transformers'
+    rope for every sequence longer than the original length). Without ``--max-model-len``
+    the served context is the original one (``engine/state.py``), as vLLM's default is.
     """
     inv_freq, attention_scaling = _rope_inv_freq(config, head_dim, context)
     factors = getattr(config, "rope_freq_factors", None)

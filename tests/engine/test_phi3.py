@@ -1,8 +1,8 @@
 """Phi-3's rope: a partial rotary (Phi-4-mini turns three quarters of each head) and LongRoPE's
 two sets of factors (the 128k models) give transformers' greedy tokens on every CPU attention
-path. The short factors serve a replica whose ``--max-model-len`` fits the original context
-(as transformers turns such a sequence), the long ones any other (as transformers turns a
-sequence past it). The fused checkpoint, batching, chunking, prefix caching and tensor
+path. The short factors serve a replica whose context fits the original one (the default, as
+vLLM's; as transformers turns such a sequence), the long ones any other (as transformers
+turns a sequence past it). The fused checkpoint, batching, chunking, prefix caching and tensor
 parallelism are the shared correctness tests' (``model_dirs["phi3"]``)."""
 
 from __future__ import annotations
@@ -42,24 +42,24 @@ def _requests(lengths: tuple[int, ...], max_tokens: int) -> list[tuple[list[int]
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("served", ["original", "kv-cache", "long"])
+@pytest.mark.parametrize("served", ["original", "default", "long"])
 def test_longrope_greedy_tokens_equal_transformers(longrope, reference, backend, served):
     if backend == "cpu" and (not cpu.enabled() or cpu.load() is None):
         pytest.skip(f"the CPU kernels are {cpu.load_error()}")
     if served == "original":  # every sequence fits: the short factors, as transformers
         requests, settings = _requests((3, 17, 40), 20), {"max_model_len": ORIGINAL}
-    elif served == "kv-cache":  # no --max-model-len, but a cache that holds only the original
-        # length: the served context is cut to it after the model is built, and so are the factors
-        requests, settings = _requests((3, 17, 40), 20), {"max_total_tokens": ORIGINAL}
+    elif served == "default":  # no --max-model-len: the original context, set once the model
+        # is built (for the model's whole length), and the factors rewritten to fit it
+        requests, settings = _requests((3, 17, 40), 20), {}
     else:  # prompts past the original length: the long factors, as transformers
-        requests, settings = _requests((70, 90, 130), 16), {}
+        requests, settings = _requests((70, 90, 130), 16), {"max_model_len": 4 * ORIGINAL}
     settings.setdefault("max_total_tokens", 4096)
     engine = make_engine(
         longrope, "longrope", attention_backend=backend, chunked_prefill_size=32, block_size=16,
         **settings,
     )  # fmt: skip
     try:
-        assert served != "kv-cache" or engine.max_model_len == ORIGINAL
+        assert served == "long" or engine.max_model_len == ORIGINAL
         outputs = run_staggered(engine, requests, [0, 0, 2])
     finally:
         engine.close()
@@ -72,7 +72,7 @@ def test_the_two_sets_of_factors_give_other_tokens(longrope, reference):
     """The served length picks the factors: the long ones on a short prompt are not what
     transformers gives it (so the test above tells the two apart)."""
     requests = _requests((3, 17, 40), 20)
-    engine = make_engine(longrope, "longrope", attention_backend="torch")
+    engine = make_engine(longrope, "longrope", attention_backend="torch", max_model_len=256)
     try:
         outputs = run_staggered(engine, requests, [0, 0, 0])
     finally:
