@@ -454,10 +454,10 @@ def _config(values: dict[str, Any]) -> Any:
     where transformers computes the rope (a scaled rope type)."""
     from types import SimpleNamespace
 
-    from conveyor.runtime.layers.rotary import rope_type
+    from conveyor.runtime.layers.rotary import rope_layer_types, rope_type
 
     plain = SimpleNamespace(**values)
-    if rope_type(plain) == "default":
+    if all(rope_type(plain, kind) == "default" for kind in rope_layer_types(plain) or (None,)):
         return plain
     from transformers import AutoConfig
 

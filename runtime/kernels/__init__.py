@@ -3,7 +3,7 @@
 - ``store_kv``: the step's new K/V into the paged cache, one kernel for all tokens.
 - ``decode_attention``: one query per sequence against its paged context (split-KV).
 - ``prefill_attention``: chunks against their cached prefix, causal inside the chunk.
-- ``rotary``, ``rmsnorm`` (fused with the residual add), ``silu_and_mul``: the decoder's
+- ``rotary``, ``rmsnorm`` (fused with the residual add), ``silu_and_mul``, ``gelu_and_mul``: the decoder's
   elementwise ops, handed to the layers as ``backend.TRITON_LAYER_KERNELS``.
 - ``backend``: ``TritonAttentionBackend``, the ``AttentionBackend`` on these kernels.
 - ``checks``: each kernel against the torch reference (tests and ``conveyor bench gpu``).

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from conveyor.runtime.kernels.decode_attention import paged_decode_attention
+from conveyor.runtime.kernels.gelu_and_mul import gelu_tanh_and_mul
 from conveyor.runtime.kernels.prefill_attention import paged_prefill_attention
 from conveyor.runtime.kernels.rmsnorm import rms_norm
 from conveyor.runtime.kernels.rotary import apply_rotary
@@ -35,7 +36,10 @@ def check_triton_device(device: torch.device) -> None:
 
 
 TRITON_LAYER_KERNELS = LayerKernels(
-    rms_norm=rms_norm, apply_rotary=apply_rotary, silu_and_mul=silu_and_mul
+    rms_norm=rms_norm,
+    apply_rotary=apply_rotary,
+    silu_and_mul=silu_and_mul,
+    gelu_tanh_and_mul=gelu_tanh_and_mul,
 )
 
 
@@ -57,9 +61,11 @@ class TritonAttentionBackend:
         scale: float,
         out: torch.Tensor | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D);
-        ``window`` > 0: a sliding-window layer's (``AttentionBackend.forward``)."""
+        ``window`` > 0: a sliding-window layer's; ``softcap`` > 0: soft-capped scores, a
+        per-model constant, so a captured decode graph keeps it (``AttentionBackend.forward``)."""
         store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, Hq, D), contiguous
@@ -74,6 +80,7 @@ class TritonAttentionBackend:
                 scale,
                 out=out[:nd],
                 window=window,
+                softcap=softcap,
             )
         if meta.num_prefills:
             paged_prefill_attention(
@@ -87,5 +94,6 @@ class TritonAttentionBackend:
                 scale,
                 out=out[nd:],
                 window=window,
+                softcap=softcap,
             )
         return out

@@ -15,7 +15,7 @@ and round an intermediate (as the unfused ops do) and the output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,6 +55,15 @@ class AttentionCase:
     """(cached prefix, chunk length) of each prefill."""
     window: int = 0
     """A sliding window (keys a query sees, its own included); 0: every key before it."""
+    softcap: float = 0.0
+    """Gemma 2's cap on the scores, ``softcap * tanh(s / softcap)``; 0: uncapped."""
+
+    @property
+    def scale(self) -> float:
+        """``head_dim ** -0.5``, which makes the random scores about 1 in size; with a cap,
+        ``softcap`` times that, so that the cap bends most scores (uncapped, the softmax
+        would be close to one-hot)."""
+        return (self.softcap or 1.0) * self.head_dim**-0.5
 
     @property
     def id(self) -> str:
@@ -62,6 +71,7 @@ class AttentionCase:
             f"bs{self.block_size}-h{self.num_q_heads}kv{self.num_kv_heads}-d{self.head_dim}"
             f"-dec{len(self.decode_lens)}-pre{len(self.prefills)}"
             + (f"-w{self.window}" if self.window else "")
+            + (f"-cap{self.softcap:g}" if self.softcap else "")
         )
 
 
@@ -85,7 +95,8 @@ def _prefills(bs: int) -> tuple[tuple[int, int], ...]:
 def attention_cases(gpu_sweep: bool = False) -> list[AttentionCase]:
     """The CI matrix (block sizes 16 and 32, GQA ratios 1, 4 and 8, head dims 64 and 128, plus
     one case of block size 1 and GQA ratio 7), or the larger GPU sweep (block sizes 1 to 64,
-    GQA ratios 1, 2, 4, 7 and 8, contexts past 4k tokens, a 2k-token chunk)."""
+    GQA ratios 1, 2, 4, 7 and 8, contexts past 4k tokens, a 2k-token chunk, and Gemma 2's
+    soft-capped shapes). The CI matrix's soft-capped cases are ``softcap_attention_cases``."""
     if not gpu_sweep:
         cases = []
         for bs in (16, 32):
@@ -106,7 +117,25 @@ def attention_cases(gpu_sweep: bool = False) -> list[AttentionCase]:
                 pre = (*_prefills(bs), (1000, 333), (0, 2048))
                 cases.append(AttentionCase(bs, hq, hkv, d, lens, pre))
                 cases.append(AttentionCase(bs, hq, hkv, d, lens, pre, window=1000))
+    # Gemma 2 9B's and 27B's heads, capped at 50, every other layer with a sliding window.
+    for bs in (16, 32):
+        for hq, hkv, d in ((16, 8, 256), (32, 16, 128)):
+            lens = (*_lengths(bs), 1000, 4097)
+            pre = (*_prefills(bs), (1000, 333), (0, 2048))
+            cases.append(AttentionCase(bs, hq, hkv, d, lens, pre, softcap=50.0))
+            cases.append(AttentionCase(bs, hq, hkv, d, lens, pre, window=1000, softcap=50.0))
     return cases
+
+
+def softcap_attention_cases() -> list[AttentionCase]:
+    """Soft-capped scores (Gemma 2's cap, 50) for CI: GQA ratios 1 and 4, without a window and
+    with one inside a block and one past a prefill's 64-query tile, and Gemma's head dim 256."""
+    return [
+        AttentionCase(16, 4, 4, 64, _lengths(16), _prefills(16), softcap=50.0),
+        AttentionCase(16, 8, 2, 64, _lengths(16), _prefills(16), window=7, softcap=50.0),
+        AttentionCase(32, 8, 2, 64, _lengths(32), _prefills(32), window=70, softcap=50.0),
+        AttentionCase(16, 4, 2, 256, (1, 17, 64), ((5, 40),), softcap=50.0),
+    ]
 
 
 def _paged_step(case: AttentionCase, dtype: torch.dtype, device: torch.device, seed: int):
@@ -198,12 +227,14 @@ def check_attention_backend(
         backend = TritonAttentionBackend()
 
     q, k, v, k_cache, v_cache, meta = _paged_step(case, dtype, device, seed)
-    scale = case.head_dim**-0.5
     ref_k, ref_v = k_cache.float(), v_cache.float()
     expected = TorchAttentionBackend().forward(
-        q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale, window=case.window
+        q.float(), k.float(), v.float(), ref_k, ref_v, meta, case.scale,
+        window=case.window, softcap=case.softcap,
+    )  # fmt: skip
+    out = backend.forward(
+        q, k, v, k_cache, v_cache, meta, case.scale, window=case.window, softcap=case.softcap
     )
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale, window=case.window)
     # The cache writes are copies: exact.
     _assert_close(k_cache, ref_k, (0.0, 0.0), f"{case.id} {dtype} k_cache")
     _assert_close(v_cache, ref_v, (0.0, 0.0), f"{case.id} {dtype} v_cache")
@@ -218,24 +249,21 @@ def check_decode_splits(
     from conveyor.runtime.kernels.decode_attention import paged_decode_attention
     from conveyor.runtime.layers.attention import TorchAttentionBackend
 
-    case = AttentionCase(
-        case.block_size, case.num_q_heads, case.num_kv_heads, case.head_dim, case.decode_lens, (),
-        case.window,
-    )  # fmt: skip
+    case = replace(case, prefills=())  # decodes only
     q, k, v, k_cache, v_cache, meta = _paged_step(case, dtype, device, seed)
-    scale = case.head_dim**-0.5
     ref_k, ref_v = k_cache.float(), v_cache.float()
     expected = TorchAttentionBackend().forward(
-        q.float(), k.float(), v.float(), ref_k, ref_v, meta, scale, window=case.window
-    )
+        q.float(), k.float(), v.float(), ref_k, ref_v, meta, case.scale,
+        window=case.window, softcap=case.softcap,
+    )  # fmt: skip
     n = q.shape[0]
     pad = torch.zeros(2, *q.shape[1:], dtype=dtype, device=device)
     q_padded = torch.cat([q, pad])  # (B + 2, Hq, D)
     tables = torch.cat([meta.decode_block_tables, meta.decode_block_tables[:2] * 0])
     lens = torch.cat([meta.decode_context_lens, torch.zeros(2, dtype=torch.int32, device=device)])
     out = paged_decode_attention(
-        q_padded, ref_k.to(dtype), ref_v.to(dtype), tables, lens, scale, num_splits=num_splits,
-        window=case.window,
+        q_padded, ref_k.to(dtype), ref_v.to(dtype), tables, lens, case.scale,
+        num_splits=num_splits, window=case.window, softcap=case.softcap,
     )  # fmt: skip
     _assert_close(out[n:], torch.zeros_like(out[n:]), (0.0, 0.0), f"{case.id} padded slots")
     return _assert_close(
@@ -367,9 +395,36 @@ def check_silu_and_mul(
         )
 
 
+def check_gelu_tanh_and_mul(
+    num_tokens: int,
+    intermediate: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    gelu_tanh_and_mul: Any = None,
+) -> float:
+    """Gates of twice a standard normal: through GELU's bend into both of its tails."""
+    from conveyor.runtime.layers.activation import GeluAndMul
+
+    if gelu_tanh_and_mul is None:
+        from conveyor.runtime.kernels.gelu_and_mul import gelu_tanh_and_mul
+
+    g = torch.Generator().manual_seed(seed)
+    x = (2 * torch.randn(num_tokens, 2 * intermediate, generator=g)).to(dtype).to(device)
+    with torch.inference_mode():
+        return _assert_close(
+            gelu_tanh_and_mul(x),
+            GeluAndMul()(x.float()),
+            ELEMENTWISE_TOL[dtype],
+            "gelu_tanh_and_mul",
+        )
+
+
 ELEMENTWISE_CASES = {
     "rms_norm": [(1, 256, False), (7, 1000, True), (33, 4096, True), (5, 128, False)],
     "rotary": [(1, 8, 2, 64), (19, 8, 8, 128), (6, 32, 8, 128), (4, 8, 2, 32)],
     "silu_and_mul": [(1, 704), (9, 1000), (3, 14336)],
+    # Gemma 2 2B's and Gemma 3 1B's intermediate sizes, and one past a 1024-wide block.
+    "gelu_tanh_and_mul": [(1, 9216), (7, 6912), (3, 1000)],
 }
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

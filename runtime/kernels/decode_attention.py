@@ -9,6 +9,8 @@ on the batch size and the device, never on context lengths, so a captured
 CUDA graph stays valid as sequences grow; it is a runtime argument, so batch
 sizes that split differently share one compiled kernel. A sliding window (``window`` > 0)
 splits only the last ``window`` tokens of each context; it is a runtime argument too.
+Soft-capped scores (``softcap`` > 0, Gemma 2) compile a kernel of their own (``SOFTCAP``), so
+the uncapped one is unchanged; the cap itself is a runtime argument.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ BLOCK_N = 64  # keys per tile
 MAX_SPLITS = 32  # stage 2 reads this many (masked) partial results per head
 
 
+@triton.jit
+def soft_cap(s, softcap):
+    """``softcap * tanh(s / softcap)``, Gemma 2's attention-logit soft-capping. ``tl`` has no
+    tanh (libdevice's is per backend), so it is built from one exp of a non-positive number,
+    which cannot overflow, for any score (the interpreter's numpy would warn)."""
+    e = tl.exp(-2.0 / softcap * tl.abs(s))  # in (0, 1]
+    t = (1.0 - e) / (1.0 + e)  # tanh(|s| / softcap)
+    return tl.where(s < 0, -t, t) * softcap
+
+
 @triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_stage1_kernel(
     q_ptr,
@@ -31,6 +43,7 @@ def _decode_stage1_kernel(
     o_part_ptr,
     lse_ptr,
     scale,
+    softcap,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -48,6 +61,7 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -90,6 +104,8 @@ def _decode_stage1_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_H, BLOCK_N)
+        if SOFTCAP:  # before the mask: a capped -inf would be -softcap, a weight > 0
+            s = soft_cap(s, softcap)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.exp(s - m_new[:, None])
@@ -168,10 +184,12 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q (B, Hq, D); caches (num_blocks, block_size, Hkv, D); block_tables (B, max_blocks) int32;
     context_lens (B,) int32, 0 for a padded slot (its output is zeros) -> (B, Hq, D).
-    ``window`` > 0: each query sees only the last ``window`` tokens of its context."""
+    ``window`` > 0: each query sees only the last ``window`` tokens of its context.
+    ``softcap`` > 0: each score ``s`` becomes ``softcap * tanh(s / softcap)``."""
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -185,6 +203,7 @@ def paged_decode_attention(
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
+    assert softcap >= 0, f"softcap {softcap}: 0 (none) or a positive cap"
     splits = num_splits or default_num_splits(batch, num_kv_heads, q.device)
     assert 1 <= splits <= MAX_SPLITS
     o_part = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -201,6 +220,7 @@ def paged_decode_attention(
         o_part,
         lse,
         scale,
+        softcap,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -218,6 +238,7 @@ def paged_decode_attention(
         BLOCK_H=max(triton.next_power_of_2(group), 16),
         BLOCK_N=BLOCK_N,
         BLOCK_D=block_d,
+        SOFTCAP=softcap > 0,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
         num_warps=4,

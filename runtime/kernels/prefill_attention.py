@@ -7,7 +7,8 @@ over the prefix. Keys and values are read from the paged cache, where the
 step's own tokens were written first. One program per (tile of queries,
 sequence, query head), with an online softmax over tiles of keys. With a sliding window
 (``window`` > 0) query ``i`` sees only the keys ``pos - window + 1 .. pos`` of its position
-``pos``: a tile's loop starts at its first query's window.
+``pos``: a tile's loop starts at its first query's window. Soft-capped scores (``softcap`` > 0)
+compile a kernel of their own, as in ``decode_attention.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from conveyor.runtime.kernels.decode_attention import soft_cap
 
 BLOCK_M = 64  # queries per program
 BLOCK_N = 64  # keys per tile
@@ -30,6 +33,7 @@ def _prefill_kernel(
     context_lens_ptr,
     out_ptr,
     scale,
+    softcap,
     stride_qt,
     stride_qh,
     stride_bt,
@@ -43,6 +47,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -90,6 +95,8 @@ def _prefill_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:  # before the mask: a capped -inf would be -softcap, a weight > 0
+            s = soft_cap(s, softcap)
         seen = (t[None, :] <= q_pos[:, None]) & t_mask[None, :]
         seen &= (window <= 0) | (t[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
@@ -122,11 +129,13 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q (T, Hq, D): the chunks back to back; caches (num_blocks, block_size, Hkv, D) already
     holding the chunks' K/V; block_tables (P, max_blocks) int32; query_start_loc (P + 1,) int32;
     context_lens (P,) int32 = cached prefix + chunk -> (T, Hq, D). ``window`` > 0: a query
-    sees only the last ``window`` positions up to its own."""
+    sees only the last ``window`` positions up to its own. ``softcap`` > 0: each score ``s``
+    becomes ``softcap * tanh(s / softcap)``."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -140,6 +149,7 @@ def paged_prefill_attention(
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     )
+    assert softcap >= 0, f"softcap {softcap}: 0 (none) or a positive cap"
     dot_fp32 = q.device.type == "cpu" and q.dtype == torch.bfloat16  # see decode_attention.py
     grid = (triton.cdiv(max_query_len, BLOCK_M), num_seqs, num_q_heads)
     _prefill_kernel[grid](
@@ -151,6 +161,7 @@ def paged_prefill_attention(
         context_lens,
         out,
         scale,
+        softcap,
         q.stride(0),
         q.stride(1),
         block_tables.stride(0),
@@ -164,6 +175,7 @@ def paged_prefill_attention(
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         BLOCK_D=max(triton.next_power_of_2(head_dim), 16),
+        SOFTCAP=softcap > 0,
         DOT_FP32=dot_fp32,
         PRECISION="ieee" if q.dtype == torch.float32 or dot_fp32 else None,
         num_warps=4,

@@ -21,12 +21,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, N: tl.constexpr, BLOCK: tl.co
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``gate_up`` (T, 2 * I) -> (T, I)."""
+    return launch_gated(_silu_and_mul_kernel, gate_up)
+
+
+def launch_gated(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    """Run a gated activation's ``kernel`` (this file's signature) over ``gate_up`` (T, 2 * I)
+    -> (T, I): one program per row and block of columns."""
     num_tokens, n = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.stride(1) == 1
     out = torch.empty((num_tokens, n), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens:
         block = min(triton.next_power_of_2(n), 1024)
-        _silu_and_mul_kernel[(num_tokens, triton.cdiv(n, block))](
+        kernel[(num_tokens, triton.cdiv(n, block))](
             gate_up, out, gate_up.stride(0), N=n, BLOCK=block, num_warps=4
         )
     return out

@@ -1,4 +1,5 @@
-"""The gated MLP's activation: silu(gate) * up over a merged gate_up projection."""
+"""The gated MLP's activations over a merged gate_up projection: silu(gate) * up (Llama,
+Qwen, Mistral, Phi-3) and gelu_tanh(gate) * up (Gemma's ``gelu_pytorch_tanh``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from torch import nn
 
 SiluAndMulKernel = Callable[[torch.Tensor], torch.Tensor]
 """(gate_up) -> silu(gate) * up."""
+GeluAndMulKernel = Callable[[torch.Tensor], torch.Tensor]
+"""(gate_up) -> gelu_tanh(gate) * up, GELU's tanh approximation."""
 
 
 class SiluAndMul(nn.Module):
@@ -22,3 +25,15 @@ class SiluAndMul(nn.Module):
             return self.kernel(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    kernel: GeluAndMulKernel | None = None
+    """A fused kernel with this forward's signature (``layers/fused.py``); None = torch."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gate_up`` (num_tokens, 2 * intermediate) -> (num_tokens, intermediate)."""
+        if self.kernel is not None:
+            return self.kernel(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -52,10 +52,13 @@ class AttentionBackend(Protocol):
         scale: float,
         out: torch.Tensor | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D),
         written into ``out`` (T, Hq, D) where given. ``window`` > 0: a query at position ``i``
-        sees only keys ``i - window + 1 .. i`` (a sliding-window layer)."""
+        sees only keys ``i - window + 1 .. i`` (a sliding-window layer). ``softcap`` > 0: each
+        score ``s = scale * q.k`` becomes ``softcap * tanh(s / softcap)`` before the mask and
+        softmax (Gemma 2's ``attn_logit_softcapping``)."""
         ...
 
 
@@ -96,15 +99,16 @@ class TorchAttentionBackend:
         scale: float,
         out: torch.Tensor | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
             out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap)
         if meta.num_prefills:
-            self._prefill(q[nd:], out[nd:], k_cache, v_cache, meta, scale, window)
+            self._prefill(q[nd:], out[nd:], k_cache, v_cache, meta, scale, window, softcap)
         return out
 
     @staticmethod
@@ -114,7 +118,16 @@ class TorchAttentionBackend:
         flat = blocks.flatten(-4, -3)  # (..., M*bs, H, D)
         return flat[..., :length, :, :]
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int):
+    def _decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int,
+        softcap: float,
+    ):
         length = meta.max_decode_context_len
         keys = self._gather(k_cache, meta.decode_block_tables, length)  # (B, L, Hkv, D)
         values = self._gather(v_cache, meta.decode_block_tables, length)
@@ -123,18 +136,26 @@ class TorchAttentionBackend:
         mask = pos[None, :] < lens  # (B, L)
         if window:
             mask &= pos[None, :] >= lens - window
-        out = F.scaled_dot_product_attention(
+        out = _attention(
             q.unsqueeze(2),  # (B, Hq, 1, D)
             keys.transpose(1, 2),  # (B, Hkv, L, D)
             values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],  # (B, 1, 1, L)
-            scale=scale,
-            enable_gqa=True,
+            mask[:, None, None, :],  # (B, 1, 1, L)
+            scale,
+            softcap,
         )  # (B, Hq, 1, D)
         return out.squeeze(2)
 
     def _prefill(
-        self, q, out, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int
+        self,
+        q,
+        out,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int,
+        softcap: float,
     ):
         start = 0
         for i, (qlen, ctx) in enumerate(
@@ -148,16 +169,36 @@ class TorchAttentionBackend:
             mask = kpos[None, :] <= qpos[:, None]  # (qlen, ctx)
             if window:
                 mask &= kpos[None, :] > qpos[:, None] - window
-            o = F.scaled_dot_product_attention(
+            o = _attention(
                 q[start : start + qlen].transpose(0, 1),  # (Hq, qlen, D)
                 keys.transpose(0, 1),  # (Hkv, ctx, D)
                 values.transpose(0, 1),
-                attn_mask=mask,
-                scale=scale,
-                enable_gqa=True,
+                mask,
+                scale,
+                softcap,
             )  # (Hq, qlen, D)
             out[start : start + qlen] = o.transpose(0, 1)
             start += qlen
+
+
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """q (..., Hq, Lq, D), k/v (..., Hkv, L, D), a boolean mask broadcast to (..., Hq, Lq, L)
+    -> (..., Hq, Lq, D): SDPA, or written out when scores are soft-capped (SDPA has no cap)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -1,6 +1,6 @@
 """Fused kernels for the decoder's elementwise layers, chosen per engine with its backend.
 
-RMSNorm (with the residual add), rotary embeddings and SiLU-and-mul run the torch reference
+RMSNorm (with the residual add), rotary embeddings and SiLU- or GELU-and-mul run the torch reference
 unless a backend hands the model faster kernels with the same signatures: Triton's on GPU
 (``runtime/kernels/``), the C++ ops on CPU (``runtime/kernels/cpu/``).
 """
@@ -11,7 +11,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from conveyor.runtime.layers.activation import SiluAndMul, SiluAndMulKernel
+from conveyor.runtime.layers.activation import (
+    GeluAndMul,
+    GeluAndMulKernel,
+    SiluAndMul,
+    SiluAndMulKernel,
+)
 from conveyor.runtime.layers.layernorm import RMSNorm, RmsNormKernel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, RotaryKernel
 
@@ -24,10 +29,12 @@ class LayerKernels:
     """(positions, q, k, cos, sin) -> (q, k), rotated (in place or not)."""
     silu_and_mul: SiluAndMulKernel
     """(gate_up) -> silu(gate) * up."""
+    gelu_tanh_and_mul: GeluAndMulKernel | None = None
+    """(gate_up) -> gelu_tanh(gate) * up (Gemma); None: the torch reference."""
 
 
 def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:
-    """Switch the model's RMSNorm, rotary and SiLU-and-mul layers to ``kernels``."""
+    """Switch the model's RMSNorm, rotary and SiLU/GELU-and-mul layers to ``kernels``."""
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = kernels.rms_norm
@@ -35,3 +42,5 @@ def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:
             module.kernel = kernels.apply_rotary
         elif isinstance(module, SiluAndMul):
             module.kernel = kernels.silu_and_mul
+        elif isinstance(module, GeluAndMul) and kernels.gelu_tanh_and_mul is not None:
+            module.kernel = kernels.gelu_tanh_and_mul

@@ -22,10 +22,15 @@ RotaryKernel = Callable[
 """(positions, q, k, cos, sin) -> (q, k), rotated (in place or not)."""
 
 
-def rope_inv_freq(config, head_dim: int, context: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    config, head_dim: int, context: int | None = None, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies of the turning pairs, ``(rotary_dim / 2,)``, and the attention
     scaling, for ``config``'s rope type; ``context``: the most positions a sequence may have
     (the served ``--max-model-len``; None: the model's ``max_position_embeddings``).
+    ``layer_type``: which of a config's per-layer-type parameters (Gemma 3's
+    ``rope_parameters`` holds one set for ``sliding_attention`` layers and one for
+    ``full_attention``, see ``rope_layer_types``); None where it has one set.
 
     Scaled variants (llama3, yarn, linear, dynamic, longrope) come from
     transformers' own initialisers, so they match the reference exactly. A GGUF of
@@ -41,25 +46,42 @@ def rope_inv_freq(config, head_dim: int, context: int | None = None) -> tuple[to
     rope for every sequence longer than the original length). Without ``--max-model-len``
     the served context is the original one (``engine/state.py``), as vLLM's default is.
     """
-    inv_freq, attention_scaling = _rope_inv_freq(config, head_dim, context)
+    inv_freq, attention_scaling = _rope_inv_freq(config, head_dim, context, layer_type)
     factors = getattr(config, "rope_freq_factors", None)
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32, device="cpu")  # (D/2,)
     return inv_freq, attention_scaling
 
 
-def rope_type(config) -> str:
-    """``default`` (plain rope, computed here) or a scaled variant (transformers computes it)."""
+def rope_layer_types(config) -> tuple[str, ...] | None:
+    """The layer types whose rope parameters differ (Gemma 3: ``full_attention`` layers turn
+    at theta 1e6, scaled on its larger models, ``sliding_attention`` ones at 1e4), in the
+    order the model keeps their tables; None where one set serves every layer."""
     params = getattr(config, "rope_parameters", None) or {}
-    scaling = getattr(config, "rope_scaling", None) or {}
+    if not params or not all(isinstance(v, dict) for v in params.values()):
+        return None
+    return tuple(sorted(params))
+
+
+def rope_type(config, layer_type: str | None = None) -> str:
+    """``default`` (plain rope, computed here) or a scaled variant (transformers computes it)."""
+    params = _rope_params(config, layer_type)
+    scaling = (getattr(config, "rope_scaling", None) or {}) if layer_type is None else {}
     return str(
         params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     )
 
 
-def rotary_dim(config, head_dim: int) -> int:
-    """How many of a head's dimensions turn: all but under a ``partial_rotary_factor``."""
+def _rope_params(config, layer_type: str | None) -> dict:
     params = getattr(config, "rope_parameters", None) or {}
+    if layer_type is None:
+        return params if rope_layer_types(config) is None else {}
+    return params[layer_type]
+
+
+def rotary_dim(config, head_dim: int, layer_type: str | None = None) -> int:
+    """How many of a head's dimensions turn: all but under a ``partial_rotary_factor``."""
+    params = _rope_params(config, layer_type)
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     dim = int(head_dim * (1.0 if factor is None else factor))
     if dim < 2 or dim > head_dim or dim % 2:
@@ -83,10 +105,12 @@ def rotary_row_order(head_dim: int, turning: int) -> torch.Tensor | None:
     return torch.tensor(order)
 
 
-def _rope_inv_freq(config, head_dim: int, context: int | None) -> tuple[torch.Tensor, float]:
-    params = getattr(config, "rope_parameters", None) or {}
-    kind = rope_type(config)
-    dim = rotary_dim(config, head_dim)  # checked for every kind: transformers' do not
+def _rope_inv_freq(
+    config, head_dim: int, context: int | None, layer_type: str | None
+) -> tuple[torch.Tensor, float]:
+    params = _rope_params(config, layer_type)
+    kind = rope_type(config, layer_type)
+    dim = rotary_dim(config, head_dim, layer_type)  # checked for every kind: transformers' do not
     if kind == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (
@@ -96,7 +120,9 @@ def _rope_inv_freq(config, head_dim: int, context: int | None) -> tuple[torch.Te
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     longest = context or getattr(config, "max_position_embeddings", None)
-    extra = {"seq_len": longest} if kind == "longrope" and longest else {}
+    extra: dict = {"seq_len": longest} if kind == "longrope" and longest else {}
+    if layer_type is not None:
+        extra["layer_type"] = layer_type
     with torch.device("cpu"):  # it makes some tensors on the default device (the model's)
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[kind](config, "cpu", **extra)
     return inv_freq.float(), float(attention_scaling)

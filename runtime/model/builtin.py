@@ -77,8 +77,9 @@ def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
     """Write a random-weight Llama-family model with a byte-level tokenizer to ``path``.
 
     ``config`` is a Hugging Face config dict of model type llama, mistral, qwen2
-    (q/k/v biases), qwen3 (q/k norms) or phi3 (q/k/v and gate/up fused); the tests use
-    small random shapes of each made this way.
+    (q/k/v biases), qwen3 (q/k norms), phi3 (q/k/v and gate/up fused), gemma, gemma2
+    or gemma3_text (norms that scale by 1 + weight; 2 and 3 with four norms a layer, 3
+    with q/k norms); the tests use small random shapes of each made this way.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -179,6 +180,12 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     # add to it, and greedy decoding only repeated the prompt's last token.
     embed_std = 0.2 / h**0.5 if config.get("tie_word_embeddings") else 1.0
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=embed_std)}
+    kind = config["model_type"]
+    gemma = kind in ("gemma", "gemma2", "gemma3_text")
+
+    def norm(size: int) -> torch.Tensor:  # near 1; Gemma's norms add the 1 themselves
+        return (0.0 if gemma else 1.0) + normal(size, std=0.05)
+
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {
@@ -189,9 +196,14 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             p + "mlp.gate_proj.weight": normal(inter, h, std=0.06),
             p + "mlp.up_proj.weight": normal(inter, h, std=0.06),
             p + "mlp.down_proj.weight": normal(h, inter, std=0.04),
-            p + "input_layernorm.weight": 1.0 + normal(h, std=0.05),
-            p + "post_attention_layernorm.weight": 1.0 + normal(h, std=0.05),
+            p + "input_layernorm.weight": norm(h),
+            p + "post_attention_layernorm.weight": norm(h),
         }
+        if kind in ("gemma2", "gemma3_text"):
+            tensors |= {
+                p + "pre_feedforward_layernorm.weight": norm(h),
+                p + "post_feedforward_layernorm.weight": norm(h),
+            }
         if config["model_type"] == "qwen2" or config.get("attention_bias"):
             tensors |= {
                 p + "self_attn.q_proj.bias": normal(nh * hd, std=0.1),
@@ -206,17 +218,17 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "mlp.up_proj.bias": normal(inter, std=0.1),
                 p + "mlp.down_proj.bias": normal(h, std=0.1),
             }
-        if config["model_type"] == "qwen3":
+        if kind in ("qwen3", "gemma3_text"):
             tensors |= {
-                p + "self_attn.q_norm.weight": 1.0 + normal(hd, std=0.05),
-                p + "self_attn.k_norm.weight": 1.0 + normal(hd, std=0.05),
+                p + "self_attn.q_norm.weight": norm(hd),
+                p + "self_attn.k_norm.weight": norm(hd),
             }
         if config["model_type"] == "phi3":  # Phi-3's checkpoints hold q/k/v and gate/up fused
             for fused, parts in FUSED.items():
                 block = "self_attn" if fused == "qkv_proj" else "mlp"
                 pieces = [tensors.pop(f"{p}{block}.{part}.weight") for part in parts]
                 tensors[f"{p}{block}.{fused}.weight"] = torch.cat(pieces)
-    tensors["model.norm.weight"] = torch.ones(h)
+    tensors["model.norm.weight"] = torch.full((h,), 0.0 if gemma else 1.0)
     # Logits with a spread of a few units: greedy choices are clear-cut, not ties.
     if not config.get("tie_word_embeddings"):
         tensors["lm_head.weight"] = normal(v, h, std=4.0 / h**0.5)

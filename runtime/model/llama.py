@@ -1,4 +1,4 @@
-"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3 and Phi-3 share one shape.
+"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma share one shape.
 
 RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache,
 and a gated MLP. The differences are flags read from the Hugging Face config:
@@ -6,6 +6,14 @@ Qwen2 has biases on q/k/v, Qwen3 normalises q and k per head, some models tie
 the LM head to the embeddings. Phi-3's checkpoints hold q/k/v and gate/up fused
 (split at load, so tensor parallelism cuts them as any other), and Phi-4-mini
 turns only part of each head (``layers/rotary.py``).
+
+Gemma (1, 2 and 3's text models) scales the embeddings by sqrt(hidden), its norms by
+``1 + weight`` (offset at load, so every RMSNorm kernel serves it) and gates its MLP
+with GELU's tanh approximation. Gemma 2 and 3 also norm the attention's and the MLP's
+outputs before each residual add ("sandwich" norms), scale scores by
+``query_pre_attn_scalar`` and slide a window in some layers. Gemma 2 soft-caps the
+attention scores and the logits (``cap * tanh(x / cap)``); Gemma 3 normalises q and k
+per head and turns its sliding layers with a rope of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from conveyor.runtime.layers.activation import SiluAndMul
+from conveyor.runtime.layers.activation import GeluAndMul, SiluAndMul
 from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
@@ -26,13 +34,15 @@ from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, Shard, TensorPar
 from conveyor.runtime.layers.rotary import (
     RotaryEmbedding,
     rope_inv_freq,
+    rope_layer_types,
     rope_type,
     rotary_row_order,
 )
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, VocabSplit, gather_logits
 from conveyor.runtime.model.config import layer_windows
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+GEMMA = ("gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)
 
 FUSED = {packed: parts for packed, parts in TARGETS.items() if len(parts) > 1}
 """Checkpoint tensors that hold several projections (Phi-3's ``qkv_proj``, ``gate_up_proj``,
@@ -56,11 +66,13 @@ class DecoderShape:
                 f"model type {self.model_type!r} is not supported; "
                 f"Conveyor runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):  # transformers' names for the same function
+        if getattr(config, "use_bidirectional_attention", None):
             raise ValueError(
-                f"hidden_act {act!r} is not supported; Conveyor's MLP computes silu(gate) * up"
+                "use_bidirectional_attention is set: this is an embedding model (EmbeddingGemma?); "
+                "Conveyor serves causal language models"
             )
+        self.activation = _activation(config)
+        """``silu`` or ``gelu_tanh``: the MLP's gate."""
         self.hidden_size = config.hidden_size
         self.num_layers = config.num_hidden_layers
         self.total_num_heads = config.num_attention_heads
@@ -87,14 +99,72 @@ class DecoderShape:
         # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only.
         self.o_bias = self.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.qk_norm = self.model_type == "qwen3"
+        self.qk_norm = self.model_type in ("qwen3", "gemma3_text")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.inv_freq, self.rope_scaling = rope_inv_freq(config, self.head_dim, context)
+        gemma = self.model_type in GEMMA
+        self.norm_offset = 1.0 if gemma else 0.0
+        """Added to every norm's checkpoint weight at load: Gemma's norms scale by 1 + weight."""
+        self.embed_scale = self.hidden_size**0.5 if gemma else None
+        """Gemma multiplies the embedded tokens by this (not the tied LM head's rows)."""
+        self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
+        """Gemma 2/3: the attention's and the MLP's outputs are normed before their residual
+        adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
+        scalar = getattr(config, "query_pre_attn_scalar", None) if self.sandwich_norms else None
+        self.attn_scale = float(scalar or self.head_dim) ** -0.5
+        self.attn_softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        """Gemma 2: attention scores are capped to ``cap * tanh(s / cap)``; 0: not capped."""
+        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        """Gemma 2: the logits are capped the same way; 0: not capped."""
+        self.windows = layer_windows(config)
+        """Per layer, the keys a query sees (its own included); 0: all before it."""
+        rope_types = rope_layer_types(config)
+        self.ropes = [
+            rope_inv_freq(config, self.head_dim, context, kind) for kind in rope_types or (None,)
+        ]
+        """Each rope table's (inverse frequencies, attention scaling): one, or one per layer
+        type whose parameters differ (Gemma 3's full and sliding layers)."""
+        self.layer_ropes = (
+            tuple(rope_types.index(kind) for kind in config.layer_types)
+            if rope_types
+            else (0,) * self.num_layers
+        )
+        """Per layer, the index of its table in ``ropes``."""
+        if len({inv.numel() for inv, _ in self.ropes}) > 1:
+            raise ValueError("layer types that turn different shares of a head are not supported")
+        self.inv_freq, self.rope_scaling = self.ropes[0]
         self.qk_order = rotary_row_order(self.head_dim, 2 * self.inv_freq.numel())
         """A partial rotary's order of a head's q/k dimensions (``layers/rotary.py``); None:
         the checkpoint's."""
-        self.windows = layer_windows(config)
-        """Per layer, the keys a query sees (its own included); 0: all before it."""
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether every layer is a plain Llama layer (silu MLP, no per-head q/k norm, no
+        sandwich norms, one rope table, no score cap, scores scaled by 1/sqrt(head_dim)), what
+        one-call decoders (``AttentionBackend.decoder_layers``) compute."""
+        return (
+            self.activation == "silu"
+            and not (self.qk_norm or self.sandwich_norms or self.attn_softcap)
+            and len(self.ropes) == 1
+            and self.attn_scale == self.head_dim**-0.5
+        )
+
+
+def _activation(config) -> str:
+    """The MLP gate's function as Conveyor names it, from transformers' name for it."""
+    model_type = config.model_type
+    if model_type in ("gemma2", "gemma3_text"):
+        name = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    else:
+        name = getattr(config, "hidden_act", None) or "silu"
+    if name in ("silu", "swish"):  # transformers' names for the same function
+        return "silu"
+    # Gemma's legacy "gelu" means the tanh approximation (transformers and vLLM read it so).
+    if name in ("gelu_pytorch_tanh", "gelu_new") or (name == "gelu" and model_type in GEMMA):
+        return "gelu_tanh"
+    raise ValueError(
+        f"hidden activation {name!r} is not supported; Conveyor's MLP gates with silu or "
+        "gelu_pytorch_tanh"
+    )
 
 
 class LlamaAttention(nn.Module):
@@ -114,7 +184,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
         self.qk_norm = s.qk_norm
-        self.scale = s.head_dim**-0.5
+        self.scale = s.attn_scale
+        self.softcap = s.attn_softcap
         self.backend = backend
         self.tp = s.tp if s.tp.size > 1 else None  # o_proj is row-parallel: sum its partials
         self.lora_qkv_proj: LoRAProjection | None = None
@@ -149,7 +220,7 @@ class LlamaAttention(nn.Module):
         """The step's K/V into the cache, and attention over each sequence's context: the
         part that depends on the batch's sequences -> (T, Hq, D), into ``out`` if given."""
         return self.backend.forward(
-            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, out, window=self.window
+            q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, out, self.window, self.softcap
         )
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -166,7 +237,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul() if s.activation == "silu" else GeluAndMul()
         self.tp = s.tp if s.tp.size > 1 else None  # down_proj is row-parallel
         self.lora_gate_up_proj: LoRAProjection | None = None
         self.lora_down_proj: LoRAProjection | None = None
@@ -189,6 +260,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(s)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.sandwich_norms = s.sandwich_norms
+        if s.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
     def before_attention(
         self,
@@ -209,8 +284,13 @@ class LlamaDecoderLayer(nn.Module):
         self, o: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's output projection, the residual add, norm and MLP -> (x, residual)."""
-        x, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
-        return self.mlp(x), residual
+        o = self.self_attn.output(o)
+        if not self.sandwich_norms:
+            x, residual = self.post_attention_layernorm(o, residual)
+            return self.mlp(x), residual
+        # Gemma 2/3: each block's output is normed before it joins the residual stream.
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(o), residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -238,7 +318,14 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend, w) for w in s.windows)
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.rotary = RotaryEmbedding(s.head_dim, s.max_position, s.inv_freq, s.rope_scaling)
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(s.head_dim, s.max_position, inv_freq, scaling)
+            for inv_freq, scaling in s.ropes
+        )
+        """One table per rope of ``shape.ropes``; layer ``i`` turns with ``rotary_of(i)``."""
+        self.embed_scale: float | None = None
+        if s.embed_scale is not None:  # rounded to the model's dtype, as the reference's is
+            self.embed_scale = float(torch.tensor(s.embed_scale, dtype=torch.get_default_dtype()))
         self.tied_head_packed: torch.Tensor | None = None
         """The tied LM head (the embedding) in oneDNN's layout, set on CPU (``layers/linear.py``)."""
         self.fused_layers: DecoderLayers | None = None
@@ -262,9 +349,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions (T,); kv_caches (L, 2, blocks, bs, Hkv, D) -> hidden (T, hidden)."""
         if self.fused_layers is not None and (self.lora is None or self.lora.step.masks is None):
-            x, residual = self.fused_layers(
-                self.embed_tokens(input_ids), positions, kv_caches, meta
-            )
+            x, residual = self.fused_layers(self.embed(input_ids), positions, kv_caches, meta)
             x, _ = self.norm(x, residual)
             return x
         # The same pieces a piecewise CUDA graph captures, with attention between them.
@@ -278,8 +363,9 @@ class LlamaForCausalLM(nn.Module):
 
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Projected:
         """The embedding and the first layer up to its attention -> (q, k, v, residual)."""
-        x = self.embed_tokens(input_ids)  # (T, hidden)
-        return self.layer(0).before_attention(positions, x, None, self.rotary)
+        return self.layer(0).before_attention(
+            positions, self.embed(input_ids), None, self.rotary_of(0)
+        )
 
     def attend(
         self,
@@ -299,7 +385,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> Projected:
         """Layer ``i - 1`` after its attention, then layer ``i`` up to its own."""
         x, residual = self.layer(i - 1).after_attention(o, residual)
-        return self.layer(i).before_attention(positions, x, residual, self.rotary)
+        return self.layer(i).before_attention(positions, x, residual, self.rotary_of(i))
 
     def finish(self, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer after its attention, and the final norm -> hidden (T, hidden)."""
@@ -328,6 +414,20 @@ class LlamaForCausalLM(nn.Module):
     def layer(self, i: int) -> LlamaDecoderLayer:
         return cast(LlamaDecoderLayer, self.layers[i])
 
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The first rope table: every layer's but under per-layer-type ropes (Gemma 3)."""
+        return cast(RotaryEmbedding, self.rotaries[0])
+
+    def rotary_of(self, i: int) -> RotaryEmbedding:
+        """Layer ``i``'s rope table."""
+        return cast(RotaryEmbedding, self.rotaries[self.shape.layer_ropes[i]])
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (T, hidden), scaled where the model scales them (Gemma)."""
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(N, hidden) -> (N, vocab) float32 logits; under tensor parallelism every rank
         calls it with the same rows, and only rank 0 gets the logits (the others None)."""
@@ -335,7 +435,9 @@ class LlamaForCausalLM(nn.Module):
             local = self.lm_head(hidden)  # (N, this rank's vocabulary rows)
         else:
             local = packed_linear(hidden, self.embed_tokens.weight, self.tied_head_packed, None)
-        return gather_logits(local, self.shape.vocab, self.shape.tp)
+        logits = gather_logits(local, self.shape.vocab, self.shape.tp)
+        cap = self.shape.final_softcap
+        return logits if logits is None or not cap else torch.tanh(logits / cap) * cap
 
     # -- weights ---------------------------------------------------------------------
 
@@ -390,6 +492,8 @@ class LlamaForCausalLM(nn.Module):
                 tensor = self.to_rotary_layout(shard[0], tensor)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 tensor = self.to_rotary_layout("q_proj", tensor)
+            if self.shape.norm_offset and name.endswith("norm.weight"):
+                tensor = tensor.float() + self.shape.norm_offset  # Gemma scales by 1 + weight
             if name in ("embed_tokens.weight", "lm_head.weight"):  # the rows past are padding
                 _copy(param.data[: self.shape.vocab.loaded], tensor, hf_name)
             elif shard is None:

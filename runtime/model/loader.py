@@ -121,7 +121,49 @@ def load_config(files: ModelFiles):
             return config
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(files.path)
+        config = AutoConfig.from_pretrained(files.path)
+        if values.get("model_type") in TEXT_OF_MULTIMODAL:
+            log.info(
+                "%s is an image-text model: serving its text model (requests with images are "
+                "refused)",
+                values["model_type"],
+            )
+            return config.text_config
+        return config
+
+
+TEXT_OF_MULTIMODAL = {
+    "gemma3": (
+        ("language_model.model.", "model."),  # as Google's checkpoints name them
+        ("model.language_model.", "model."),  # as transformers >= 4.52 saves them
+        ("language_model.lm_head.", "lm_head."),
+        ("model.vision_tower.", None),
+        ("vision_tower.", None),
+        ("model.multi_modal_projector.", None),
+        ("multi_modal_projector.", None),
+    ),
+}
+"""Image-text model types whose text model Conveyor serves (Gemma 3 4B-27B: a Gemma 3 text
+decoder beside a SigLIP image tower), with their checkpoint's name prefixes -> the text
+model's (None: the image part's, not read)."""
+
+
+def checkpoint_names(files: ModelFiles) -> Callable[[str], str | None]:
+    """Checkpoint tensor name -> the decoder's name for it (None: not the decoder's): the
+    names themselves, but for the text model of an image-text checkpoint."""
+    config = files.path / "config.json"
+    kind = json.loads(config.read_text()).get("model_type") if files.gguf is None else None
+    prefixes = TEXT_OF_MULTIMODAL.get(kind or "")
+    if prefixes is None:
+        return lambda name: name
+
+    def rename(name: str) -> str | None:
+        for old, new in prefixes:
+            if name.startswith(old):
+                return None if new is None else new + name.removeprefix(old)
+        return name
+
+    return rename
 
 
 def load_tokenizer(files: ModelFiles):
@@ -137,7 +179,7 @@ def load_tokenizer(files: ModelFiles):
         return AutoTokenizer.from_pretrained(files.path)
 
 
-AUTO_TOKENIZER_KEEPS_BACKEND = ("llama", "mistral", "qwen3")
+AUTO_TOKENIZER_KEEPS_BACKEND = ("llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text")
 """Model types for which ``AutoTokenizer`` loads a tokenizer_config.json's
 ``TokenizersBackend`` as that class (transformers 5; for Qwen2 it substitutes
 ``Qwen2Tokenizer``). tests/engine/test_tokenizer_loading.py checks this against
@@ -197,7 +239,7 @@ def build_model(
     finally:
         torch.set_default_dtype(default_dtype)
     # The rotary tables stay float32 (cast per step), as in the reference.
-    model.rotary.float()
+    model.rotaries.float()
     if load_format == "dummy":
         g = torch.Generator(device=device).manual_seed(seed + tp.rank)
         with torch.no_grad():
@@ -221,7 +263,11 @@ def build_model(
                 "--load-format dummy"
             )
         with torch.no_grad():
-            model.load_weights(_iter_safetensors(weights, device, progress, model.weight_shard))
+            model.load_weights(
+                _iter_safetensors(
+                    weights, device, progress, model.weight_shard, checkpoint_names(files)
+                )
+            )
         progress(f"loaded {len(weights)} weight file(s) in {time.monotonic() - started:.1f}s")
     model.eval()
     return model
@@ -251,8 +297,10 @@ def _iter_safetensors(
     device: torch.device,
     progress: Callable[[str], None],
     shard_of: Callable[[str], Shard | None],
+    rename: Callable[[str], str | None],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each tensor, or only the shard of it ``shard_of`` names (read from the memory map alone)."""
+    """Each tensor the decoder reads, under the decoder's name for it (``rename``; None: not
+    read), whole or only the shard of it ``shard_of`` names (read from the memory map alone)."""
     from safetensors import safe_open
 
     for i, file in enumerate(files, 1):
@@ -260,12 +308,14 @@ def _iter_safetensors(
         with safe_open(
             file, framework="pt", device=str(device) if device.type == "cuda" else "cpu"
         ) as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            for stored in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if (name := rename(stored)) is None:
+                    continue
                 shard = shard_of(name)
                 if shard is None:
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(stored)
                     continue
-                part = f.get_slice(name)
+                part = f.get_slice(stored)
                 if shard.zero:
                     yield name, torch.zeros(part.get_shape())
                     continue

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from model_shapes import PHI3, QWEN2, QWEN3
+from model_shapes import GEMMA2, GEMMA3, PHI3, QWEN2, QWEN3
 
 from conveyor.runtime.model.builtin import TINY_CONFIG, builtin_model_path, generate_model
 
@@ -16,6 +16,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "qwen2": str(generate_model(root / "qwen2", QWEN2, seed=1)),
         "qwen3": str(generate_model(root / "qwen3", QWEN3, seed=2)),
         "phi3": str(generate_model(root / "phi3", PHI3, seed=3)),
+        "gemma2": str(generate_model(root / "gemma2", GEMMA2, seed=4)),
+        "gemma3": str(generate_model(root / "gemma3", GEMMA3, seed=5)),
     }
 
 

@@ -36,3 +36,34 @@ PHI3 = dict(
 """Phi-4-mini's shape: q/k/v and gate/up fused in the checkpoint, three quarters of each head
 turned by the rotary (its LM head is tied; an untied one here keeps random weights from
 echoing the last token, so greedy tokens tell a wrong rope apart)."""
+GEMMA2 = dict(
+    SMALL,
+    architectures=["Gemma2ForCausalLM"],
+    model_type="gemma2",
+    hidden_activation="gelu_pytorch_tanh",
+    query_pre_attn_scalar=24,
+    sliding_window=12,
+    attn_logit_softcapping=1.5,
+    final_logit_softcapping=4.0,
+    tie_word_embeddings=False,
+)
+"""Gemma 2's shape: sandwich norms, a window in every other layer (the first), scores scaled
+by ``query_pre_attn_scalar`` (not head_dim) and soft-capped. The caps are far below Gemma 2's
+50 and 30, so that random weights' small scores feel them."""
+GEMMA3 = dict(
+    SMALL,
+    architectures=["Gemma3ForCausalLM"],
+    model_type="gemma3_text",
+    hidden_activation="gelu_pytorch_tanh",
+    query_pre_attn_scalar=32,
+    sliding_window=12,
+    sliding_window_pattern=2,
+    rope_theta=1_000_000.0,
+    rope_local_base_freq=10_000.0,
+    rope_scaling={"rope_type": "linear", "factor": 8.0},
+    tie_word_embeddings=True,
+    num_key_value_heads=1,
+)
+"""Gemma 3's: q/k norms, sliding layers turned by a rope of their own (theta 1e4) and full ones
+by a scaled one (theta 1e6, linear x8, as the 4B-27B models' text configs say), a tied head
+read from the unscaled embedding, one KV head (as Gemma 3 1B)."""

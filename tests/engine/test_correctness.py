@@ -15,7 +15,7 @@ from conveyor.runtime import SamplingParams
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.engine.settings import EngineSettings
 
-MODELS = ["conveyor-tiny", "qwen2", "qwen3", "phi3"]
+MODELS = ["conveyor-tiny", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
 
 
 def make_engine(model_dirs, model: str, **settings) -> LLMEngine:

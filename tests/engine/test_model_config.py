@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -114,16 +115,19 @@ def test_every_tensor_of_a_model_lives_on_the_device_it_is_built_on(values):
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend=None)  # type: ignore[arg-type]
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    assert any(name.startswith("rotary.") for name, _ in tensors)
+    assert any(name.startswith("rotaries.") for name, _ in tensors)
     assert [name for name, t in tensors if t.device.type != "meta"] == []
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
-def test_an_activation_other_than_silu_is_refused_not_run_as_silu(model_type):
-    """The MLP computes silu(gate) * up; a config asking for another activation is refused,
-    whichever config reads it."""
-    values = {**SMALL, "hidden_act": "gelu_pytorch_tanh"}
+def test_an_activation_other_than_silu_or_tanh_gelu_is_refused_not_run_as_either(model_type):
+    """The MLP gates with silu or GELU's tanh approximation; a config asking for another
+    activation (exact GELU here) is refused, whichever config reads it."""
+    values = {**SMALL, "hidden_act": "gelu"}
     ours = ModelConfig.from_values({**values, "model_type": model_type})
     for config in (ours, transformers_config(model_type, values)):
-        with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' is not supported"):
+        with pytest.raises(ValueError, match="hidden activation 'gelu' is not supported"):
             DecoderShape(config)
+        tanh = copy.copy(config)
+        tanh.hidden_act = "gelu_pytorch_tanh"
+        assert DecoderShape(tanh).activation == "gelu_tanh"

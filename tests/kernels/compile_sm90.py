@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from conveyor.runtime.kernels import (
     decode_attention,
+    gelu_and_mul,
     prefill_attention,
     rmsnorm,
     rotary,
@@ -45,12 +46,20 @@ def i32(*names: str) -> dict[str, str]:
 def main() -> int:
     for dt in ("bf16", "fp16", "fp32"):
         precision = "ieee" if dt == "fp32" else None
-        # Every GQA/head-dim/page shape in bfloat16 (the serving dtype), one in the others.
-        shapes = ((1, 64, 1), (4, 128, 16), (7, 64, 32), (8, 128, 16))
-        for group, head_dim, page in shapes if dt == "bf16" else shapes[1:2]:
+        # Every GQA/head-dim/page shape in bfloat16 (the serving dtype), one in the others;
+        # Gemma's head dim 256, uncapped (Gemma 3) and with soft-capped scores (Gemma 2).
+        shapes = (
+            (1, 64, 1, False),
+            (4, 128, 16, False),
+            (7, 64, 32, False),
+            (8, 128, 16, False),
+            (2, 256, 16, False),
+            (2, 256, 16, True),
+        )
+        for group, head_dim, page, softcap in shapes if dt == "bf16" else shapes[1:2]:
             cache = {"k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}", "block_tables_ptr": "*i32"}
             tiles = {"GROUP": group, "HEAD_DIM": head_dim, "PAGE_SIZE": page, "BLOCK_D": head_dim}
-            tiles |= {"DOT_FP32": False, "PRECISION": precision}
+            tiles |= {"SOFTCAP": softcap, "DOT_FP32": False, "PRECISION": precision}
             n1 = compile_kernel(
                 decode_attention._decode_stage1_kernel,
                 {
@@ -60,6 +69,7 @@ def main() -> int:
                     "o_part_ptr": "*fp32",
                     "lse_ptr": "*fp32",
                     "scale": "fp32",
+                    "softcap": "fp32",
                     **i32(
                         "stride_qt",
                         "stride_qh",
@@ -109,6 +119,7 @@ def main() -> int:
                     "context_lens_ptr": "*i32",
                     "out_ptr": f"*{dt}",
                     "scale": "fp32",
+                    "softcap": "fp32",
                     **i32(
                         "stride_qt",
                         "stride_qh",
@@ -126,7 +137,9 @@ def main() -> int:
                 },
             )
             print(
-                f"{dt} group {group} head_dim {head_dim} page {page}: decode {n1}+{n2} B, prefill {n3} B"
+                f"{dt} group {group} head_dim {head_dim} page {page}"
+                + (" softcap" if softcap else "")
+                + f": decode {n1}+{n2} B, prefill {n3} B"
             )
         act = {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}
         norm = {
@@ -177,8 +190,13 @@ def main() -> int:
                 {**act, "stride_x": "i32"},
                 {"N": 14336, "BLOCK": 1024},
             ),
+            compile_kernel(
+                gelu_and_mul._gelu_tanh_and_mul_kernel,
+                {**act, "stride_x": "i32"},
+                {"N": 14336, "BLOCK": 1024},
+            ),
         ]
-        print(f"{dt} store_kv, rotary, rms_norm (x2), silu_and_mul: {sizes} B")
+        print(f"{dt} store_kv, rotary, rms_norm (x2), silu_and_mul, gelu_tanh_and_mul: {sizes} B")
     return 0
 
 

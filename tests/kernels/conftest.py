@@ -24,6 +24,7 @@ KERNEL_MODULES = (
     "conveyor.runtime.kernels.rotary",
     "conveyor.runtime.kernels.rmsnorm",
     "conveyor.runtime.kernels.silu_and_mul",
+    "conveyor.runtime.kernels.gelu_and_mul",
     "conveyor.runtime.kernels.backend",
 )
 INTERPRETED = not torch.cuda.is_available()

@@ -2,19 +2,21 @@
 
 The same matrices as the Triton kernels (``checks.py``): paged attention over scattered
 blocks with ragged contexts and cached prefixes, GQA 1/4/8, head dims 64 and 128, float32,
-float16 and bfloat16; the elementwise layers; and the in-place contracts (rotary rotates
-its views, RMSNorm with a residual writes both). The set-up builds the kernels
-(``scripts/bootstrap.sh``), so a missing build fails here rather than skipping; with
-``CONVEYOR_CPU_KERNELS=0`` the fallback is what is tested.
+float16 and bfloat16, also with soft-capped scores (Gemma 2's); the elementwise layers, the
+SiLU and GELU gates among them; and the in-place contracts (rotary rotates its views, RMSNorm
+with a residual writes both). The set-up builds the kernels (``scripts/bootstrap.sh``), so a
+missing build fails here rather than skipping; with ``CONVEYOR_CPU_KERNELS=0`` the fallback
+is what is tested.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conveyor.runtime.kernels import checks, cpu
-from conveyor.runtime.layers.attention import select_backend
+from conveyor.runtime.layers.attention import TorchAttentionBackend, select_backend
 
 CASES = checks.attention_cases()
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in checks.DTYPES]
@@ -34,6 +36,38 @@ def backend():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_attention_step_matches_torch(case, dtype, backend):
     checks.check_attention_backend(case, dtype, CPU, backend=backend)
+
+
+# The CI matrix's GQA-4 step (contexts around the block boundaries, cached prefixes, a chunk
+# past a prefill task's 64 queries) with and without sliding windows, and GQA 7 over blocks
+# of one token.
+SOFTCAP_CASES = [
+    checks.AttentionCase(
+        16, 8, 2, 64, (1, 15, 16, 17, 32, 53, 130), ((0, 1), (0, 35), (16, 16), (21, 70), (3, 1)),
+        window,
+    )
+    for window in (0, 7, 70)
+] + [checks.AttentionCase(1, 28, 4, 64, (1, 2, 9), ((0, 5), (6, 7)))]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("softcap", [30.0, 50.0])
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: c.id)
+def test_attention_softcap_matches_torch(case, softcap, dtype, backend):
+    """Scores of about +-100 (the scale times 100), where the cap reshapes the softmax: the
+    kernels' decode and prefill against the torch backend's, which caps them as written."""
+    q, k, v, k_cache, v_cache, meta = checks._paged_step(case, dtype, CPU, seed=0)
+    scale = 100 * case.head_dim**-0.5
+    reference = TorchAttentionBackend()
+    ref_args = (q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale)
+    expected = reference.forward(*ref_args, window=case.window, softcap=softcap)
+    got = backend.forward(
+        q, k, v, k_cache, v_cache, meta, scale, window=case.window, softcap=softcap
+    )
+    atol, rtol = checks.ATTENTION_TOL[dtype]
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
+    uncapped = reference.forward(*ref_args, window=case.window)
+    assert (uncapped - expected).abs().max() > 0.1, "the cap changes nothing at these scores"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -59,6 +93,31 @@ def test_silu_and_mul(shape, dtype, backend):
     checks.check_silu_and_mul(*shape, dtype, CPU, silu_and_mul=backend.layer_kernels.silu_and_mul)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", checks.ELEMENTWISE_CASES["silu_and_mul"], ids=str)
+def test_gelu_tanh_and_mul(shape, dtype, backend):
+    """Against torch's unfused ops in float32 on the same (rounded) inputs, as SiLU's check."""
+    rows, intermediate = shape
+    g = torch.Generator().manual_seed(0)
+    x = (2 * torch.randn(rows, 2 * intermediate, generator=g)).to(dtype)
+    gate, up = x.float().chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh") * up
+    got = backend.layer_kernels.gelu_tanh_and_mul(x)
+    assert got.dtype == dtype and got.shape == (rows, intermediate)
+    atol, rtol = checks.ELEMENTWISE_TOL[dtype]
+    torch.testing.assert_close(got.float(), expected, atol=atol, rtol=rtol)
+
+
+def test_gelu_tanh_range(backend):
+    """Over the whole float range (saturation both ways, the cube overflowing, no NaN),
+    against the formula in float64."""
+    x = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([-1e30, 1e30, 0.0])])
+    gate_up = torch.cat([x, torch.ones_like(x)]).view(1, -1)
+    got = backend.layer_kernels.gelu_tanh_and_mul(gate_up)
+    expected = F.gelu(x.double(), approximate="tanh").float().view(1, -1)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
 def test_silu_exp_range(backend):
     """The vectorised exp over the whole float range: saturation, underflow, no NaN."""
     x = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([-1e30, 1e30, 0.0])])
@@ -77,7 +136,12 @@ def test_bad_inputs_raise_not_crash(backend):
     with pytest.raises(RuntimeError, match="int32"):
         ops.paged_decode_attention(
             torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int64),
-            torch.ones(2, dtype=torch.int32), 0.125, 0,
+            torch.ones(2, dtype=torch.int32), 0.125, 0, 0.0,
+        )  # fmt: skip
+    with pytest.raises(RuntimeError, match="softcap must be 0"):
+        ops.paged_decode_attention(
+            torch.empty_like(q), q, cache, cache, torch.zeros(2, 1, dtype=torch.int32),
+            torch.ones(2, dtype=torch.int32), 0.125, 0, -30.0,
         )  # fmt: skip
     with pytest.raises(RuntimeError, match="rotary table"):
         cos = torch.ones(8, 64)

@@ -4,7 +4,8 @@ The CI matrix: block sizes 16 and 32; GQA ratios 1, 4 and 8; head dims 64 and
 128; ragged context lengths 1, bs-1, bs, bs+1, 2bs, 3bs+5 and 130 (block
 boundaries); prefills with nothing cached, a block-aligned cached prefix, and
 a prefix ending mid-block; every sequence's blocks scattered across the
-cache; float32, float16 and bfloat16. Tolerances: ``checks.ATTENTION_TOL``.
+cache; float32, float16 and bfloat16; sliding windows; Gemma 2's soft-capped scores, with and
+without a window. Tolerances: ``checks.ATTENTION_TOL``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import pytest
 import torch
 
 from conveyor.runtime.kernels import checks
+from conveyor.runtime.kernels.backend import TritonAttentionBackend
 
 CASES = checks.attention_cases()
+SOFTCAP_CASES = checks.softcap_attention_cases()
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in checks.DTYPES]
 
 
@@ -24,10 +27,33 @@ def test_backend_step_matches_torch(case, dtype, device):
     checks.check_attention_backend(case, dtype, device)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", SOFTCAP_CASES, ids=lambda c: c.id)
+def test_softcapped_step_matches_torch(case, dtype, device):
+    checks.check_attention_backend(case, dtype, device)
+
+
+class _UncappedTritonBackend(TritonAttentionBackend):
+    def forward(self, *args, softcap: float = 0.0, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_softcapped_cases_fail_without_the_cap(device):
+    """The capped cases' scores are large enough that the cap decides the result: kernels that
+    ignored it would fail them."""
+    with pytest.raises(AssertionError, match="attention"):
+        checks.check_attention_backend(
+            SOFTCAP_CASES[1], torch.float32, device, backend=_UncappedTritonBackend()
+        )
+
+
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize(
     "case",
-    CASES[1:2] + [c for c in CASES if c.block_size == 1] + [c for c in CASES if c.window][-1:],
+    CASES[1:2]
+    + [c for c in CASES if c.block_size == 1]
+    + [c for c in CASES if c.window][-1:]
+    + SOFTCAP_CASES[1:2],
     ids=lambda c: c.id,
 )
 def test_decode_split_kv_and_padded_slots(case, num_splits, device):

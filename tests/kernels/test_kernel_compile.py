@@ -36,4 +36,4 @@ def test_kernels_compile_for_sm90(tmp_path):
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("prefill") == 6
+    assert proc.stdout.count("prefill") == 8

@@ -2,7 +2,7 @@
 loaded in milliseconds.
 
 The C++ ops (paged attention read in place from the KV cache, rotary, the KV write, RMSNorm
-fused with the residual add, SiLU-and-mul) replace the torch reference on CPU, where a
+fused with the residual add, SiLU- and GELU-and-mul) replace the torch reference on CPU, where a
 decode step is otherwise dominated by copying K/V out of the cache and by hundreds of small
 elementwise ops; ``decoder_layers`` runs a Llama-family model's layers on them in one call.
 ``build()`` compiles them with torch's extension builder (g++ and ninja) for this machine's

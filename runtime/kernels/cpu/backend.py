@@ -39,9 +39,11 @@ class CpuAttentionBackend:
         scale: float,
         out: torch.Tensor | None = None,
         window: int = 0,
+        softcap: float = 0.0,
     ) -> torch.Tensor:
         """q (T, Hq, D), k/v (T, Hkv, D), caches (num_blocks, block_size, Hkv, D) -> (T, Hq, D);
-        ``window`` > 0: a sliding-window layer's (``AttentionBackend.forward``)."""
+        ``window`` > 0: a sliding-window layer's, ``softcap`` > 0: soft-capped scores
+        (``AttentionBackend.forward``)."""
         ops = self.ops
         ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if out is None:
@@ -50,27 +52,28 @@ class CpuAttentionBackend:
         if nd:
             ops.paged_decode_attention(
                 out[:nd], q[:nd], k_cache, v_cache,
-                meta.decode_block_tables, meta.decode_context_lens, scale, window,
+                meta.decode_block_tables, meta.decode_context_lens, scale, window, softcap,
             )  # fmt: skip
         if meta.num_prefills:
             ops.paged_prefill_attention(
                 out[nd:], q[nd:], k_cache, v_cache, meta.prefill_block_tables,
-                meta.prefill_query_start_loc, meta.prefill_context_lens, scale, window,
+                meta.prefill_query_start_loc, meta.prefill_context_lens, scale, window, softcap,
             )  # fmt: skip
         return out
 
     def decoder_layers(self, model: nn.Module) -> DecoderLayers | None:
         """``model``'s layers as one C++ call (``decoder.cpp``: the same kernels, matmuls and
         order as the Python loop, so the same bits, without a dozen Python calls a layer), or
-        None when the model does not fit it: every linear packed for oneDNN, no per-head q/k
-        norm (Qwen3), float32 rotary tables. Epsilon and scale come from the shape, as the
-        layers' own do."""
+        None when the model does not fit it: every linear packed for oneDNN, plain Llama layers
+        (``DecoderShape.llama_layers``: not Qwen3's q/k norms, not Gemma's), float32 rotary
+        tables. Epsilon, scale and the score soft cap come from the shape, as the layers' own
+        do."""
         ops = self.ops
         # The Llama family's submodules, read by name (``runtime/model/llama.py``); torch types
         # each as Tensor | Module, so the walk reads the model as Any.
         llama: Any = model
         shape = getattr(llama, "shape", None)
-        if not hasattr(ops, "decoder_layers") or shape is None or shape.qk_norm:
+        if not hasattr(ops, "decoder_layers") or shape is None or not shape.llama_layers:
             return None
         weights: list[torch.Tensor] = []
         for layer in llama.layers:
@@ -90,7 +93,7 @@ class CpuAttentionBackend:
         cos, sin = llama.rotary.cos, llama.rotary.sin
         if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
             return None
-        s, scale = shape, shape.head_dim**-0.5  # LlamaAttention.scale
+        s, scale, softcap = shape, shape.attn_scale, shape.attn_softcap  # LlamaAttention's
         windows = list(shape.windows)
 
         def run(x, positions, kv_caches, meta: AttentionMetadata):
@@ -99,7 +102,7 @@ class CpuAttentionBackend:
                 meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
                 meta.num_prefills > 0, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, s.num_heads, s.num_kv_heads, s.head_dim,
-                s.rms_norm_eps, scale, windows,
+                s.rms_norm_eps, scale, softcap, windows,
             )  # fmt: skip
 
         return run
@@ -123,7 +126,12 @@ def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:
         ops.rotary_embedding(positions, q, k, cos, sin)
         return q, k
 
-    return LayerKernels(rms_norm=rms_norm, apply_rotary=apply_rotary, silu_and_mul=ops.silu_and_mul)
+    return LayerKernels(
+        rms_norm=rms_norm,
+        apply_rotary=apply_rotary,
+        silu_and_mul=ops.silu_and_mul,
+        gelu_tanh_and_mul=ops.gelu_tanh_and_mul,
+    )
 
 
 def _reference_rms_norm(x, weight, eps, residual):

@@ -53,15 +53,16 @@ enum Weight : int64_t {
 
 // x (T, hidden), the embedded tokens, through every layer; returns (x, residual) for the
 // final norm. kv_caches (layers, 2, blocks, block_size, Hkv, D); the step's metadata as
-// AttentionMetadata holds it; the first num_decode_tokens rows are decodes. windows: per
-// layer, the keys a query sees (0: all before it; runtime/model/config.py's layer_windows).
+// AttentionMetadata holds it; the first num_decode_tokens rows are decodes. softcap: the
+// attention scores' soft cap (0: none). windows: per layer, the keys a query sees (0: all
+// before it; runtime/model/config.py's layer_windows).
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor x, at::Tensor positions, at::Tensor kv_caches, const std::vector<at::Tensor>& weights,
     at::Tensor cos, at::Tensor sin, at::Tensor slots, int64_t num_decode_tokens,
     at::Tensor decode_block_tables, at::Tensor decode_context_lens, bool has_prefills,
     at::Tensor prefill_block_tables, at::Tensor prefill_query_start_loc,
     at::Tensor prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double scale, const std::vector<int64_t>& windows) {
+    double eps, double scale, double softcap, const std::vector<int64_t>& windows) {
   const int64_t layers = kv_caches.size(0);
   TORCH_CHECK(int64_t(windows.size()) == layers, "decoder_layers needs a window per layer, got ",
               windows.size(), " for ", layers, " layers");
@@ -92,11 +93,12 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor o = at::empty(q.sizes(), q.options());
     if (nd > 0)
       paged_decode_attention(o.narrow(0, 0, nd), q.narrow(0, 0, nd), k_cache, v_cache,
-                             decode_block_tables, decode_context_lens, scale, windows[l]);
+                             decode_block_tables, decode_context_lens, scale, windows[l],
+                             softcap);
     if (has_prefills)
       paged_prefill_attention(o.narrow(0, nd, T - nd), q.narrow(0, nd, T - nd), k_cache, v_cache,
                               prefill_block_tables, prefill_query_start_loc,
-                              prefill_context_lens, scale, windows[l]);
+                              prefill_context_lens, scale, windows[l], softcap);
     x = linear(o.flatten(1), w[kO], w[kOPacked], w[kOBias]);
     fused_add_rms_norm(x, residual, w[kPostNorm], eps);
     const at::Tensor gate_up = linear(x, w[kGateUp], w[kGateUpPacked], w[kGateUpBias]);
@@ -118,6 +120,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, nogil);
   m.def("rms_norm", &rms_norm, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil);
   m.def("decoder_layers", &decoder_layers, nogil);
   m.attr("weights_per_layer") = int64_t(kWeightsPerLayer);
 }

@@ -7,9 +7,12 @@
 //   also in place, parallel over (sequence, KV head, 64 query tokens), keys in tiles.
 //   Both take a sliding window: window > 0 lets a query at position i see keys
 //   i - window + 1 .. i only (Mistral's, and Qwen2's sliding layers); 0 sees every key.
+//   And a soft cap: softcap > 0 turns each score s into softcap * tanh(s / softcap) before
+//   the softmax (Gemma 2's attn_logit_softcapping); 0 leaves the scores as they are.
 // - rotary_embedding: rotate q and k in place (rotate-half layout); store_kv: k, v into
 //   the cache at their slots.
-// - fused_add_rms_norm / rms_norm, silu_and_mul: elementwise work fused into one pass.
+// - fused_add_rms_norm / rms_norm, silu_and_mul, gelu_tanh_and_mul: elementwise work fused
+//   into one pass.
 //
 // decoder.cpp runs a decoder's layers on these in one call and holds the Python bindings;
 // ops.h declares the entry points it uses.
@@ -142,6 +145,29 @@ inline void exp_inplace(float* __restrict x, int64_t n) {
   for (; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
+// tanh(x) for a vector: an odd polynomial below |x| = 0.625 (Cephes' tanhf, about an ulp),
+// where 1 - 2 / (exp(2|x|) + 1) would lose the small result to cancellation, that formula
+// above (+-1 where exp saturates).
+inline vf tanhv(vf x) {
+  const vf a = x < 0 ? -x : x;
+  const vf z = x * x;
+  vf p = vf{} - 5.70498872745e-3f;
+  p = p * z + 2.06390887954e-2f;
+  p = p * z - 5.37397155531e-2f;
+  p = p * z + 1.33314422036e-1f;
+  p = p * z - 3.33332819422e-1f;
+  const vf small = p * z * x + x;
+  const vf big = 1.f - 2.f / (expv(2.f * a) + 1.f);
+  return a < 0.625f ? small : (x < 0 ? -big : big);
+}
+
+// s = cap * tanh(s / cap) over n floats: the soft cap of attention scores.
+inline void soft_cap(float* __restrict s, int64_t n, float cap) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) storev(s + i, cap * tanhv(loadv(s + i) / cap));
+  for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
+
 // s = softmax(s) over n floats.
 inline void softmax(float* __restrict s, int64_t n) {
   const float m = max_of(s, n);
@@ -255,12 +281,13 @@ void context_rows(const T* cache, const int32_t* table, int64_t first, int64_t l
 }
 
 // Attention of the query heads of KV heads [h0, h1) (sc.q: (h1 - h0) * G x D, pre-scaled)
-// over the tokens [first, end) of one sequence's context; writes the same shape to sc.acc.
-// Token rows are read whole and in order (all the task's heads at once).
+// over the tokens [first, end) of one sequence's context, scores soft-capped at `softcap`
+// when it is > 0; writes the same shape to sc.acc. Token rows are read whole and in order
+// (all the task's heads at once).
 template <typename T>
 void attend(int64_t h0, int64_t h1, int64_t G, int64_t D, const T* k_cache, const T* v_cache,
             const int32_t* table, int64_t block_size, int64_t token_stride,
-            int64_t block_stride, int64_t first, int64_t end, Scratch& sc) {
+            int64_t block_stride, int64_t first, int64_t end, float softcap, Scratch& sc) {
   const int64_t nh = h1 - h0, rows_q = nh * G, len = end - first;
   context_rows(k_cache, table, first, end, block_size, token_stride, block_stride, h0, h1, D,
                sc.k_rows, sc.k_f);
@@ -280,6 +307,7 @@ void attend(int64_t h0, int64_t h1, int64_t G, int64_t D, const T* k_cache, cons
     const float* r = sc.k_rows[t];
     for (int64_t i = 0; i < rows_q; ++i) scores[i * len + t] = dot(q + i * D, r + (i / G) * D, D);
   }
+  if (softcap > 0.f) soft_cap(scores, rows_q * len, softcap);  // every score is a key seen
   for (int64_t i = 0; i < rows_q; ++i) softmax(scores + i * len, len);
   for (int64_t h = 0; h < nh; ++h)
     weighted_sum(scores + h * G * len, len, sc.v_rows.data(), h * D, len, D, G,
@@ -327,12 +355,12 @@ struct PagedCache {
   // [first, len) of the context behind `table`, written to `out_row`.
   void attend_row(const T* q_row, T* out_row, int64_t h0, int64_t n, int64_t G,
                   const int32_t* table, int64_t first, int64_t len, double scale,
-                  Scratch& sc) const {
+                  double softcap, Scratch& sc) const {
     const int64_t width = n * G * head_dim;
     sc.q.resize(width);
     for (int64_t j = 0; j < width; ++j) sc.q[j] = to_f(q_row[j]) * float(scale);
     attend(h0, h0 + n, G, head_dim, k, v, table, block_size, token_stride, block_stride, first,
-           len, sc);
+           len, float(softcap), sc);
     for (int64_t j = 0; j < width; ++j) out_row[j] = from_f<T>(sc.acc[j]);
   }
 };
@@ -340,7 +368,8 @@ struct PagedCache {
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                 const at::Tensor& context_lens, double scale, int64_t window) {
+                 const at::Tensor& context_lens, double scale, int64_t window,
+                 double softcap) {
   const PagedCache<T> cache(k_cache, v_cache);
   const int64_t B = q.size(0), Hkv = cache.kv_heads, G = q.size(1) / Hkv, D = cache.head_dim;
   const T* qp = q.data_ptr<T>();
@@ -353,7 +382,8 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache
     if (lens[b] <= 0) return;
     const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
     cache.attend_row(qp + b * q.stride(0) + h0 * G * D, op + b * out.stride(0) + h0 * G * D,
-                     h0, per, G, tables + b * block_tables.stride(0), first, lens[b], scale, sc);
+                     h0, per, G, tables + b * block_tables.stride(0), first, lens[b], scale,
+                     softcap, sc);
   });
 }
 
@@ -396,12 +426,14 @@ inline void tile_scores(const float* __restrict q, int64_t rows, int64_t D,
 // (sequence, KV head, 64 query tokens): the task's keys are transposed once into tiles of W
 // keys, so a query row's scores come W at a time from plain multiply-adds; the values are
 // then read once per query token for its G query heads. With a window, the task reads keys
-// from its first query's window on, and each query's softmax covers its own window.
+// from its first query's window on, and each query's softmax covers its own window (and its
+// soft cap only those scores: the rest of a pass's rows are keys the query does not see).
 template <typename T>
 void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                   const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                  double scale, int64_t window) {
+                  double scale, int64_t window, double softcap) {
+  const float cap = float(softcap);
   const PagedCache<T> cache(k_cache, v_cache);
   const int64_t Hkv = cache.kv_heads, G = q.size(1) / Hkv, D = cache.head_dim;
   const int64_t S = context_lens.size(0);
@@ -457,6 +489,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
       for (int64_t j = a; j < b; ++j) {
         const int64_t first = lo(j) - k0, len = prefix + j + 1 - k0 - first;  // rows of its keys
         float* p = sc.scores.data() + (j - a) * G * n + first;
+        if (cap > 0.f)
+          for (int64_t g = 0; g < G; ++g) soft_cap(p + g * n, len, cap);
         for (int64_t g = 0; g < G; ++g) softmax(p + g * n, len);
         weighted_sum(p, n, sc.v_rows.data() + first, 0, len, D, G, sc.acc.data());
         T* dst = op + (starts[s] + j) * ostride + h * G * D;
@@ -471,7 +505,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cach
     case at::kFloat: { using scalar_t = float; __VA_ARGS__(); break; }         \
     case at::kBFloat16: { using scalar_t = at::BFloat16; __VA_ARGS__(); break; } \
     case at::kHalf: { using scalar_t = at::Half; __VA_ARGS__(); break; }       \
-    default: TORCH_CHECK(false, NAME ": unsupported dtype ", dtype);           \
+    default: TORCH_CHECK(false, NAME, ": unsupported dtype ", dtype);          \
   }
 
 void check_qo(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache) {
@@ -485,25 +519,34 @@ void check_qo(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
 }
 
+// A negative, infinite or NaN cap is a caller's mistake, not "no cap" (0 is).
+void check_softcap(double softcap) {
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(softcap),
+              "softcap must be 0 (no cap) or a positive finite number, got ", softcap);
+}
+
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale,
-                            int64_t window) {
+                            int64_t window, double softcap) {
   check_cache(k_cache, v_cache);
   check_qo(out, q, k_cache);
+  check_softcap(softcap);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
               "block tables and context lengths must be int32");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous());
   DISPATCH_FLOATS(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window);
+    decode_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, window,
+                          softcap);
   });
 }
 
 void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                              at::Tensor v_cache, at::Tensor block_tables,
                              at::Tensor query_start_loc, at::Tensor context_lens, double scale,
-                             int64_t window) {
+                             int64_t window, double softcap) {
   check_cache(k_cache, v_cache);
   check_qo(out, q, k_cache);
+  check_softcap(softcap);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "block tables, query offsets and context lengths must be int32");
@@ -511,7 +554,7 @@ void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
               query_start_loc.is_contiguous());
   DISPATCH_FLOATS(q.scalar_type(), "paged_prefill_attention", [&] {
     prefill_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                           context_lens, scale, window);
+                           context_lens, scale, window, softcap);
   });
 }
 
@@ -639,33 +682,52 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
-template <typename T>
-inline void silu_and_mul_row(const T* __restrict g, const T* __restrict u, T* __restrict y,
-                             int64_t n, float* __restrict buf) {
-  for (int64_t i = 0; i < n; ++i) buf[i] = -to_f(g[i]);
-  exp_inplace(buf, n);  // exp(-g)
+// y = act(g) * u over n elements for the gated activations that are act(g) = g * sigmoid(z(g))
+// = g / (1 + exp(-z(g))): SiLU (z = g) and GELU's tanh approximation (z = 2 sqrt(2/pi)
+// (g + 0.044715 g^3), as 0.5 (1 + tanh(z / 2)) = sigmoid(z)). act(g) is rounded to T before
+// the product, as the unfused torch ops round it.
+template <typename T, typename Z>
+inline void gated_row(const T* __restrict g, const T* __restrict u, T* __restrict y, int64_t n,
+                      float* __restrict buf, const Z& z) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = -z(to_f(g[i]));
+  exp_inplace(buf, n);  // exp(-z(g))
   for (int64_t i = 0; i < n; ++i) {
     const float gv = to_f(g[i]);
     y[i] = from_f<T>(to_f(from_f<T>(gv / (1.f + buf[i]))) * to_f(u[i]));
   }
 }
 
-// gate_up (T, 2I) -> silu(gate) * up (T, I), silu(g) = g / (1 + exp(-g)).
-at::Tensor silu_and_mul(at::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
-              "gate_up must be a contiguous (tokens, 2 * intermediate) tensor");
+// gate_up (T, 2I) -> act(gate) * up (T, I), act as gated_row's `z` says.
+template <typename Z>
+at::Tensor gated_and_mul(const at::Tensor& gate_up, const char* name, const Z& z) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0, name,
+              ": gate_up must be a contiguous (tokens, 2 * intermediate) tensor");
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
   auto out = at::empty({T, I}, gate_up.options());
-  DISPATCH_FLOATS(gate_up.scalar_type(), "silu_and_mul", [&] {
+  DISPATCH_FLOATS(gate_up.scalar_type(), name, [&] {
     const scalar_t* x = gate_up.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, row_grain(2 * I), [&](int64_t begin, int64_t end) {
       std::vector<float> buf(I);
       for (int64_t t = begin; t < end; ++t)
-        silu_and_mul_row(x + t * 2 * I, x + t * 2 * I + I, o + t * I, I, buf.data());
+        gated_row(x + t * 2 * I, x + t * 2 * I + I, o + t * I, I, buf.data(), z);
     });
   });
   return out;
+}
+
+// gate_up (T, 2I) -> silu(gate) * up (T, I), silu(g) = g / (1 + exp(-g)).
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  return gated_and_mul(gate_up, "silu_and_mul", [](float g) { return g; });
+}
+
+// gate_up (T, 2I) -> gelu_tanh(gate) * up (T, I), torch's gelu(approximate="tanh"):
+// 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), computed as g / (1 + exp(-2 * that tanh's
+// argument)), which has no cancellation where tanh is near -1.
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up) {
+  constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+  return gated_and_mul(gate_up, "gelu_tanh_and_mul",
+                       [](float g) { return kTwoSqrt2OverPi * (g + 0.044715f * g * g * g); });
 }
 
 }  // namespace conveyor_cpu

@@ -7,11 +7,11 @@ namespace conveyor_cpu {
 
 void paged_decode_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor context_lens, double scale,
-                            int64_t window);
+                            int64_t window, double softcap);
 void paged_prefill_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache,
                              at::Tensor v_cache, at::Tensor block_tables,
                              at::Tensor query_start_loc, at::Tensor context_lens, double scale,
-                             int64_t window);
+                             int64_t window, double softcap);
 void rotary_embedding(at::Tensor positions, at::Tensor q, at::Tensor k, at::Tensor cos,
                       at::Tensor sin);
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
@@ -19,5 +19,6 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 at::Tensor silu_and_mul(at::Tensor gate_up);
+at::Tensor gelu_tanh_and_mul(at::Tensor gate_up);
 
 }  // namespace conveyor_cpu
