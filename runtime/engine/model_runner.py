@@ -61,15 +61,27 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+FLOAT16_UNSTABLE = ("gemma2", "gemma3_text")
+"""Model types whose activations overflow float16 (as vLLM, Conveyor refuses it for them)."""
+
+
 def resolve_dtype(name: str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    unstable = getattr(config, "model_type", None) in FLOAT16_UNSTABLE
     if name != "auto":
         dtype = getattr(torch, name)
         assert isinstance(dtype, torch.dtype), name  # EngineSettings checked the name
+        if dtype == torch.float16 and unstable:
+            raise ValueError(
+                f"{config.model_type} is numerically unstable in float16 (its activations "
+                "overflow it); use --dtype bfloat16 or float32"
+            )
         return dtype
     if device.type == "cpu":
         return torch.float32  # CPU half-precision matmuls are slow without AMX
     dtype = config_dtype(config)
-    return torch.bfloat16 if dtype == torch.float32 else dtype
+    if dtype == torch.float32 or (dtype == torch.float16 and unstable):
+        return torch.bfloat16
+    return dtype
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

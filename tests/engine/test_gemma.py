@@ -149,3 +149,15 @@ def test_gemma_configs_conveyor_cannot_serve_are_refused(tmp_path):
     relu = generate_model(tmp_path / "relu", dict(GEMMA2, hidden_activation="relu"), seed=1)
     with pytest.raises(ValueError, match="hidden activation 'relu' is not supported"):
         make_engine({"m": str(relu)}, "m")
+
+
+def test_gemma2_and_3_refuse_float16_and_auto_picks_bfloat16_on_gpus(gemma_dirs):
+    from conveyor.runtime.engine.model_runner import resolve_dtype
+    from conveyor.runtime.model.loader import load_config, open_model
+
+    config = load_config(open_model(gemma_dirs["gemma2"]))
+    with pytest.raises(ValueError, match="numerically unstable in float16"):
+        make_engine(gemma_dirs, "gemma2", dtype="float16")
+    config.dtype = torch.float16  # a checkpoint converted to float16
+    assert resolve_dtype("auto", config, torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", config, torch.device("cpu")) == torch.float32
