@@ -58,9 +58,10 @@ def rope_layer_types(config) -> tuple[str, ...] | None:
     at theta 1e6, scaled on its larger models, ``sliding_attention`` ones at 1e4), in the
     order the model keeps their tables; None where one set serves every layer."""
     params = getattr(config, "rope_parameters", None) or {}
-    if not params or not all(isinstance(v, dict) for v in params.values()):
-        return None
-    return tuple(sorted(params))
+    # transformers' Gemma 3 config nests a set per layer type even beside flat keys (a
+    # config.json with a flat rope_parameters): the nested sets are what its layers read.
+    nested = tuple(sorted(k for k, v in params.items() if isinstance(v, dict)))
+    return nested or None
 
 
 def rope_type(config, layer_type: str | None = None) -> str:

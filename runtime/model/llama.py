@@ -111,9 +111,13 @@ class DecoderShape:
         adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
         scalar = getattr(config, "query_pre_attn_scalar", None) if self.sandwich_norms else None
         self.attn_scale = float(scalar or self.head_dim) ** -0.5
-        self.attn_softcap = float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+        # Only Gemma 2 caps the scores: transformers' and vLLM's Gemma 3 read no
+        # attn_logit_softcapping, though its config holds the field.
+        cap = getattr(config, "attn_logit_softcapping", None) if self.model_type == "gemma2" else None
+        self.attn_softcap = float(cap or 0.0)
         """Gemma 2: attention scores are capped to ``cap * tanh(s / cap)``; 0: not capped."""
-        self.final_softcap = float(getattr(config, "final_logit_softcapping", None) or 0.0)
+        cap = getattr(config, "final_logit_softcapping", None) if self.sandwich_norms else None
+        self.final_softcap = float(cap or 0.0)
         """Gemma 2: the logits are capped the same way; 0: not capped."""
         self.windows = layer_windows(config)
         """Per layer, the keys a query sees (its own included); 0: all before it."""
@@ -123,6 +127,12 @@ class DecoderShape:
         ]
         """Each rope table's (inverse frequencies, attention scaling): one, or one per layer
         type whose parameters differ (Gemma 3's full and sliding layers)."""
+        unknown = set(getattr(config, "layer_types", None) or ()) - set(rope_types or ())
+        if rope_types and unknown:
+            raise ValueError(
+                f"layer_types names {sorted(unknown)}, which rope_parameters has no entry for "
+                f"(it has {list(rope_types)})"
+            )
         self.layer_ropes = (
             tuple(rope_types.index(kind) for kind in config.layer_types)
             if rope_types
@@ -159,7 +169,8 @@ def _activation(config) -> str:
     if name in ("silu", "swish"):  # transformers' names for the same function
         return "silu"
     # Gemma's legacy "gelu" means the tanh approximation (transformers and vLLM read it so).
-    if name in ("gelu_pytorch_tanh", "gelu_new") or (name == "gelu" and model_type in GEMMA):
+    # Gemma 2/3's "gelu" is exact GELU in transformers (vLLM refuses it): not this branch.
+    if name in ("gelu_pytorch_tanh", "gelu_new") or (name == "gelu" and model_type == "gemma"):
         return "gelu_tanh"
     raise ValueError(
         f"hidden activation {name!r} is not supported; Conveyor's MLP gates with silu or "

@@ -140,6 +140,31 @@ def test_gemma3_image_text_checkpoint_serves_its_text_model(gemma3_image_text, b
         assert outputs[f"r{i}"] == expected, i
 
 
+GEMMA3_NO_SCALING = {k: v for k, v in GEMMA3.items() if k != "rope_scaling"}
+
+ODD_CONFIGS = {
+    # transformers' (and vLLM's) Gemma 3 reads no attn_logit_softcapping, Gemma 1 neither cap
+    "gemma3-stray-score-cap": dict(GEMMA3, attn_logit_softcapping=1.0),
+    "gemma1-stray-caps": dict(GEMMA, attn_logit_softcapping=1.0, final_logit_softcapping=1.0),
+    # a flat rope_parameters: transformers nests a set per layer type beside its keys
+    "gemma3-flat-rope": {
+        **{k: v for k, v in GEMMA3_NO_SCALING.items() if k not in ("rope_theta",)},
+        "rope_local_base_freq": 10_000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500.0},
+    },
+}
+
+
+@pytest.mark.parametrize("name", ODD_CONFIGS)
+def test_config_fields_are_read_as_transformers_reads_them(tmp_path, reference, name):
+    path = str(generate_model(tmp_path / name, ODD_CONFIGS[name], seed=21))
+    engine = make_engine({name: path}, name, attention_backend="torch")
+    requests = _requests(3, 4)
+    outputs = run_staggered(engine, requests, [0, 0, 1])
+    for i, (prompt, max_tokens) in enumerate(requests):
+        assert outputs[f"r{i}"] == reference.greedy(path, prompt, max_tokens), i
+
+
 def test_gemma_configs_conveyor_cannot_serve_are_refused(tmp_path):
     embedding = generate_model(
         tmp_path / "embedding", dict(GEMMA3, use_bidirectional_attention=True), seed=1
@@ -149,6 +174,14 @@ def test_gemma_configs_conveyor_cannot_serve_are_refused(tmp_path):
     relu = generate_model(tmp_path / "relu", dict(GEMMA2, hidden_activation="relu"), seed=1)
     with pytest.raises(ValueError, match="hidden activation 'relu' is not supported"):
         make_engine({"m": str(relu)}, "m")
+    # Gemma 1's legacy "gelu" is the tanh approximation; Gemma 2/3's is exact GELU
+    exact = generate_model(tmp_path / "exact", dict(GEMMA3, hidden_activation="gelu"), seed=1)
+    with pytest.raises(ValueError, match="hidden activation 'gelu' is not supported"):
+        make_engine({"m": str(exact)}, "m")
+    chunked = dict(GEMMA3, layer_types=["sliding_attention", "chunked_attention"])
+    odd = generate_model(tmp_path / "chunked", chunked, seed=1)
+    with pytest.raises(ValueError, match=r"layer_types names \['chunked_attention'\]"):
+        make_engine({"m": str(odd)}, "m")
 
 
 def test_gemma2_and_3_refuse_float16_and_auto_picks_bfloat16_on_gpus(gemma_dirs):
