@@ -59,6 +59,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "vocab_size": 320,
         "torch_dtype": "float32",
     },
+    # Gemma 2 2B's layer scaled down: soft-capped scores (50) and logits (30), a window in
+    # every other layer, sandwich norms, GELU-tanh.
+    "gemma2-8l-512": {
+        "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64, "query_pre_attn_scalar": 64,
+        "sliding_window": 64, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "vocab_size": 4096, "torch_dtype": "float32",
+    },
+    # Gemma 3 1B's scaled down: one KV head of 128, five sliding layers (theta 1e4) to one
+    # full (1e6), q/k norms.
+    "gemma3-12l-512": {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 12,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128,
+        "query_pre_attn_scalar": 128, "sliding_window": 64, "sliding_window_pattern": 6,
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "vocab_size": 4096, "torch_dtype": "float32",
+    },
 }  # fmt: skip
 
 
