@@ -225,13 +225,41 @@ DECODERS = {
         SMALL_DECODER, architectures=["Qwen2ForCausalLM"], model_type="qwen2",
         num_key_value_heads=1, tie_word_embeddings=False,
     ),
+    # Per-head q/k norms.
+    "qwen3": dict(
+        SMALL_DECODER, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+        num_key_value_heads=1, tie_word_embeddings=True,
+    ),
+    # The GELU gate (Gemma 1's legacy "gelu" is the tanh one) and scaled embeddings.
+    "gemma": dict(
+        SMALL_DECODER, architectures=["GemmaForCausalLM"], model_type="gemma",
+        hidden_act="gelu", tie_word_embeddings=False,
+    ),
+    # Sandwich norms, sliding windows, scores scaled by query_pre_attn_scalar and soft-capped
+    # (a cap small enough for random weights' scores to feel), as tests/engine/model_shapes.py.
+    "gemma2": dict(
+        SMALL_DECODER, architectures=["Gemma2ForCausalLM"], model_type="gemma2",
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=12,
+        attn_logit_softcapping=1.5, final_logit_softcapping=4.0, tie_word_embeddings=False,
+    ),
+    # q/k norms and sandwich norms, sliding layers (the first and third) turned by a rope
+    # table of their own, the full one by a scaled one.
+    "gemma3": dict(
+        SMALL_DECODER, architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=32, sliding_window=12,
+        sliding_window_pattern=2, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0}, num_key_value_heads=1,
+        tie_word_embeddings=True,
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(DECODERS))
 def test_decoder_layers_in_one_call_match_the_python_loop(name, tmp_path, backend):
     """Every step of an engine run (prefill chunks, decodes of one and many rows, both mixed)
-    gives the same bits through ``decoder_layers`` as through the Python loop over layers."""
+    gives the same bits through ``decoder_layers`` as through the Python loop over layers, for
+    each kind of layer the model builds (Qwen3's q/k norms, Gemma's GELU gate, Gemma 2/3's
+    sandwich norms, windows and caps, Gemma 3's two rope tables)."""
     from conveyor.runtime.engine.llm import LLM
     from conveyor.runtime.model.builtin import generate_model
     from conveyor.runtime.sampling_params import SamplingParams

@@ -18,6 +18,7 @@ from torch import nn
 from conveyor.runtime.layers.attention import DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import LayerKernels
+from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import PackedLinear
 
 
@@ -64,45 +65,57 @@ class CpuAttentionBackend:
     def decoder_layers(self, model: nn.Module) -> DecoderLayers | None:
         """``model``'s layers as one C++ call (``decoder.cpp``: the same kernels, matmuls and
         order as the Python loop, so the same bits, without a dozen Python calls a layer), or
-        None when the model does not fit it: every linear packed for oneDNN, plain Llama layers
-        (``DecoderShape.llama_layers``: not Qwen3's q/k norms, not Gemma's), float32 rotary
-        tables. Epsilon, scale and the score soft cap come from the shape, as the layers' own
-        do."""
+        None when the model does not fit it: every linear packed for oneDNN, every norm's weight
+        in the model's dtype, float32 rotary tables. Every kind of layer ``model/llama.py``
+        builds fits: Qwen3's and Gemma 3's q/k norms, Gemma's GELU gate, Gemma 2/3's sandwich
+        norms, a rope table per layer type (Gemma 3). Epsilon, scale and the score soft cap
+        come from the shape, as the layers' own do."""
         ops = self.ops
         # The Llama family's submodules, read by name (``runtime/model/llama.py``); torch types
         # each as Tensor | Module, so the walk reads the model as Any.
         llama: Any = model
         shape = getattr(llama, "shape", None)
-        if not hasattr(ops, "decoder_layers") or shape is None or not shape.llama_layers:
+        if not hasattr(ops, "decoder_layers") or shape is None:
             return None
+        dtype = llama.embed_tokens.weight.dtype
+        if any(isinstance(m, RMSNorm) and m.weight.dtype != dtype for m in llama.layers.modules()):
+            return None  # a norm the Python kernel leaves to the torch reference
         weights: list[torch.Tensor] = []
         for layer in llama.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(lin, PackedLinear) for lin in linears):
                 return None
-            weights.append(norms[0].weight)
-            for lin in linears[:2]:
-                weights += _linear_weights(lin)
-            weights.append(norms[1].weight)
-            for lin in linears[2:]:
-                weights += _linear_weights(lin)
+            weights += [
+                _norm_weight(layer.input_layernorm),
+                *_linear_weights(attn.qkv_proj),
+                _norm_weight(getattr(attn, "q_norm", None)),  # Qwen3, Gemma 3
+                _norm_weight(getattr(attn, "k_norm", None)),
+                *_linear_weights(attn.o_proj),
+                _norm_weight(layer.post_attention_layernorm),
+                _norm_weight(getattr(layer, "pre_feedforward_layernorm", None)),  # Gemma 2/3
+                *_linear_weights(mlp.gate_up_proj),
+                *_linear_weights(mlp.down_proj),
+                _norm_weight(getattr(layer, "post_feedforward_layernorm", None)),
+            ]
         weights = [w.detach() for w in weights]
         assert len(weights) == ops.weights_per_layer * len(llama.layers)
-        cos, sin = llama.rotary.cos, llama.rotary.sin
-        if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-            return None
+        cos = [rotary.cos for rotary in llama.rotaries]
+        sin = [rotary.sin for rotary in llama.rotaries]
+        for table in cos + sin:
+            if table.dtype != torch.float32 or not table.is_contiguous():
+                return None
         s, scale, softcap = shape, shape.attn_scale, shape.attn_softcap  # LlamaAttention's
-        windows = list(shape.windows)
+        layer_ropes, windows = list(shape.layer_ropes), list(shape.windows)
+        gelu = shape.activation == "gelu_tanh"  # LlamaMLP's GeluAndMul; else SiluAndMul
 
         def run(x, positions, kv_caches, meta: AttentionMetadata):
             return ops.decoder_layers(
-                x, positions, kv_caches, weights, cos, sin, meta.slot_mapping,
+                x, positions, kv_caches, weights, cos, sin, layer_ropes, meta.slot_mapping,
                 meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
                 meta.num_prefills > 0, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, s.num_heads, s.num_kv_heads, s.head_dim,
-                s.rms_norm_eps, scale, softcap, windows,
+                s.rms_norm_eps, gelu, scale, softcap, windows,
             )  # fmt: skip
 
         return run
@@ -113,10 +126,19 @@ def _linear_weights(lin: PackedLinear) -> list[torch.Tensor]:
     return [lin.weight, lin.packed, lin.bias if lin.bias is not None else torch.empty(0)]
 
 
+def _norm_weight(norm: RMSNorm | None) -> torch.Tensor:
+    """An RMSNorm's weight, or an empty tensor for a norm the layer does not have."""
+    return torch.empty(0) if norm is None else norm.weight
+
+
 def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:
     def rms_norm(x, weight, eps, residual=None):
+        if x.dim() == 3 and residual is None and x.dtype == weight.dtype:
+            # Qwen3's and Gemma 3's per-head q/k norm, on (T, H, D) views of the projection:
+            # a contiguous copy's rows, as decoder.cpp's head_rms_norm norms them.
+            return ops.rms_norm(x.contiguous().view(-1, x.shape[-1]), weight, eps).view(x.shape)
         if x.dim() != 2 or not x.is_contiguous() or x.dtype != weight.dtype:
-            return _reference_rms_norm(x, weight, eps, residual)  # e.g. Qwen3's per-head q/k norm
+            return _reference_rms_norm(x, weight, eps, residual)
         if residual is None:
             return ops.rms_norm(x, weight, eps)
         ops.fused_add_rms_norm(x, residual, weight, eps)  # residual += x; x = norm(residual)
@@ -135,6 +157,4 @@ def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:
 
 
 def _reference_rms_norm(x, weight, eps, residual):
-    from conveyor.runtime.layers.layernorm import RMSNorm
-
     return RMSNorm.reference(x, weight, eps, residual)

@@ -5,6 +5,8 @@
 // through nn.Module; on a 2-core CPU that was 3-4 ms of a 45 ms decode step of SmolLM2. This
 // loop makes the same calls, in the same order, on the same tensors, so its output is the
 // Python path's bit for bit; runtime/kernels/cpu/backend.py decides when a model fits it.
+// It serves every layer llama.py builds: Llama's, Qwen3's per-head q/k norms, Gemma's GELU
+// gate, Gemma 2/3's sandwich norms and Gemma 3's per-layer rope tables.
 
 #include "ops.h"
 
@@ -42,33 +44,52 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& pa
   return at::linear(x, w, bias);
 }
 
-// Weights of one layer, in this order; each linear is (weight, packed weight, bias or empty).
+// Weights of one layer, in this order; each linear is (weight, packed weight, bias or empty),
+// and a norm the layer does not have is an empty tensor (the q/k norms outside Qwen3 and
+// Gemma 3, the feed-forward ones outside Gemma 2/3).
 enum Weight : int64_t {
-  kInputNorm, kQkv, kQkvPacked, kQkvBias, kO, kOPacked, kOBias,
-  kPostNorm, kGateUp, kGateUpPacked, kGateUpBias, kDown, kDownPacked, kDownBias,
-  kWeightsPerLayer
+  kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kOBias,
+  kPostNorm, kPreFeedforwardNorm, kGateUp, kGateUpPacked, kGateUpBias, kDown, kDownPacked,
+  kDownBias, kPostFeedforwardNorm, kWeightsPerLayer
 };
+
+bool present(const at::Tensor& w) { return w.numel() > 0; }
+
+// x (T, H, D) normed per head, as runtime/kernels/cpu/backend.py's kernel norms a 3-D input
+// (Qwen3's and Gemma 3's q/k norms): a contiguous copy's rows -> (T, H, D), contiguous.
+at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  return rms_norm(x.contiguous().view({-1, x.size(2)}), w, eps).view(x.sizes());
+}
 
 }  // namespace
 
 // x (T, hidden), the embedded tokens, through every layer; returns (x, residual) for the
 // final norm. kv_caches (layers, 2, blocks, block_size, Hkv, D); the step's metadata as
-// AttentionMetadata holds it; the first num_decode_tokens rows are decodes. softcap: the
-// attention scores' soft cap (0: none). windows: per layer, the keys a query sees (0: all
-// before it; runtime/model/config.py's layer_windows).
+// AttentionMetadata holds it; the first num_decode_tokens rows are decodes. cos/sin: the rope
+// tables, (max_position, D) float32 each, and layer_ropes each layer's index in them.
+// gelu: the MLP gates with GELU's tanh approximation (Gemma), not SiLU. scale: the scores'
+// (query_pre_attn_scalar ** -0.5 under Gemma 2/3), softcap: their soft cap (0: none).
+// windows: per layer, the keys a query sees (0: all before it; runtime/model/config.py's
+// layer_windows).
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    at::Tensor x, at::Tensor positions, at::Tensor kv_caches, const std::vector<at::Tensor>& weights,
-    at::Tensor cos, at::Tensor sin, at::Tensor slots, int64_t num_decode_tokens,
+    at::Tensor x, at::Tensor positions, at::Tensor kv_caches,
+    const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& cos,
+    const std::vector<at::Tensor>& sin, const std::vector<int64_t>& layer_ropes, at::Tensor slots,
+    int64_t num_decode_tokens,
     at::Tensor decode_block_tables, at::Tensor decode_context_lens, bool has_prefills,
     at::Tensor prefill_block_tables, at::Tensor prefill_query_start_loc,
     at::Tensor prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, double scale, double softcap, const std::vector<int64_t>& windows) {
+    double eps, bool gelu, double scale, double softcap, const std::vector<int64_t>& windows) {
   const int64_t layers = kv_caches.size(0);
   TORCH_CHECK(int64_t(windows.size()) == layers, "decoder_layers needs a window per layer, got ",
               windows.size(), " for ", layers, " layers");
   TORCH_CHECK(int64_t(weights.size()) == layers * kWeightsPerLayer, "decoder_layers needs ",
               int64_t(kWeightsPerLayer), " weights per layer, got ", weights.size(), " for ",
               layers, " layers");
+  TORCH_CHECK(int64_t(layer_ropes.size()) == layers && cos.size() == sin.size(),
+              "decoder_layers needs a rope table per layer");
+  for (const int64_t r : layer_ropes)
+    TORCH_CHECK(r >= 0 && r < int64_t(cos.size()), "rope table ", r, " out of range");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (tokens, hidden) tensor");
   const int64_t T = x.size(0), nd = num_decode_tokens;
   TORCH_CHECK(nd >= 0 && nd <= T && (has_prefills || nd == T), "decode tokens out of range");
@@ -83,10 +104,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       fused_add_rms_norm(x, residual, w[kInputNorm], eps);
     }
     const at::Tensor qkv = linear(x, w[kQkv], w[kQkvPacked], w[kQkvBias]);
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
-    const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
-    rotary_embedding(positions, q, k, cos, sin);
+    if (present(w[kQNorm])) {
+      q = head_rms_norm(q, w[kQNorm], eps);
+      k = head_rms_norm(k, w[kKNorm], eps);
+    }
+    rotary_embedding(positions, q, k, cos[layer_ropes[l]], sin[layer_ropes[l]]);
     const at::Tensor layer_cache = kv_caches.select(0, l);
     const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
     store_kv(k, v, k_cache, v_cache, slots);
@@ -100,9 +125,16 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                               prefill_block_tables, prefill_query_start_loc,
                               prefill_context_lens, scale, windows[l], softcap);
     x = linear(o.flatten(1), w[kO], w[kOPacked], w[kOBias]);
-    fused_add_rms_norm(x, residual, w[kPostNorm], eps);
+    if (present(w[kPreFeedforwardNorm])) {  // Gemma 2/3: the attention's output normed first
+      x = rms_norm(x, w[kPostNorm], eps);
+      fused_add_rms_norm(x, residual, w[kPreFeedforwardNorm], eps);
+    } else {
+      fused_add_rms_norm(x, residual, w[kPostNorm], eps);
+    }
     const at::Tensor gate_up = linear(x, w[kGateUp], w[kGateUpPacked], w[kGateUpBias]);
-    x = linear(silu_and_mul(gate_up), w[kDown], w[kDownPacked], w[kDownBias]);
+    const at::Tensor h = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+    x = linear(h, w[kDown], w[kDownPacked], w[kDownBias]);
+    if (present(w[kPostFeedforwardNorm])) x = rms_norm(x, w[kPostFeedforwardNorm], eps);
   }
   return {x, residual};
 }
