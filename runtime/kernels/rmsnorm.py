@@ -20,6 +20,7 @@ def _rmsnorm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROUND_NORMED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -32,7 +33,9 @@ def _rmsnorm_kernel(
         tl.store(res_out_ptr + row * N + offs, summed, mask=mask)
         x = summed.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * rstd
+    if ROUND_NORMED:  # Llama's norm rounds x to its dtype before the weight; Gemma's does not
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -40,7 +43,8 @@ def _rmsnorm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (..., N). With ``residual``: returns (norm(x + residual), x + residual)."""
+    """``x`` (..., N). With ``residual``: returns (norm(x + residual), x + residual). A float32
+    ``weight`` beside a half-precision ``x`` scales in float32 and rounds once (Gemma's)."""
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)  # (rows, N); a copy only when the rows are not evenly strided
     if x2.stride(-1) != 1:
@@ -68,6 +72,7 @@ def rms_norm(
             N=n,
             BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            ROUND_NORMED=weight.dtype == x.dtype,
             num_warps=min(max(block // 256, 1), 16),
         )
     if res_out is None:

@@ -1,4 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+Llama's norm rounds the normalised x to the activation dtype, then scales it by its weight
+(in that dtype). Gemma's scales by ``1 + weight`` in float32 and rounds once: its norms keep
+a float32 weight (``1 + weight``, offset at load), which every kernel reads as "scale in
+float32, round once" -- in float32 models the two are the same.
+"""
 
 from __future__ import annotations
 
@@ -18,10 +24,11 @@ class RMSNorm(nn.Module):
     kernel: RmsNormKernel | None = None
     """A fused kernel with this forward's signature (``layers/fused.py``); None = torch."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None):
+        """``dtype``: the weight's (float32 for Gemma's); None: the model's."""
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -42,5 +49,8 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        out = weight * xf.to(dtype)
+        if weight.dtype == torch.float32 and dtype != torch.float32:  # Gemma's: round once
+            out = (weight * xf).to(dtype)
+        else:
+            out = weight * xf.to(dtype)
         return out if residual is None else (out, residual)

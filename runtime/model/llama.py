@@ -104,6 +104,9 @@ class DecoderShape:
         gemma = self.model_type in GEMMA
         self.norm_offset = 1.0 if gemma else 0.0
         """Added to every norm's checkpoint weight at load: Gemma's norms scale by 1 + weight."""
+        self.norm_dtype = torch.float32 if gemma else None
+        """The norms' weight dtype (None: the model's): Gemma's scale in float32 and round
+        once (``layers/layernorm.py``)."""
         self.embed_scale = self.hidden_size**0.5 if gemma else None
         """Gemma multiplies the embedded tokens by this (not the tied LM head's rows)."""
         self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
@@ -113,7 +116,9 @@ class DecoderShape:
         self.attn_scale = float(scalar or self.head_dim) ** -0.5
         # Only Gemma 2 caps the scores: transformers' and vLLM's Gemma 3 read no
         # attn_logit_softcapping, though its config holds the field.
-        cap = getattr(config, "attn_logit_softcapping", None) if self.model_type == "gemma2" else None
+        cap = (
+            getattr(config, "attn_logit_softcapping", None) if self.model_type == "gemma2" else None
+        )
         self.attn_softcap = float(cap or 0.0)
         """Gemma 2: attention scores are capped to ``cap * tanh(s / cap)``; 0: not capped."""
         cap = getattr(config, "final_logit_softcapping", None) if self.sandwich_norms else None
@@ -145,18 +150,6 @@ class DecoderShape:
         self.qk_order = rotary_row_order(self.head_dim, 2 * self.inv_freq.numel())
         """A partial rotary's order of a head's q/k dimensions (``layers/rotary.py``); None:
         the checkpoint's."""
-
-    @property
-    def llama_layers(self) -> bool:
-        """Whether every layer is a plain Llama layer (silu MLP, no per-head q/k norm, no
-        sandwich norms, one rope table, no score cap, scores scaled by 1/sqrt(head_dim)), what
-        one-call decoders (``AttentionBackend.decoder_layers``) compute."""
-        return (
-            self.activation == "silu"
-            and not (self.qk_norm or self.sandwich_norms or self.attn_softcap)
-            and len(self.ropes) == 1
-            and self.attn_scale == self.head_dim**-0.5
-        )
 
 
 def _activation(config) -> str:
@@ -192,8 +185,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(s.hidden_size, self.q_size + 2 * self.kv_size, bias=s.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, s.hidden_size, bias=s.o_bias)
         if s.qk_norm:
-            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
-            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps)
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_dtype)
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_dtype)
         self.qk_norm = s.qk_norm
         self.scale = s.attn_scale
         self.softcap = s.attn_softcap
@@ -269,12 +262,12 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(s, backend, window)
         self.mlp = LlamaMLP(s)
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.sandwich_norms = s.sandwich_norms
         if s.sandwich_norms:
-            self.pre_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-            self.post_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+            self.pre_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
+            self.post_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
 
     def before_attention(
         self,
@@ -328,7 +321,7 @@ class LlamaForCausalLM(nn.Module):
         s = self.shape = DecoderShape(config, tp, context)
         self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
         self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend, w) for w in s.windows)
-        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(s.head_dim, s.max_position, inv_freq, scaling)
             for inv_freq, scaling in s.ropes

@@ -179,11 +179,12 @@ def main() -> int:
             *(
                 compile_kernel(
                     rmsnorm._rmsnorm_kernel,
-                    norm,
-                    {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": r},
+                    {**norm, "w_ptr": f"*{dt}" if rounded else "*fp32"},
+                    {"N": 4096, "BLOCK": 4096, "HAS_RESIDUAL": r, "ROUND_NORMED": rounded},
                     num_warps=16,
                 )
                 for r in (False, True)
+                for rounded in (True, False)  # Llama's norm, Gemma's (a float32 weight)
             ),
             compile_kernel(
                 silu_and_mul._silu_and_mul_kernel,
