@@ -13,6 +13,7 @@ from conveyor.runtime.server.chat_template import render_chat
 from conveyor.runtime.server.choices import Choice, Delta, finite
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
+from conveyor.runtime.server.logprob_text import MAX_CONTEXT
 from conveyor.runtime.server.protocol import ChatCompletionRequest
 from conveyor.runtime.server.reasoning import ReasoningParser, ReasoningStream
 from conveyor.runtime.server.serving_common import tokenize
@@ -110,13 +111,19 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
 
     # -- the response ----------------------------------------------------------------------
 
-    def _logprobs_content(self, logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def _logprobs_content(
+        self, choice: Choice, logprobs: list[TokenLogprob]
+    ) -> list[dict[str, Any]]:
+        """``logprobs``, the tail of the choice's, as OpenAI's ``logprobs.content``."""
         out = []
-        for lp in logprobs:
-            text = self.token_text(lp.token_id)
+        start = len(choice.logprobs) - len(logprobs)
+        sampled = [lp.token_id for lp in choice.logprobs[max(0, start - MAX_CONTEXT) :]]
+        for i, lp in enumerate(logprobs):
+            at = min(start, MAX_CONTEXT) + i  # this token's place in ``sampled``
+            text = self.logprob_text(lp.token_id, sampled, at)
             top = []
             for token_id, logprob in lp.top:
-                t = self.token_text(token_id)
+                t = self.logprob_text(token_id, sampled, at)
                 top.append({"token": t, "logprob": finite(logprob), "bytes": list(t.encode())})
             out.append(
                 {
@@ -135,7 +142,11 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         return {"prompt_logprobs": self.prompt_logprobs_body(self.choices[0])}
 
     def choice_body(self, choice: Choice) -> dict[str, Any]:
-        lp = {"content": self._logprobs_content(choice.logprobs)} if choice.want_logprobs else None
+        lp = (
+            {"content": self._logprobs_content(choice, choice.logprobs)}
+            if choice.want_logprobs
+            else None
+        )
         reasoning: str | None = None
         answer: str | None = choice.text
         if self.reasoning is not None:  # the thinking apart; tool calls are in the answer
@@ -161,8 +172,7 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
 
     def first_chunks(self) -> list[dict[str, Any]]:
         return [
-            self._chunk(c.index, {"role": "assistant", "content": ""}, None, None)
-            for c in self.choices
+            self._chunk(c, {"role": "assistant", "content": ""}, None, None) for c in self.choices
         ]
 
     def chunk_choices(self, choice: Choice, delta: Delta) -> list[dict[str, Any]]:
@@ -182,7 +192,7 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
         last = len(deltas) - 1
         return [
             self._chunk(
-                choice.index,
+                choice,
                 d,
                 delta.logprobs if k == last else None,
                 finish if k == last else None,
@@ -193,20 +203,20 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
 
     def _chunk(
         self,
-        index: int,
+        c: Choice,
         delta: dict[str, Any],
         logprobs: list[TokenLogprob] | None,
         finish: str | None,
         stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {
-            "index": index,
+            "index": c.index,
             "delta": delta,
             "logprobs": None,
             "finish_reason": finish,
         }
         if logprobs:
-            choice["logprobs"] = {"content": self._logprobs_content(logprobs)}
+            choice["logprobs"] = {"content": self._logprobs_content(c, logprobs)}
         if finish is not None:
             choice["stop_reason"] = stop_reason
         return choice

@@ -14,6 +14,7 @@ from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputPar
 from conveyor.runtime.server.choices import Choice, Delta, finite
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
+from conveyor.runtime.server.logprob_text import MAX_CONTEXT
 from conveyor.runtime.server.protocol import CompletionRequest
 from conveyor.runtime.server.serving_common import tokenize
 from conveyor.runtime.server.serving_generate import GenerateRequest
@@ -105,13 +106,16 @@ class Completion(GenerateRequest[CompletionRequest]):
     def _delta_logprobs(self, choice: Choice, delta: Delta) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = choice.emitted_len - len(delta.text)
-        for lp in delta.logprobs:
-            text = self.token_text(lp.token_id)
+        start = len(choice.logprobs) - len(delta.logprobs)  # the delta is the output's tail
+        sampled = [lp.token_id for lp in choice.logprobs[max(0, start - MAX_CONTEXT) :]]
+        for i, lp in enumerate(delta.logprobs):
+            at = min(start, MAX_CONTEXT) + i  # this token's place in ``sampled``
+            text = self.logprob_text(lp.token_id, sampled, at)
             tokens.append(text)
             token_logprobs.append(finite(lp.logprob))
             alternatives = {text: finite(lp.logprob)}
             for token_id, logprob in lp.top:
-                alternatives.setdefault(self.token_text(token_id), finite(logprob))
+                alternatives.setdefault(self.logprob_text(token_id, sampled, at), finite(logprob))
             top.append(alternatives)
             offsets.append(offset)
             offset += len(text)
@@ -137,8 +141,9 @@ class Completion(GenerateRequest[CompletionRequest]):
         }  # fmt: skip
         offset = 0
         n = self.req.logprobs or 0
-        for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs or [], strict=False):
-            text = self.token_text(token_id)
+        prompt = choice.prompt_ids
+        for i, (token_id, lp) in enumerate(zip(prompt, choice.prompt_logprobs or [], strict=False)):
+            text = self.logprob_text(token_id, prompt, i)
             part["tokens"].append(text)
             part["text_offset"].append(offset)
             offset += len(text)
@@ -149,7 +154,7 @@ class Completion(GenerateRequest[CompletionRequest]):
             part["token_logprobs"].append(finite(lp.logprob))
             alternatives = {text: finite(lp.logprob)}
             for alt_id, logprob in lp.top[:n]:
-                alternatives.setdefault(self.token_text(alt_id), finite(logprob))
+                alternatives.setdefault(self.logprob_text(alt_id, prompt, i), finite(logprob))
             part["top_logprobs"].append(alternatives)
         return part
 

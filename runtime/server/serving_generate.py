@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
@@ -40,6 +40,7 @@ from conveyor.runtime.server.errors import (
     bad_request,
     from_value_error,
 )
+from conveyor.runtime.server.logprob_text import MAX_CONTEXT, REPLACEMENT, completed_text
 from conveyor.runtime.server.protocol import GenerateRequestBody
 from conveyor.runtime.server.serving_common import (
     EngineStreamingResponse,
@@ -275,12 +276,22 @@ class GenerateRequest(ABC, Generic[RequestT]):
             )
 
     def token_text(self, token_id: int) -> str:
-        """One token's text, for logprobs (cached for the server's lifetime)."""
+        """One token's text alone (cached for the server's lifetime)."""
         text = self.ctx.token_text.get(token_id)
         if text is None:
             text = self.engine.tokenizer.decode([token_id])
             self.ctx.token_text[token_id] = text
         return text
+
+    def logprob_text(self, token_id: int, sampled: Sequence[int], position: int) -> str:
+        """A candidate token's text in logprobs at ``position`` of the tokens ``sampled`` (the
+        prompt's, or the output's): its own, or, for a byte of a UTF-8 character, what it
+        completes after the tokens before it (``logprob_text.py``, as vLLM reports it)."""
+        text = self.token_text(token_id)
+        if not text.endswith(REPLACEMENT):
+            return text
+        before = sampled[max(0, position - MAX_CONTEXT) : position]
+        return completed_text(self.engine.tokenizer.decode, token_id, before)
 
     @property
     def model_name(self) -> str:
@@ -301,7 +312,8 @@ class GenerateRequest(ABC, Generic[RequestT]):
         the ``prompt_logprobs`` likeliest ones."""
         n = self.req.prompt_logprobs or 0
         out: list[dict[str, dict[str, Any]] | None] = []
-        for token_id, lp in zip(choice.prompt_ids, choice.prompt_logprobs or [], strict=False):
+        prompt = choice.prompt_ids
+        for i, (token_id, lp) in enumerate(zip(prompt, choice.prompt_logprobs or [], strict=False)):
             if lp is None:
                 out.append(None)
                 continue
@@ -309,7 +321,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 str(token_id): {
                     "logprob": finite(lp.logprob),
                     "rank": lp.rank,
-                    "decoded_token": self.token_text(token_id),
+                    "decoded_token": self.logprob_text(token_id, prompt, i),
                 }
             }
             for rank, (alt_id, logprob) in enumerate(lp.top[:n], start=1):
@@ -318,7 +330,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                     {
                         "logprob": finite(logprob),
                         "rank": rank,
-                        "decoded_token": self.token_text(alt_id),
+                        "decoded_token": self.logprob_text(alt_id, prompt, i),
                     },
                 )
             out.append(entry)
