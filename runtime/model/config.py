@@ -56,7 +56,7 @@ has no such field: the decoder derives it the same way; Qwen3's default is 128).
 
 @dataclass
 class ModelConfig:
-    """The fields of a Llama-family config that Conveyor reads (``llama.DecoderShape``,
+    """The fields of a Llama-family config that Conveyor reads (``shape.DecoderShape``,
     ``layers/rotary.py``, ``engine/state.py``), under transformers' names."""
 
     model_type: str

@@ -13,7 +13,6 @@ from conveyor.runtime.server.chat_template import render_chat
 from conveyor.runtime.server.choices import Choice, Delta, finite
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
-from conveyor.runtime.server.logprob_text import MAX_CONTEXT
 from conveyor.runtime.server.protocol import ChatCompletionRequest
 from conveyor.runtime.server.reasoning import ReasoningParser, ReasoningStream
 from conveyor.runtime.server.serving_common import tokenize
@@ -116,15 +115,12 @@ class ChatCompletion(GenerateRequest[ChatCompletionRequest]):
     ) -> list[dict[str, Any]]:
         """``logprobs``, the tail of the choice's, as OpenAI's ``logprobs.content``."""
         out = []
-        start = len(choice.logprobs) - len(logprobs)
-        sampled = [lp.token_id for lp in choice.logprobs[max(0, start - MAX_CONTEXT) :]]
-        for i, lp in enumerate(logprobs):
-            at = min(start, MAX_CONTEXT) + i  # this token's place in ``sampled``
-            text = self.logprob_text(lp.token_id, sampled, at)
-            top = []
-            for token_id, logprob in lp.top:
-                t = self.logprob_text(token_id, sampled, at)
-                top.append({"token": t, "logprob": finite(logprob), "bytes": list(t.encode())})
+        texts = self.output_logprob_texts(choice, logprobs)
+        for lp, (text, alternatives) in zip(logprobs, texts, strict=True):
+            top = [
+                {"token": t, "logprob": finite(logprob), "bytes": list(t.encode())}
+                for t, (_, logprob) in zip(alternatives, lp.top, strict=True)
+            ]
             out.append(
                 {
                     "token": text,

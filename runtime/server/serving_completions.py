@@ -14,7 +14,6 @@ from conveyor.runtime.sampling_params import SamplingParams, StructuredOutputPar
 from conveyor.runtime.server.choices import Choice, Delta, finite
 from conveyor.runtime.server.context import ServerContext
 from conveyor.runtime.server.errors import bad_request
-from conveyor.runtime.server.logprob_text import MAX_CONTEXT
 from conveyor.runtime.server.protocol import CompletionRequest
 from conveyor.runtime.server.serving_common import tokenize
 from conveyor.runtime.server.serving_generate import GenerateRequest
@@ -106,16 +105,13 @@ class Completion(GenerateRequest[CompletionRequest]):
     def _delta_logprobs(self, choice: Choice, delta: Delta) -> dict[str, Any]:
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = choice.emitted_len - len(delta.text)
-        start = len(choice.logprobs) - len(delta.logprobs)  # the delta is the output's tail
-        sampled = [lp.token_id for lp in choice.logprobs[max(0, start - MAX_CONTEXT) :]]
-        for i, lp in enumerate(delta.logprobs):
-            at = min(start, MAX_CONTEXT) + i  # this token's place in ``sampled``
-            text = self.logprob_text(lp.token_id, sampled, at)
+        texts = self.output_logprob_texts(choice, delta.logprobs)
+        for lp, (text, alternative_texts) in zip(delta.logprobs, texts, strict=True):
             tokens.append(text)
             token_logprobs.append(finite(lp.logprob))
             alternatives = {text: finite(lp.logprob)}
-            for token_id, logprob in lp.top:
-                alternatives.setdefault(self.logprob_text(token_id, sampled, at), finite(logprob))
+            for alt, (_, logprob) in zip(alternative_texts, lp.top, strict=True):
+                alternatives.setdefault(alt, finite(logprob))
             top.append(alternatives)
             offsets.append(offset)
             offset += len(text)

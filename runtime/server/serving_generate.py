@@ -55,6 +55,7 @@ from conveyor.runtime.server.structured_outputs import compile_grammar, structur
 
 if TYPE_CHECKING:
     from conveyor.runtime.engine.llm_engine import LLMEngine
+    from conveyor.runtime.engine.sequence import TokenLogprob
 
 SAMPLING_PARAM_NAMES = {f.name for f in dataclasses.fields(SamplingParams)}
 
@@ -282,6 +283,20 @@ class GenerateRequest(ABC, Generic[RequestT]):
             text = self.engine.tokenizer.decode([token_id])
             self.ctx.token_text[token_id] = text
         return text
+
+    def output_logprob_texts(
+        self, choice: Choice, logprobs: Sequence[TokenLogprob]
+    ) -> list[tuple[str, list[str]]]:
+        """For ``logprobs``, the tail of the choice's output's: each sampled token's text and
+        its alternatives' (``logprob_text``), read after the output's tokens before it."""
+        start = len(choice.logprobs) - len(logprobs)
+        sampled = [lp.token_id for lp in choice.logprobs[max(0, start - MAX_CONTEXT) :]]
+        texts = []
+        for i, lp in enumerate(logprobs):
+            at = min(start, MAX_CONTEXT) + i  # this token's place in ``sampled``
+            alternatives = [self.logprob_text(token_id, sampled, at) for token_id, _ in lp.top]
+            texts.append((self.logprob_text(lp.token_id, sampled, at), alternatives))
+        return texts
 
     def logprob_text(self, token_id: int, sampled: Sequence[int], position: int) -> str:
         """A candidate token's text in logprobs at ``position`` of the tokens ``sampled`` (the

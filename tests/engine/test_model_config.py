@@ -12,8 +12,8 @@ import torch
 
 from conveyor.runtime.model.builtin import TINY_CONFIG
 from conveyor.runtime.model.config import ModelConfig
-from conveyor.runtime.model.llama import DecoderShape
 from conveyor.runtime.model.loader import config_dtype
+from conveyor.runtime.model.shape import DecoderShape
 
 SMALL = dict(
     hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

@@ -371,7 +371,7 @@ def test_a_rank_reads_the_model_shape_rank_0_read(tp_models, scaled):
     from transformers import AutoConfig
 
     from conveyor.runtime.engine.tensor_parallel import _config
-    from conveyor.runtime.model.llama import DecoderShape
+    from conveyor.runtime.model.shape import DecoderShape
 
     config = AutoConfig.from_pretrained(tp_models["conveyor-tiny"])
     if scaled:

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 from conveyor.runtime.model.builtin import builtin_model_path
-from conveyor.runtime.model.llama import SUPPORTED_MODEL_TYPES
 from conveyor.runtime.model.loader import (
     AUTO_TOKENIZER_KEEPS_BACKEND,
     ModelFiles,
     _declares_tokenizers_backend,
     load_tokenizer,
 )
+from conveyor.runtime.model.shape import SUPPORTED_MODEL_TYPES
 
 TEXTS = ["Hello, world!", "Ünïcödé ☃ and 2024 digits", "<|im_start|>user\nHi<|im_end|>", ""]
 

@@ -1,0 +1,137 @@
+"""A decoder's shape: what ``llama.py``'s layers need from a model's config, read once.
+
+The model types Conveyor runs and what each changes in the shared decoder (biases, q/k norms,
+Gemma's norms, scales and caps, rope tables per layer type, sliding windows), with this
+rank's share of the heads under tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, TensorParallel
+from conveyor.runtime.layers.rotary import rope_inv_freq, rope_layer_types, rotary_row_order
+from conveyor.runtime.layers.vocab_parallel import VocabSplit
+from conveyor.runtime.model.config import layer_windows
+
+GEMMA = ("gemma", "gemma2", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)
+
+
+class DecoderShape:
+    """The hyper-parameters the layers need, read once from a transformers config.
+
+    ``num_heads``, ``num_kv_heads`` and ``intermediate_size`` are this rank's share under
+    tensor parallelism (``layers/parallel.py``); the ``total_`` ones are the model's.
+    """
+
+    def __init__(self, config, tp: TensorParallel = SINGLE, context: int | None = None):
+        self.model_type = config.model_type
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {self.model_type!r} is not supported; "
+                f"Conveyor runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        if getattr(config, "use_bidirectional_attention", None):
+            raise ValueError(
+                "use_bidirectional_attention is set: this is an embedding model (EmbeddingGemma?); "
+                "Conveyor serves causal language models"
+            )
+        self.activation = _activation(config)
+        """``silu`` or ``gelu_tanh``: the MLP's gate."""
+        self.hidden_size = config.hidden_size
+        self.num_layers = config.num_hidden_layers
+        self.total_num_heads = config.num_attention_heads
+        self.total_num_kv_heads = (
+            getattr(config, "num_key_value_heads", None) or self.total_num_heads
+        )
+        self.head_dim = (
+            getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
+        )
+        self.total_intermediate_size = config.intermediate_size
+        self.tp = tp
+        self.split = HeadSplit.of(
+            self.total_num_heads, self.total_num_kv_heads, self.total_intermediate_size, tp
+        )
+        self.num_heads = self.split.num_heads
+        self.num_kv_heads = self.split.num_kv_heads
+        self.intermediate_size = self.split.intermediate_size
+        self.vocab_size = config.vocab_size
+        self.vocab = VocabSplit.of(self.vocab_size, tp)
+        """This rank's rows of the embedding and the LM head."""
+        self.rms_norm_eps = config.rms_norm_eps
+        self.max_position = config.max_position_embeddings
+        self.qkv_bias = self.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
+        # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only.
+        self.o_bias = self.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.qk_norm = self.model_type in ("qwen3", "gemma3_text")
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        gemma = self.model_type in GEMMA
+        self.norm_offset = 1.0 if gemma else 0.0
+        """Added to every norm's checkpoint weight at load: Gemma's norms scale by 1 + weight."""
+        self.norm_dtype = torch.float32 if gemma else None
+        """The norms' weight dtype (None: the model's): Gemma's scale in float32 and round
+        once (``layers/layernorm.py``)."""
+        self.embed_scale = self.hidden_size**0.5 if gemma else None
+        """Gemma multiplies the embedded tokens by this (not the tied LM head's rows)."""
+        self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
+        """Gemma 2/3: the attention's and the MLP's outputs are normed before their residual
+        adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
+        scalar = getattr(config, "query_pre_attn_scalar", None) if self.sandwich_norms else None
+        self.attn_scale = float(scalar or self.head_dim) ** -0.5
+        # Only Gemma 2 caps the scores: transformers' and vLLM's Gemma 3 read no
+        # attn_logit_softcapping, though its config holds the field.
+        cap = (
+            getattr(config, "attn_logit_softcapping", None) if self.model_type == "gemma2" else None
+        )
+        self.attn_softcap = float(cap or 0.0)
+        """Gemma 2: attention scores are capped to ``cap * tanh(s / cap)``; 0: not capped."""
+        cap = getattr(config, "final_logit_softcapping", None) if self.sandwich_norms else None
+        self.final_softcap = float(cap or 0.0)
+        """Gemma 2: the logits are capped the same way; 0: not capped."""
+        self.windows = layer_windows(config)
+        """Per layer, the keys a query sees (its own included); 0: all before it."""
+        rope_types = rope_layer_types(config)
+        self.ropes = [
+            rope_inv_freq(config, self.head_dim, context, kind) for kind in rope_types or (None,)
+        ]
+        """Each rope table's (inverse frequencies, attention scaling): one, or one per layer
+        type whose parameters differ (Gemma 3's full and sliding layers)."""
+        unknown = set(getattr(config, "layer_types", None) or ()) - set(rope_types or ())
+        if rope_types and unknown:
+            raise ValueError(
+                f"layer_types names {sorted(unknown)}, which rope_parameters has no entry for "
+                f"(it has {list(rope_types)})"
+            )
+        self.layer_ropes = (
+            tuple(rope_types.index(kind) for kind in config.layer_types)
+            if rope_types
+            else (0,) * self.num_layers
+        )
+        """Per layer, the index of its table in ``ropes``."""
+        if len({inv.numel() for inv, _ in self.ropes}) > 1:
+            raise ValueError("layer types that turn different shares of a head are not supported")
+        self.inv_freq, self.rope_scaling = self.ropes[0]
+        self.qk_order = rotary_row_order(self.head_dim, 2 * self.inv_freq.numel())
+        """A partial rotary's order of a head's q/k dimensions (``layers/rotary.py``); None:
+        the checkpoint's."""
+
+
+def _activation(config) -> str:
+    """The MLP gate's function as Conveyor names it, from transformers' name for it."""
+    model_type = config.model_type
+    if model_type in ("gemma2", "gemma3_text"):
+        name = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
+    else:
+        name = getattr(config, "hidden_act", None) or "silu"
+    if name in ("silu", "swish"):  # transformers' names for the same function
+        return "silu"
+    # Gemma's legacy "gelu" means the tanh approximation (transformers and vLLM read it so).
+    # Gemma 2/3's "gelu" is exact GELU in transformers (vLLM refuses it): not this branch.
+    if name in ("gelu_pytorch_tanh", "gelu_new") or (name == "gelu" and model_type == "gemma"):
+        return "gelu_tanh"
+    raise ValueError(
+        f"hidden activation {name!r} is not supported; Conveyor's MLP gates with silu or "
+        "gelu_pytorch_tanh"
+    )
