@@ -81,6 +81,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
         "vocab_size": 4096, "torch_dtype": "float32",
     },
+    # Qwen3-30B-A3B's layer scaled down: 32 narrow experts, 4 per token (renormalised), q/k
+    # norms, an untied head.
+    "qwen3moe-8l-512": {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1536, "moe_intermediate_size": 256, "num_experts": 32,
+        "num_experts_per_tok": 4, "norm_topk_prob": True, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+        "hidden_act": "silu", "vocab_size": 4096, "torch_dtype": "float32",
+    },
+    # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
+    "mixtral-8l-512": {
+        "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1024, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 64, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 1e6, "tie_word_embeddings": False, "hidden_act": "silu",
+        "vocab_size": 4096, "torch_dtype": "float32",
+    },
 }  # fmt: skip
 
 

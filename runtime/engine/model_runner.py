@@ -39,6 +39,7 @@ from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
 from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_supported
 from conveyor.runtime.layers.lora import Adapter, LoRASlots, read_adapter
+from conveyor.runtime.layers.moe import ExpertShape
 from conveyor.runtime.layers.parallel import SINGLE, TensorParallel, check_split
 from conveyor.runtime.layers.sampler import Sampler, SamplerOutput, SamplingTensors
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
@@ -143,6 +144,7 @@ class ModelRunner:
             check_split(
                 heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size, size
             )
+            ExpertShape.of(c, TensorParallel(0, size))  # the experts' widths split too
             tensor_parallel.check_devices(self.device, size)
             if self.ranks is None:
                 self.ranks = tensor_parallel.Ranks.start(size)

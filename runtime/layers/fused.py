@@ -1,6 +1,7 @@
 """Fused kernels for the decoder's elementwise layers, chosen per engine with its backend.
 
-RMSNorm (with the residual add), rotary embeddings and SiLU- or GELU-and-mul run the torch reference
+RMSNorm (with the residual add), rotary embeddings, SiLU- or GELU-and-mul and the experts of a
+mixture-of-experts MLP run the torch reference
 unless a backend hands the model faster kernels with the same signatures: Triton's on GPU
 (``runtime/kernels/``), the C++ ops on CPU (``runtime/kernels/cpu/``).
 """
@@ -18,6 +19,7 @@ from conveyor.runtime.layers.activation import (
     SiluAndMulKernel,
 )
 from conveyor.runtime.layers.layernorm import RMSNorm, RmsNormKernel
+from conveyor.runtime.layers.moe import FusedMoEKernel, SparseMoeBlock
 from conveyor.runtime.layers.rotary import RotaryEmbedding, RotaryKernel
 
 
@@ -31,6 +33,9 @@ class LayerKernels:
     """(gate_up) -> silu(gate) * up."""
     gelu_tanh_and_mul: GeluAndMulKernel | None = None
     """(gate_up) -> gelu_tanh(gate) * up (Gemma); None: the torch reference."""
+    fused_moe: FusedMoEKernel | None = None
+    """(x, w13, w2, topk_weights, topk_ids, activation) -> the routed experts' sum (Mixtral,
+    Qwen-MoE); None: the torch path (``layers/moe.py``)."""
 
 
 def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:
@@ -44,3 +49,5 @@ def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:
             module.kernel = kernels.silu_and_mul
         elif isinstance(module, GeluAndMul) and kernels.gelu_tanh_and_mul is not None:
             module.kernel = kernels.gelu_tanh_and_mul
+        elif isinstance(module, SparseMoeBlock) and kernels.fused_moe is not None:
+            module.kernel = kernels.fused_moe

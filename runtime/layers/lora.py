@@ -304,6 +304,11 @@ class LoRASlots:
     def __init__(
         self, model: LlamaForCausalLM, slots: int, max_rank: int, max_resident: int | None = None
     ) -> None:
+        if model.shape.experts is not None:
+            raise ValueError(
+                f"LoRA adapters on a mixture-of-experts model ({model.shape.model_type}) are not "
+                "supported; serve it without --enable-lora and --lora-modules"
+            )
         self.model = model
         self.max_rank = max_rank
         self.max_resident = max_resident

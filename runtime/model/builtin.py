@@ -18,6 +18,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from conveyor.runtime.layers.moe import ExpertShape
 
 TINY = "conveyor-tiny"
 BUILTIN_MODELS = ("smollm2-135m-instruct", TINY)
@@ -163,10 +168,45 @@ def _write_config(out: Path, config: dict) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
+def _mlp_weights(prefix: str, h: int, inter: int, normal, gain: float = 1.0) -> dict:
+    """A gated MLP's three projections, under ``prefix`` and Llama's names; ``gain`` scales
+    its output."""
+    return {
+        prefix + "gate_proj.weight": normal(inter, h, std=0.06),
+        prefix + "up_proj.weight": normal(inter, h, std=0.06),
+        prefix + "down_proj.weight": normal(h, inter, std=0.04 * gain),
+    }
+
+
+def _expert_weights(p: str, config: dict, e: ExpertShape, normal) -> dict:
+    """A mixture-of-experts MLP's router, experts and (Qwen2-MoE) shared expert, under the
+    checkpoint's names: Mixtral's ``block_sparse_moe`` with w1/w3/w2, Qwen's ``mlp``."""
+    h, inter = config["hidden_size"], e.total_intermediate_size
+    # A router whose scores spread a few units apart, so that every token's top k is clear.
+    block = p + ("block_sparse_moe." if config["model_type"] == "mixtral" else "mlp.")
+    tensors = {block + "gate.weight": normal(e.num_experts, h, std=2.0 / h**0.5)}
+    for i in range(e.num_experts):
+        # Narrow experts' outputs scaled up, so that their weights move the greedy tokens.
+        mlp = _mlp_weights(f"{block}experts.{i}.", h, inter, normal, gain=4.0)
+        if config["model_type"] == "mixtral":
+            mlp = {
+                k.replace("gate_proj", "w1").replace("up_proj", "w3").replace("down_proj", "w2"): t
+                for k, t in mlp.items()
+            }
+        tensors |= mlp
+    if e.total_shared_intermediate_size:
+        tensors |= _mlp_weights(
+            block + "shared_expert.", h, e.total_shared_intermediate_size, normal
+        )
+        tensors[block + "shared_expert_gate.weight"] = normal(1, h, std=1.0 / h**0.5)
+    return tensors
+
+
 def _write_weights(out: Path, config: dict, seed: int) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from conveyor.runtime.layers.moe import ExpertShape
     from conveyor.runtime.model.llama import FUSED
 
     g = torch.Generator().manual_seed(seed)
@@ -182,6 +222,7 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(v, h, std=embed_std)}
     kind = config["model_type"]
     gemma = kind in ("gemma", "gemma2", "gemma3_text")
+    experts = ExpertShape.of(SimpleNamespace(**config))  # None: a dense model
 
     def norm(size: int) -> torch.Tensor:  # near 1; Gemma's norms add the 1 themselves
         return (0.0 if gemma else 1.0) + normal(size, std=0.05)
@@ -193,9 +234,12 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             p + "self_attn.k_proj.weight": normal(nkv * hd, h, std=0.08),
             p + "self_attn.v_proj.weight": normal(nkv * hd, h, std=0.06),
             p + "self_attn.o_proj.weight": normal(h, nh * hd, std=0.04),
-            p + "mlp.gate_proj.weight": normal(inter, h, std=0.06),
-            p + "mlp.up_proj.weight": normal(inter, h, std=0.06),
-            p + "mlp.down_proj.weight": normal(h, inter, std=0.04),
+        }
+        if experts is not None and experts.sparse_layers[i]:
+            tensors |= _expert_weights(p, config, experts, normal)
+        else:
+            tensors |= _mlp_weights(p + "mlp.", h, inter, normal)
+        tensors |= {
             p + "input_layernorm.weight": norm(h),
             p + "post_attention_layernorm.weight": norm(h),
         }
@@ -204,13 +248,13 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "pre_feedforward_layernorm.weight": norm(h),
                 p + "post_feedforward_layernorm.weight": norm(h),
             }
-        if config["model_type"] == "qwen2" or config.get("attention_bias"):
+        if kind in ("qwen2", "qwen2_moe") or config.get("attention_bias"):
             tensors |= {
                 p + "self_attn.q_proj.bias": normal(nh * hd, std=0.1),
                 p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),
                 p + "self_attn.v_proj.bias": normal(nkv * hd, std=0.1),
             }
-        if config.get("attention_bias") and config["model_type"] != "qwen2":
+        if config.get("attention_bias") and kind not in ("qwen2", "qwen2_moe"):
             tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)  # Llama's bias is on all four
         if config.get("mlp_bias"):
             tensors |= {
@@ -218,7 +262,7 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "mlp.up_proj.bias": normal(inter, std=0.1),
                 p + "mlp.down_proj.bias": normal(h, std=0.1),
             }
-        if kind in ("qwen3", "gemma3_text"):
+        if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
             tensors |= {
                 p + "self_attn.q_norm.weight": norm(hd),
                 p + "self_attn.k_norm.weight": norm(hd),

@@ -135,16 +135,17 @@ def layer_windows(config: Any) -> tuple[int, ...]:
     """Per layer, how many keys a query sees, its own included (0: every key before it), as
     transformers' masks read ``config`` (a ``ModelConfig`` or transformers' own): Mistral
     slides in every layer when ``sliding_window`` is set (its class default is 4096), and so
-    does Phi-3 (Phi-3-mini-4k's config says 2047; the class default is none); Qwen2 and
+    does Phi-3 (Phi-3-mini-4k's config says 2047; the class default is none), Mixtral and
+    Qwen3-MoE (whose configs set it only with ``use_sliding_window``); Qwen2 and
     Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
     those from ``max_window_layers`` on); Gemma 2 and 3 in the layers ``layer_types`` names
-    (every other one, five of every six); Llama and Gemma never. A query at position ``i`` then sees keys
+    (every other one, five of every six), and so does Qwen2-MoE; Llama and Gemma never. A query at position ``i`` then sees keys
     ``i - window + 1 .. i``."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or 0
-    if config.model_type in ("mistral", "phi3"):
+    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (window,) * layers
-    if config.model_type in ("gemma2", "gemma3_text"):  # transformers' config fills layer_types
+    if config.model_type in ("gemma2", "gemma3_text", "qwen2_moe"):  # the config fills layer_types
         return tuple(window if kind == "sliding_attention" else 0 for kind in config.layer_types)
     if config.model_type not in ("qwen2", "qwen3") or not getattr(
         config, "use_sliding_window", False

@@ -18,22 +18,33 @@ per head and turns its sliding layers with a rope of their own.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import cast
 
 import torch
 from torch import nn
 
-from conveyor.runtime.layers.activation import GeluAndMul, SiluAndMul
 from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
 from conveyor.runtime.layers.lora import TARGETS, LoRAProjection, LoRASlots
+from conveyor.runtime.layers.moe import ExpertShape, GatedMLP, SparseMoeBlock
 from conveyor.runtime.layers.parallel import SINGLE, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_type
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
 from conveyor.runtime.model.shape import DecoderShape
+
+EXPERT_WEIGHT = re.compile(
+    r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\."
+    r"(?:(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$"
+)
+"""A routed expert's checkpoint tensor -> (layer, expert, part, None), or (layer, None, None,
+stacked) for transformers 5's layout of all a layer's experts in one tensor: ``gate_up_proj``
+(E, 2 * I, H), ``down_proj`` (E, H, I). Mixtral names the parts w1 (gate), w3 (up), w2 (down)."""
+EXPERT_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
+"""An expert's gate and up projections -> their half of its ``w13`` rows; the rest is ``w2``."""
 
 FUSED = {packed: parts for packed, parts in TARGETS.items() if len(parts) > 1}
 """Checkpoint tensors that hold several projections (Phi-3's ``qkv_proj``, ``gate_up_proj``,
@@ -108,19 +119,18 @@ class LlamaAttention(nn.Module):
         return out if self.tp is None else self.tp.all_reduce(out)
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(GatedMLP):
+    """The dense MLP, with its LoRA adapters and the all-reduce of its row-parallel down_proj."""
+
     def __init__(self, s: DecoderShape):
-        super().__init__()
-        self.gate_up_proj = nn.Linear(s.hidden_size, 2 * s.intermediate_size, bias=s.mlp_bias)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
-        self.act = SiluAndMul() if s.activation == "silu" else GeluAndMul()
+        super().__init__(s.hidden_size, s.intermediate_size, s.activation, s.mlp_bias)
         self.tp = s.tp if s.tp.size > 1 else None  # down_proj is row-parallel
         self.lora_gate_up_proj: LoRAProjection | None = None
         self.lora_down_proj: LoRAProjection | None = None
 
     def forward(self, x):
         if self.lora_gate_up_proj is None or self.lora_down_proj is None:
-            out = self.down_proj(self.act(self.gate_up_proj(x)))  # (T, hidden), this rank's part
+            out = super().forward(x)  # (T, hidden), this rank's part
         else:
             h = self.act(self.lora_gate_up_proj(x, self.gate_up_proj(x)))
             out = self.lora_down_proj(h, self.down_proj(h))
@@ -130,10 +140,17 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Called in halves around its attention (``before_attention``, ``after_attention``)."""
 
-    def __init__(self, s: DecoderShape, backend: AttentionBackend, window: int = 0):
+    def __init__(
+        self, s: DecoderShape, backend: AttentionBackend, window: int = 0, sparse: bool = False
+    ):
+        """``sparse``: the MLP is a mixture of experts (``s.experts``)."""
         super().__init__()
         self.self_attn = LlamaAttention(s, backend, window)
-        self.mlp = LlamaMLP(s)
+        self.mlp: LlamaMLP | SparseMoeBlock
+        if sparse and s.experts is not None:
+            self.mlp = SparseMoeBlock(s.hidden_size, s.experts, s.activation, s.tp)
+        else:
+            self.mlp = LlamaMLP(s)
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.sandwich_norms = s.sandwich_norms
@@ -192,7 +209,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         s = self.shape = DecoderShape(config, tp, context)
         self.embed_tokens = VocabParallelEmbedding(s.hidden_size, s.vocab, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(s, backend, w) for w in s.windows)
+        sparse = s.experts.sparse_layers if s.experts else (False,) * s.num_layers
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(s, backend, w, moe) for w, moe in zip(s.windows, sparse, strict=True)
+        )
         self.norm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(s.head_dim, s.max_position, inv_freq, scaling)
@@ -325,6 +345,20 @@ class LlamaForCausalLM(nn.Module):
             return None
         if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             return self.shape.vocab.shard
+        if (e := self.shape.experts) is not None:
+            expert = EXPERT_WEIGHT.search(hf_name)
+            if expert is not None:  # each expert's columns, as a dense MLP's
+                start, width = e.intermediate_start, e.intermediate_size
+                if expert[4] == "gate_up_proj":
+                    return None  # stacked gate and up: read whole, cut at load
+                if expert[4] == "down_proj":
+                    return Shard(2, start, width)
+                return (
+                    Shard(0, start, width) if expert[3] in EXPERT_HALF else Shard(1, start, width)
+                )
+            if ".shared_expert." in hf_name:
+                start, width = e.shared_intermediate_start, e.shared_intermediate_size
+                return Shard(1 if ".down_proj." in hf_name else 0, start, width)
         if ".q_proj." in hf_name:
             return Shard(0, sp.head_start * d, sp.num_heads * d)
         if ".k_proj." in hf_name or ".v_proj." in hf_name:
@@ -354,6 +388,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            expert = EXPERT_WEIGHT.search(name) if self.shape.experts is not None else None
+            if expert is not None:
+                _mark(loaded, self._load_expert(params, expert, tensor, hf_name), hf_name)
+                continue
             target, shard = name, None
             for hf_part, (ours, index) in self.packed.items():
                 if f".{hf_part}." in name:
@@ -375,16 +414,48 @@ class LlamaForCausalLM(nn.Module):
             elif shard is None:
                 _copy(param.data, tensor, hf_name)
             else:
-                _copy(param.data.narrow(0, *self._shard_range(shard[0])), tensor, hf_name)
-            key = target if shard is None else f"{target}:{shard[1]}"
-            if key in loaded:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} is given twice (fused and on its own?)"
-                )
-            loaded.add(key)
+                rows = self._shard_range(shard[0], ".shared_expert." in name)
+                _copy(param.data.narrow(0, *rows), tensor, hf_name)
+            _mark(loaded, [target if shard is None else f"{target}:{shard[1]}"], hf_name)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+    def _load_expert(
+        self, params: dict[str, nn.Parameter], expert: re.Match, tensor: torch.Tensor, hf_name: str
+    ) -> list[str]:
+        """Copy a routed expert's tensor (``EXPERT_WEIGHT``) into its layer's ``w13`` or
+        ``w2``; returns what it set, as ``_expected_names`` names it."""
+        layer, index, part, stacked = expert.groups()
+        e = cast(ExpertShape, self.shape.experts)
+        w13, w2 = params.get(f"{layer}.mlp.w13"), params.get(f"{layer}.mlp.w2")
+        if w13 is None or w2 is None or (index is not None and int(index) >= e.num_experts):
+            raise ValueError(
+                f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}"
+            )
+        width, experts = e.intermediate_size, range(e.num_experts)
+        if stacked == "gate_up_proj":  # (E, 2 * I, H) whole: this rank's gate rows, up rows
+            start, total = e.intermediate_start, e.total_intermediate_size
+            if tensor.dim() != 3 or tensor.shape[1] != 2 * total:
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                    f"({e.num_experts}, {2 * total}, hidden)"
+                )
+            tensor = torch.cat(
+                [tensor.narrow(1, start, width), tensor.narrow(1, total + start, width)], 1
+            )
+            _copy(w13.data, tensor, hf_name)
+            return [f"{layer}.mlp.w13:{i}:{half}" for i in experts for half in (0, 1)]
+        if stacked == "down_proj":
+            _copy(w2.data, tensor, hf_name)
+            return [f"{layer}.mlp.w2:{i}" for i in experts]
+        i = int(index)
+        half = EXPERT_HALF.get(part)
+        if half is None:
+            _copy(w2.data[i], tensor, hf_name)
+            return [f"{layer}.mlp.w2:{i}"]
+        _copy(w13.data[i].narrow(0, half * width, width), tensor, hf_name)
+        return [f"{layer}.mlp.w13:{i}:{half}"]
 
     def _split_fused(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -419,9 +490,13 @@ class LlamaForCausalLM(nn.Module):
         d = self.shape.head_dim
         return tensor.unflatten(0, (-1, d))[:, order.to(tensor.device)].flatten(0, 1)
 
-    def _shard_range(self, hf_part: str) -> tuple[int, int]:
+    def _shard_range(self, hf_part: str, shared_expert: bool = False) -> tuple[int, int]:
+        """(start, rows) of checkpoint projection ``hf_part`` in its packed parameter: the
+        dense MLP's, or ``shared_expert``'s (Qwen2-MoE)."""
         s = self.shape
         q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
+        if shared_expert and s.experts is not None:
+            inter = s.experts.shared_intermediate_size
         return {
             "q_proj": (0, q),
             "k_proj": (q, kv),
@@ -432,14 +507,26 @@ class LlamaForCausalLM(nn.Module):
 
     def _expected_names(self) -> list[str]:
         names = []
+        experts = self.shape.experts.num_experts if self.shape.experts else 0
         for name, _ in self.named_parameters():
-            if ".qkv_proj." in name:
+            if name.endswith(".mlp.w13"):
+                names += [f"{name}:{i}:{half}" for i in range(experts) for half in (0, 1)]
+            elif name.endswith(".mlp.w2"):
+                names += [f"{name}:{i}" for i in range(experts)]
+            elif ".qkv_proj." in name:
                 names += [f"{name}:{i}" for i in range(3)]
             elif ".gate_up_proj." in name:
                 names += [f"{name}:{i}" for i in range(2)]
             else:
                 names.append(name)
         return names
+
+
+def _mark(loaded: set[str], keys: list[str], hf_name: str) -> None:
+    """Note what a checkpoint tensor set; each part may be set once."""
+    if not loaded.isdisjoint(keys):
+        raise ValueError(f"checkpoint tensor {hf_name!r} is given twice (fused and on its own?)")
+    loaded.update(keys)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -1,7 +1,7 @@
 """A decoder's shape: what ``llama.py``'s layers need from a model's config, read once.
 
 The model types Conveyor runs and what each changes in the shared decoder (biases, q/k norms,
-Gemma's norms, scales and caps, rope tables per layer type, sliding windows), with this
+Gemma's norms, scales and caps, rope tables per layer type, sliding windows, experts), with this
 rank's share of the heads under tensor parallelism.
 """
 
@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.runtime.layers.moe import MOE_MODEL_TYPES, ExpertShape
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, TensorParallel
 from conveyor.runtime.layers.rotary import rope_inv_freq, rope_layer_types, rotary_row_order
 from conveyor.runtime.layers.vocab_parallel import VocabSplit
 from conveyor.runtime.model.config import layer_windows
 
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA, *MOE_MODEL_TYPES)
 
 
 class DecoderShape:
@@ -61,11 +62,16 @@ class DecoderShape:
         """This rank's rows of the embedding and the LM head."""
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
-        self.qkv_bias = self.model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
         # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only.
-        self.o_bias = self.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
+        qwen2 = self.model_type == "qwen2" or (
+            self.model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)
+        )
+        self.qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
+        self.o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.qk_norm = self.model_type in ("qwen3", "gemma3_text")
+        self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+        self.experts = ExpertShape.of(config, tp)
+        """Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts (``layers/moe.py``); None: dense."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         gemma = self.model_type in GEMMA
         self.norm_offset = 1.0 if gemma else 0.0

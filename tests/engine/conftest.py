@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from model_shapes import GEMMA2, GEMMA3, PHI3, QWEN2, QWEN3
+from model_shapes import GEMMA2, GEMMA3, MIXTRAL, PHI3, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
 
 from conveyor.runtime.model.builtin import TINY_CONFIG, builtin_model_path, generate_model
 
@@ -18,6 +18,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "phi3": str(generate_model(root / "phi3", PHI3, seed=3)),
         "gemma2": str(generate_model(root / "gemma2", GEMMA2, seed=4)),
         "gemma3": str(generate_model(root / "gemma3", GEMMA3, seed=5)),
+        "mixtral": str(generate_model(root / "mixtral", MIXTRAL, seed=6)),
+        "qwen3_moe": str(generate_model(root / "qwen3_moe", QWEN3_MOE, seed=7)),
+        "qwen2_moe": str(generate_model(root / "qwen2_moe", QWEN2_MOE, seed=8)),
     }
 
 

@@ -67,3 +67,42 @@ GEMMA3 = dict(
 """Gemma 3's: q/k norms, sliding layers turned by a rope of their own (theta 1e4) and full ones
 by a scaled one (theta 1e6, linear x8, as the 4B-27B models' text configs say), a tied head
 read from the unscaled embedding, one KV head (as Gemma 3 1B)."""
+MIXTRAL = dict(
+    SMALL,
+    architectures=["MixtralForCausalLM"],
+    model_type="mixtral",
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=None,
+    tie_word_embeddings=False,
+)
+"""Mixtral's shape: every layer's MLP is 4 experts of the dense width, 2 per token, their
+weights renormalised over the two."""
+QWEN3_MOE = dict(
+    SMALL,
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=48,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[1],
+    tie_word_embeddings=False,
+)
+"""Qwen3-MoE's: q/k norms, 8 narrow experts, 3 per token, and a dense MLP in layer 1
+(``mlp_only_layers``), so both kinds of layer run."""
+QWEN2_MOE = dict(
+    SMALL,
+    architectures=["Qwen2MoeForCausalLM"],
+    model_type="qwen2_moe",
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=96,
+    norm_topk_prob=False,
+    decoder_sparse_step=1,
+    tie_word_embeddings=False,
+)
+"""Qwen2-MoE's: q/k/v biases, 6 experts, 2 per token with their softmax weights as they are
+(not renormalised), and a shared expert under a sigmoid gate."""

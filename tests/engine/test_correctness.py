@@ -15,7 +15,17 @@ from conveyor.runtime import SamplingParams
 from conveyor.runtime.engine.llm_engine import LLMEngine
 from conveyor.runtime.engine.settings import EngineSettings
 
-MODELS = ["conveyor-tiny", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"]
+MODELS = [
+    "conveyor-tiny",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen3_moe",
+    "qwen2_moe",
+]
 
 
 def make_engine(model_dirs, model: str, **settings) -> LLMEngine:

@@ -75,8 +75,8 @@ class CpuAttentionBackend:
         # each as Tensor | Module, so the walk reads the model as Any.
         llama: Any = model
         shape = getattr(llama, "shape", None)
-        if not hasattr(ops, "decoder_layers") or shape is None:
-            return None
+        if not hasattr(ops, "decoder_layers") or shape is None or shape.experts is not None:
+            return None  # experts run between the Python layers (``layers/moe.py``)
         dtype = llama.embed_tokens.weight.dtype
         if any(isinstance(m, RMSNorm) and m.weight.dtype != dtype for m in llama.layers.modules()):
             return None  # a norm the Python kernel leaves to the torch reference
