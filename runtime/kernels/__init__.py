@@ -5,6 +5,8 @@
 - ``prefill_attention``: chunks against their cached prefix, causal inside the chunk.
 - ``rotary``, ``rmsnorm`` (fused with the residual add), ``silu_and_mul``, ``gelu_and_mul``: the decoder's
   elementwise ops, handed to the layers as ``backend.TRITON_LAYER_KERNELS``.
+- ``fused_moe``: a mixture-of-experts MLP's routed experts, grouped GEMMs over the
+  token-expert pairs sorted by expert (CUDA-graph safe), also in ``TRITON_LAYER_KERNELS``.
 - ``backend``: ``TritonAttentionBackend``, the ``AttentionBackend`` on these kernels.
 - ``checks``: each kernel against the torch reference (tests and ``conveyor bench gpu``).
 

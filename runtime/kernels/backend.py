@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from conveyor.runtime.kernels.decode_attention import paged_decode_attention
+from conveyor.runtime.kernels.fused_moe import fused_moe
 from conveyor.runtime.kernels.gelu_and_mul import gelu_tanh_and_mul
 from conveyor.runtime.kernels.prefill_attention import paged_prefill_attention
 from conveyor.runtime.kernels.rmsnorm import rms_norm
@@ -40,6 +41,7 @@ TRITON_LAYER_KERNELS = LayerKernels(
     apply_rotary=apply_rotary,
     silu_and_mul=silu_and_mul,
     gelu_tanh_and_mul=gelu_tanh_and_mul,
+    fused_moe=fused_moe,
 )
 
 

@@ -68,8 +68,8 @@ class ExpertShape:
             return None
         layers = config.num_hidden_layers
         # Qwen's config.json says num_experts, which transformers 5 keeps as num_local_experts.
-        experts = getattr(config, "num_local_experts", None)
-        experts = getattr(config, "num_experts", 0) if experts is None else experts
+        local = getattr(config, "num_local_experts", None)
+        experts: int = getattr(config, "num_experts", 0) if local is None else local
         if kind == "mixtral":
             inter, shared = config.intermediate_size, 0
             renormalize, sparse = True, (True,) * layers
@@ -177,5 +177,5 @@ class SparseMoeBlock(nn.Module):
                 h = self.act(F.linear(group, self.w13[expert]))
                 outs[order[start : start + n]] = F.linear(h, self.w2[expert])
                 start += n
-        weighted = outs.view(num_tokens, k, -1).float() * weights.unsqueeze(-1)
+        weighted = outs.view(num_tokens, k, x.shape[1]).float() * weights.unsqueeze(-1)
         return weighted.sum(dim=1).to(x.dtype)

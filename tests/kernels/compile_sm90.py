@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from conveyor.runtime.kernels import (
     decode_attention,
+    fused_moe,
     gelu_and_mul,
     prefill_attention,
     rmsnorm,
@@ -198,6 +199,46 @@ def main() -> int:
             ),
         ]
         print(f"{dt} store_kv, rotary, rms_norm (x2), silu_and_mul, gelu_tanh_and_mul: {sizes} B")
+        # Mixtral's experts (H 4096, I 14336): the gate/up GEMM with decode's blocks, the
+        # down GEMM, weighted into float32, with prefill's.
+        gemm = {
+            "a_ptr": f"*{dt}",
+            "w_ptr": f"*{dt}",
+            "topk_weights_ptr": "*fp32",
+            "sorted_slots_ptr": "*i32",
+            "block_experts_ptr": "*i32",
+            **i32("num_slots", "stride_am", "stride_we", "stride_wn", "stride_om"),
+        }
+        tiles = {"NUM_EXPERTS": 8, "BLOCK_N": fused_moe.BLOCK_N, "BLOCK_K": fused_moe.BLOCK_K}
+        tiles |= {"DOT_FP32": False, "PRECISION": precision}
+        sizes = [
+            compile_kernel(
+                fused_moe._moe_gemm_kernel,
+                {**gemm, "out_ptr": f"*{dt}"},
+                {
+                    **tiles,
+                    "topk_weights_ptr": None,
+                    "N": 2 * 14336,
+                    "K": 4096,
+                    "SLOTS_PER_ROW": 2,
+                    "WEIGHTED": False,
+                    "BLOCK_M": 16,
+                },
+            ),
+            compile_kernel(
+                fused_moe._moe_gemm_kernel,
+                {**gemm, "out_ptr": "*fp32"},
+                {
+                    **tiles,
+                    "N": 4096,
+                    "K": 14336,
+                    "SLOTS_PER_ROW": 1,
+                    "WEIGHTED": True,
+                    "BLOCK_M": 64,
+                },
+            ),
+        ]
+        print(f"{dt} fused_moe gate/up, down: {sizes} B")
     return 0
 
 

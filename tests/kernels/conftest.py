@@ -25,6 +25,7 @@ KERNEL_MODULES = (
     "conveyor.runtime.kernels.rmsnorm",
     "conveyor.runtime.kernels.silu_and_mul",
     "conveyor.runtime.kernels.gelu_and_mul",
+    "conveyor.runtime.kernels.fused_moe",
     "conveyor.runtime.kernels.backend",
 )
 INTERPRETED = not torch.cuda.is_available()

@@ -37,3 +37,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("prefill") == 8
+    assert proc.stdout.count("fused_moe") == 3
