@@ -202,6 +202,12 @@ class GGUFModel:
                 f"GGUF architectures {', '.join(ARCHITECTURES)}"
             )
         self.model_type = ARCHITECTURES[self.architecture]
+        experts = self.arch_field("expert_count")
+        if experts:  # Mixtral's GGUFs say "llama"; their experts are stacked ffn_*_exps tensors
+            raise GGUFError(
+                f"{str(path)!r} is a mixture-of-experts GGUF ({experts} experts), which "
+                "Conveyor does not read; serve the model's Hugging Face checkpoint"
+            )
         self.tensors = {t.name: t for t in self.reader.tensors}
         unsupported = sorted(
             {t.tensor_type.name for t in self.tensors.values()} - set(TENSOR_TYPES)

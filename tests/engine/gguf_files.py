@@ -24,11 +24,13 @@ def write_gguf(
     *,
     architecture: str | None = None,
     raw_types: dict[str, str] | None = None,
+    experts: int = 0,
 ) -> Path:
     """``model_dir`` (config.json, model.safetensors, tokenizer.json) -> ``out`` (a GGUF).
 
     ``architecture`` overrides the one written (to test refusals); ``raw_types`` declares
-    named tensors as some other ggml type, bytes unchanged (to test refusals)."""
+    named tensors as some other ggml type, bytes unchanged (to test refusals); ``experts``:
+    the expert count written in the metadata (to test refusals)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -48,6 +50,8 @@ def write_gguf(
     w.add_rope_freq_base(config["rope_theta"])
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
     w.add_vocab_size(config["vocab_size"])
+    if experts:
+        w.add_expert_count(experts)
     _write_tokenizer(w, model_dir, config)
 
     tensors = load_file(str(model_dir / "model.safetensors"))

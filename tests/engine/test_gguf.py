@@ -170,6 +170,11 @@ def test_refuses_another_architecture(gguf_dir, model_dirs, tmp_path):
     assert "'gpt2' model" in message and "llama, mistral, qwen2, qwen3" in message
 
 
+def test_refuses_a_mixture_of_experts(model_dirs, tmp_path):
+    path = write_gguf(model_dirs["conveyor-tiny"], tmp_path / "mixtral.gguf", experts=8)
+    assert "mixture-of-experts GGUF (8 experts)" in refused(path)
+
+
 def test_refuses_an_unsupported_tensor_type(model_dirs, tmp_path):
     path = write_gguf(
         model_dirs["conveyor-tiny"], tmp_path / "iq4.gguf",
