@@ -27,8 +27,8 @@ def stage_profile(args, workdir: Path, out: Path) -> dict:
     from conveyor.bench.engine.offline import Workload, run_engine
     from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
     from conveyor.runtime.engine.llm_engine import LLMEngine
-    from conveyor.runtime.engine.model_runner import ModelRunner
     from conveyor.runtime.engine.piecewise_graphs import PiecewiseCudaGraphs
+    from conveyor.runtime.engine.sampling_inputs import SamplingInputs
     from conveyor.runtime.engine.scheduler import Scheduler
     from conveyor.runtime.engine.settings import EngineSettings
     from conveyor.runtime.model.llama import LlamaForCausalLM
@@ -80,7 +80,7 @@ def stage_profile(args, workdir: Path, out: Path) -> dict:
             "piecewise_graphs": _cumulative(stats, PiecewiseCudaGraphs.run),
             "schedule": _cumulative(stats, Scheduler.schedule),
             "postprocess": _cumulative(stats, LLMEngine.postprocess),
-            "sampling_tensors": _cumulative(stats, ModelRunner._sampling_tensors),
+            "sampling_tensors": _cumulative(stats, SamplingInputs.tensors),
         },
         "pstats": str(stats_path),
     }

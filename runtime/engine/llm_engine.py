@@ -91,7 +91,7 @@ class LLMEngine:
         except BaseException:
             self.runner.close()
             raise
-        self.runner.eos_token_ids = self.state.eos_token_ids
+        self.runner.sampling.eos_token_ids = self.state.eos_token_ids
         if self.default_sampling:
             progress(
                 f"default sampling parameters from generation_config.json: {self.default_sampling}"
@@ -100,7 +100,7 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(
             self.tokenizer, self.runner.vocab_size, self.state.eos_token_ids
         )
-        self.runner.structured_outputs = self.structured_outputs
+        self.runner.sampling.structured_outputs = self.structured_outputs
         self.block_manager = BlockManager(
             self.state.num_blocks, settings.block_size, settings.enable_prefix_caching
         )
@@ -214,7 +214,7 @@ class LLMEngine:
         if params.allowed_token_ids and params.min_tokens > 0:
             ending = set(params.stop_token_ids)
             if not params.ignore_eos:
-                ending |= set(self.runner.eos_token_ids)
+                ending |= set(self.runner.sampling.eos_token_ids)
             if ending.issuperset(params.allowed_token_ids):
                 raise ValueError(
                     "allowed_token_ids holds only tokens that end the output, which min_tokens "

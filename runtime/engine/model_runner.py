@@ -28,12 +28,12 @@ from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.piecewise_graphs import PiecewiseCudaGraphs
 from conveyor.runtime.engine.platform import check_memory_for
 from conveyor.runtime.engine.prompt_logprobs import add_prompt_logprobs, prompt_logprob_rows
+from conveyor.runtime.engine.sampling_inputs import SamplingInputs, token_logprobs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
 from conveyor.runtime.engine.sequence import Sequence, TokenLogprob
 from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.step_inputs import StepLayout, layout_step, step_tensors, to_device
 from conveyor.runtime.engine.step_messages import StepSender
-from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
@@ -41,7 +41,7 @@ from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_sup
 from conveyor.runtime.layers.lora import Adapter, LoRASlots, read_adapter
 from conveyor.runtime.layers.moe import ExpertShape
 from conveyor.runtime.layers.parallel import SINGLE, TensorParallel, check_split
-from conveyor.runtime.layers.sampler import Sampler, SamplerOutput, SamplingTensors
+from conveyor.runtime.layers.sampler import Sampler
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
 
 if TYPE_CHECKING:
@@ -188,9 +188,8 @@ class ModelRunner:
         self.block_size = settings.block_size
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
-        self.eos_token_ids: tuple[int, ...] = ()  # set by the engine once derived
-        self.structured_outputs: StructuredOutputs | None = None  # set by the engine
+        self.sampling = SamplingInputs(self.vocab_size, self.device)
+        """The sampler's inputs per step, and the per-request generators."""
         if settings.lora_enabled:
             self._load_loras(on_progress or log.info)
         if self.backend.layer_kernels is not None:  # Triton on GPU, C++ on CPU
@@ -375,9 +374,9 @@ class ModelRunner:
             if not rows:
                 return {}
         seqs = [batch.seqs[i] for i, _ in sample_rows]
-        out = self.sampler(logits, self._sampling_tensors(seqs))
+        out = self.sampler(logits, self.sampling.tensors(seqs))
         token_ids = out.token_ids.tolist()
-        logprobs = self._logprobs(seqs, out)
+        logprobs = token_logprobs(seqs, out)
         return {
             seq.request_id: Sample(tok, lp)
             for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)
@@ -433,101 +432,6 @@ class ModelRunner:
     ) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
-    # -- sampling inputs ----------------------------------------------------------------
-
-    def _sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
-        params = [s.params for s in seqs]
-        n, vocab = len(seqs), self.vocab_size
-        f32 = torch.float32
-        top_k = [vocab if p.top_k in (-1, 0) else min(p.top_k, vocab) for p in params]
-        t = SamplingTensors(
-            temperature=self._tensor([p.temperature for p in params], f32),
-            top_p=self._tensor([p.top_p for p in params], f32),
-            top_k=self._tensor(top_k, torch.int64),
-            min_p=self._tensor([p.min_p for p in params], f32),
-            all_greedy=all(p.greedy for p in params),
-            needs_top_k_top_p=any(
-                p.top_p < 1.0 or k < vocab for p, k in zip(params, top_k, strict=True)
-            ),
-            needs_min_p=any(p.min_p > 0 for p in params),
-            generators=[self._generator(s) for s in seqs],
-            max_logprobs=max((p.logprobs for p in params if p.logprobs is not None), default=-1),
-        )
-        if any(p.needs_penalties for p in params):
-            t.repetition_penalty = self._tensor([p.repetition_penalty for p in params], f32)
-            t.presence_penalty = self._tensor([p.presence_penalty for p in params], f32)
-            t.frequency_penalty = self._tensor([p.frequency_penalty for p in params], f32)
-            prompt_mask = torch.zeros(n, vocab, dtype=torch.bool)
-            counts = torch.zeros(n, vocab, dtype=torch.int64)
-            for i, s in enumerate(seqs):
-                prompt_mask[i, torch.tensor(s.prompt_token_ids)] = True
-                out = s.output_token_ids
-                if out:
-                    counts[i].index_add_(
-                        0, torch.tensor(out), torch.ones(len(out), dtype=torch.int64)
-                    )
-            t.prompt_mask = prompt_mask.to(self.device)
-            t.output_counts = counts.to(self.device).to(f32)
-        bans = [(i, s) for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-        allowed = [(i, p.allowed_token_ids) for i, p in enumerate(params) if p.allowed_token_ids]
-        words = [
-            (i, w) for i, s in enumerate(seqs)
-            if s.bad_words and (w := s.bad_words.banned(s.token_ids, s.num_output_tokens))
-        ]  # fmt: skip
-        if bans or allowed or words:
-            banned = torch.zeros(n, vocab, dtype=torch.bool)
-            for i, ids in allowed:  # every token but these
-                banned[i] = True
-                banned[i, torch.tensor(ids)] = False
-            for i, ids in words:
-                banned[i, torch.tensor([x for x in ids if x < vocab], dtype=torch.long)] = True
-            for i, s in bans:
-                ids = list(s.params.stop_token_ids)
-                if not s.params.ignore_eos:
-                    ids += list(self.eos_token_ids)
-                ids = [x for x in ids if x < vocab]
-                if ids:
-                    banned[i, torch.tensor(ids)] = True
-            t.banned = banned.to(self.device)
-        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
-        if biased:
-            bias = torch.zeros(n, vocab, dtype=f32)
-            for i, b in biased:
-                bias[i, torch.tensor(list(b))] = torch.tensor(list(b.values()), dtype=f32)
-            t.logit_bias = bias.to(self.device)
-        if self.structured_outputs is not None:
-            masked = self.structured_outputs.bitmask(seqs)
-            if masked is not None:
-                mask, t.token_bitmask_rows = masked  # (N, ceil(V/32)), constrained rows
-                t.token_bitmask = mask.to(self.device)
-        return t
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None or seq.params.greedy:
-            return None
-        g = self.generators.get(seq.request_id)
-        if g is None:
-            g = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-            self.generators[seq.request_id] = g
-        return g
-
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+        self.sampling.release(request_id)
         self.steps.release(request_id)
-
-    @staticmethod
-    def _logprobs(seqs: list[Sequence], out: SamplerOutput) -> list[TokenLogprob | None]:
-        if out.logprobs is None:
-            return [None] * len(seqs)
-        lps = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else []
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else []
-        result: list[TokenLogprob | None] = []
-        for i, s in enumerate(seqs):
-            k = s.params.logprobs
-            if k is None:
-                result.append(None)
-                continue
-            top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k and top_ids else []
-            result.append(TokenLogprob(token_id=int(out.token_ids[i]), logprob=lps[i], top=top))
-        return result

@@ -179,7 +179,10 @@ def load_tokenizer(files: ModelFiles):
         return AutoTokenizer.from_pretrained(files.path)
 
 
-AUTO_TOKENIZER_KEEPS_BACKEND = ("llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text")
+AUTO_TOKENIZER_KEEPS_BACKEND = (
+    "llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
+    "qwen3_moe",
+)  # fmt: skip
 """Model types for which ``AutoTokenizer`` loads a tokenizer_config.json's
 ``TokenizersBackend`` as that class (transformers 5; for Qwen2 it substitutes
 ``Qwen2Tokenizer``). tests/engine/test_tokenizer_loading.py checks this against
