@@ -248,7 +248,8 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "pre_feedforward_layernorm.weight": norm(h),
                 p + "post_feedforward_layernorm.weight": norm(h),
             }
-        if kind in ("qwen2", "qwen2_moe") or config.get("attention_bias"):
+        qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
+        if qkv_bias or config.get("attention_bias"):
             tensors |= {
                 p + "self_attn.q_proj.bias": normal(nh * hd, std=0.1),
                 p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),

@@ -389,6 +389,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
             name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+            experts = self.shape.experts
+            if ".shared_expert" in name and experts and not experts.total_shared_intermediate_size:
+                continue  # a shared expert of width 0 adds 0; transformers saves its tensors
             expert = EXPERT_WEIGHT.search(name) if self.shape.experts is not None else None
             if expert is not None:
                 _mark(loaded, self._load_expert(params, expert, tensor, hf_name), hf_name)

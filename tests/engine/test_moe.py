@@ -158,3 +158,22 @@ def test_a_missing_expert_is_named(moe_dirs, tmp_path):
 def test_lora_on_a_moe_model_is_refused(moe_dirs):
     with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts model"):
         make_engine(moe_dirs, "mixtral", enable_lora=True)
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_a_shared_expert_of_width_0_as_transformers_saves_it(reference, tmp_path):
+    """Qwen2-MoE without a shared expert: transformers still saves its (empty) projections and
+    its gate; they add nothing, and the engine skips them."""
+    config = dict(QWEN2_MOE, shared_expert_intermediate_size=0, qkv_bias=False)
+    src = generate_model(tmp_path / "src", config, seed=23)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    assert model.model.layers[0].mlp.shared_expert.down_proj.weight.numel() == 0
+    model.save_pretrained(tmp_path / "saved")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(src) / f).exists():
+            (tmp_path / "saved" / f).write_bytes((Path(src) / f).read_bytes())
+    dirs = {"saved": str(tmp_path / "saved")}
+    requests = _requests(2, seed=4)
+    outputs = run_staggered(make_engine(dirs, "saved"), requests, [0, 0])
+    for i, (prompt, max_tokens) in enumerate(requests):
+        assert outputs[f"r{i}"] == reference.greedy(str(src), prompt, max_tokens)
