@@ -37,7 +37,12 @@ from conveyor.runtime.engine.step_messages import StepSender
 from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
-from conveyor.runtime.layers.linear import pack, pack_linear_layers, packing_supported
+from conveyor.runtime.layers.linear import (
+    pack,
+    pack_experts,
+    pack_linear_layers,
+    packing_supported,
+)
 from conveyor.runtime.layers.lora import Adapter, LoRASlots, read_adapter
 from conveyor.runtime.layers.moe import ExpertShape
 from conveyor.runtime.layers.parallel import SINGLE, TensorParallel, check_split
@@ -248,7 +253,7 @@ class ModelRunner:
         """Decode-sized matmuls on oneDNN-packed weights (``layers/linear.py``)."""
         if not packing_supported(self.dtype):
             return
-        packed = pack_linear_layers(self.model)
+        packed = pack_linear_layers(self.model) + pack_experts(self.model)
         if self.model.lm_head is None:
             self.model.tied_head_packed = pack(self.model.embed_tokens.weight)
             packed += 1

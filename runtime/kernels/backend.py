@@ -41,7 +41,9 @@ TRITON_LAYER_KERNELS = LayerKernels(
     apply_rotary=apply_rotary,
     silu_and_mul=silu_and_mul,
     gelu_tanh_and_mul=gelu_tanh_and_mul,
-    fused_moe=fused_moe,
+    fused_moe=lambda block, x, weights, ids: fused_moe(
+        x, block.w13, block.w2, weights, ids, block.activation
+    ),
 )
 
 

@@ -34,8 +34,8 @@ class LayerKernels:
     gelu_tanh_and_mul: GeluAndMulKernel | None = None
     """(gate_up) -> gelu_tanh(gate) * up (Gemma); None: the torch reference."""
     fused_moe: FusedMoEKernel | None = None
-    """(x, w13, w2, topk_weights, topk_ids, activation) -> the routed experts' sum (Mixtral,
-    Qwen-MoE); None: the torch path (``layers/moe.py``)."""
+    """(block, x, topk_weights, topk_ids) -> the routed experts' sum (Mixtral, Qwen-MoE);
+    None: the torch path (``layers/moe.py``)."""
 
 
 def use_fused_layers(model: nn.Module, kernels: LayerKernels) -> None:

@@ -59,6 +59,19 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.weight, self.packed, self.bias)
 
 
+def pack_experts(model: nn.Module) -> int:
+    """Pack every expert of ``model``'s mixture-of-experts layers (``layers/moe.py``), for
+    the CPU kernel's experts with many tokens; returns how many weights."""
+    from conveyor.runtime.layers.moe import SparseMoeBlock
+
+    count = 0
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock) and packing_supported(block.w13.dtype):
+            block.packed = ([pack(w) for w in block.w13], [pack(w) for w in block.w2])
+            count += 2 * block.w13.shape[0]
+    return count
+
+
 def pack_linear_layers(model: nn.Module) -> int:
     """Replace every 2-D-input ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how
     many. A layer whose weight oneDNN cannot reorder is left as it is."""

@@ -32,9 +32,9 @@ from conveyor.runtime.layers.parallel import SINGLE, TensorParallel
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 FusedMoEKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, str], torch.Tensor
+    ["SparseMoeBlock", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
-"""(x, w13, w2, topk_weights, topk_ids, activation) -> out: ``experts``' signature."""
+"""(block, x, topk_weights, topk_ids) -> the routed experts' sum, as ``block.experts``."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,9 @@ class SparseMoeBlock(nn.Module):
     """The experts of one layer, their router and (Qwen2-MoE) the shared expert."""
 
     kernel: FusedMoEKernel | None = None
-    """A fused kernel with ``experts``' signature (``layers/fused.py``); None: the torch path."""
+    """A fused kernel for ``experts`` (``layers/fused.py``); None: the torch path."""
+    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    """Each expert's w13 and w2 prepacked for oneDNN, on CPU (``layers/linear.py``)."""
 
     def __init__(self, hidden: int, e: ExpertShape, activation: str, tp: TensorParallel):
         super().__init__()
@@ -143,7 +145,7 @@ class SparseMoeBlock(nn.Module):
         """x (T, hidden) -> (T, hidden), summed over the ranks."""
         weights, ids = self.route(x)
         if self.kernel is not None:
-            out = self.kernel(x, self.w13, self.w2, weights, ids, self.activation)
+            out = self.kernel(self, x, weights, ids)
         else:
             out = self.experts(x, weights, ids)
         if self.shared_expert is not None:

@@ -293,3 +293,52 @@ def test_decoder_layers_in_one_call_match_the_python_loop(name, tmp_path, backen
     kinds = {"decode of 1" if t == d == 1 else "decodes" if t == d else "mixed" if d else "prefill"
              for d, t in steps}  # fmt: skip
     assert kinds == {"decode of 1", "decodes", "mixed", "prefill"}
+
+
+MOE_SHAPES = [  # (tokens, experts, top k, hidden, expert width)
+    (1, 4, 2, 64, 48), (7, 8, 3, 40, 24), (37, 8, 1, 72, 40), (33, 1, 1, 64, 48),
+    (70, 4, 2, 72, 40),  # experts with 16 rows or more: oneDNN's GEMMs where packed
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["tiles", "packed"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_moe_experts_match_the_torch_path(shape, activation, dtype, packed, backend):
+    """moe.cpp against layers/moe.py's torch path (the same roundings), over ragged widths
+    (not multiples of the SIMD width), idle experts and unnormalised weights; with the
+    experts' weights packed for oneDNN, those with many tokens run its GEMMs."""
+    from conveyor.runtime.layers.linear import pack_experts, packing_supported
+    from conveyor.runtime.layers.moe import ExpertShape, SparseMoeBlock
+    from conveyor.runtime.layers.parallel import SINGLE
+
+    tokens, experts, top_k, hidden, width = shape
+    g = torch.Generator().manual_seed(tokens)
+    e = ExpertShape(experts, top_k, width, 0, width, False, True, 0, 0, 0, (True,))
+    block = SparseMoeBlock(hidden, e, activation, SINGLE).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=g)
+    weights = torch.rand(tokens, top_k, generator=g) * 2
+    if packed:
+        if not packing_supported(dtype):
+            pytest.skip(f"oneDNN packs no {dtype} weights here")
+        assert pack_experts(block) == 2 * experts
+    expected = block.experts(x, weights, ids)
+    got = backend.layer_kernels.fused_moe(block, x, weights, ids)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def test_moe_experts_refuse_bad_input(backend):
+    x, w13, w2 = torch.zeros(2, 8), torch.zeros(4, 6, 8), torch.zeros(4, 8, 3)
+    weights = torch.ones(2, 1)
+    with pytest.raises(RuntimeError, match="out of range"):
+        backend.ops.moe_experts(x, w13, w2, weights, torch.tensor([[0], [4]]), False, [], [])
+    with pytest.raises(RuntimeError, match=r"w2 must be a contiguous \(E, H, I\)"):
+        backend.ops.moe_experts(
+            x, w13, w2[:, :, :2], weights, torch.zeros(2, 1).long(), False, [], []
+        )

@@ -2,9 +2,10 @@
 loaded in milliseconds.
 
 The C++ ops (paged attention read in place from the KV cache, rotary, the KV write, RMSNorm
-fused with the residual add, SiLU- and GELU-and-mul) replace the torch reference on CPU, where a
-decode step is otherwise dominated by copying K/V out of the cache and by hundreds of small
-elementwise ops; ``decoder_layers`` runs a Llama-family model's layers on them in one call.
+fused with the residual add, SiLU- and GELU-and-mul; ``moe.cpp``'s routed experts of a
+mixture-of-experts layer) replace the torch reference on CPU, where a decode step is otherwise
+dominated by copying K/V out of the cache and by hundreds of small ops; ``decoder_layers``
+runs a Llama-family model's layers on them in one call.
 ``build()`` compiles them with torch's extension builder (g++ and ninja) for this machine's
 CPU; the README's set-up runs it (``python -m conveyor.runtime.kernels.cpu build``). ``load()`` imports the built library, or returns None
 (the engine then uses the plain-torch path) when it was not built, cannot build or was
@@ -31,9 +32,9 @@ from types import ModuleType
 log = logging.getLogger("conveyor.runtime")
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "ops.cpp", HERE / "decoder.cpp"]
+SOURCES = [HERE / "ops.cpp", HERE / "moe.cpp", HERE / "decoder.cpp"]
 """What is compiled; the build key also covers ``HEADERS``."""
-HEADERS = [HERE / "ops.h"]
+HEADERS = [HERE / "ops.h", HERE / "simd.h"]
 MODULE = "conveyor_cpu_ops"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-DNDEBUG"]
 # OpenMP as torch's own (its wheel ships libgomp.so.1; the loader shares one copy by soname),

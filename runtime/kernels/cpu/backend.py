@@ -148,11 +148,19 @@ def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:
         ops.rotary_embedding(positions, q, k, cos, sin)
         return q, k
 
+    def fused_moe(block, x, topk_weights, topk_ids):
+        packed_w13, packed_w2 = block.packed or ([], [])
+        return ops.moe_experts(
+            x.contiguous(), block.w13, block.w2, topk_weights, topk_ids.long(),
+            block.activation == "gelu_tanh", packed_w13, packed_w2,
+        )  # fmt: skip
+
     return LayerKernels(
         rms_norm=rms_norm,
         apply_rotary=apply_rotary,
         silu_and_mul=ops.silu_and_mul,
         gelu_tanh_and_mul=ops.gelu_tanh_and_mul,
+        fused_moe=fused_moe,
     )
 
 

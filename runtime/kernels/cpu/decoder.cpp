@@ -19,7 +19,6 @@
 #include <vector>
 
 namespace conveyor_cpu {
-namespace {
 
 // x @ w.T + b as runtime/layers/linear.py computes it: oneDNN's matmul on the prepacked weight
 // from two rows up, ATen's linear below. An empty tensor stands for "no bias".
@@ -43,6 +42,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& pa
   }
   return at::linear(x, w, bias);
 }
+
+namespace {
 
 // Weights of one layer, in this order; each linear is (weight, packed weight, bias or empty),
 // and a norm the layer does not have is an empty tensor (the q/k norms outside Qwen3 and
@@ -153,6 +154,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, nogil);
+  m.def("moe_experts", &moe_experts, nogil);
   m.def("decoder_layers", &decoder_layers, nogil);
   m.attr("weights_per_layer") = int64_t(kWeightsPerLayer);
 }
