@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -145,10 +146,11 @@ void moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const
   }
   const float* xs = std::is_same_v<T, float> ? reinterpret_cast<const float*>(xp) : x_f.data();
   std::vector<const float*> x_rows(S), h_rows(S);
-  std::vector<float> h(S * I), y(S * H);
+  // Every row of y is written below, and every row of h that is read: no need to zero them.
+  std::unique_ptr<float[]> h(new float[S * I]), y(new float[S * H]);
   for (int64_t i = 0; i < S; ++i) {
     x_rows[i] = xs + (pair[i] / k) * H;
-    h_rows[i] = h.data() + i * I;
+    h_rows[i] = h.get() + i * I;
   }
   constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // GELU-tanh's z, as ops.cpp's
 
@@ -167,10 +169,12 @@ void moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const
       auto act = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
       auto down = linear(act, w2[e], packed_w2[e], at::empty({0})).contiguous();
       const T* dp = down.data_ptr<T>();
-      for (int64_t i = 0; i < count[e]; ++i) {
-        const int64_t p = pair[start[e] + i];
-        for (int64_t c = 0; c < H; ++c) y[p * H + c] = to_f(dp[i * H + c]) * weights[p];
-      }
+      at::parallel_for(0, count[e], std::max<int64_t>(1, (1 << 14) / H), [&](int64_t b, int64_t end) {
+        for (int64_t i = b; i < end; ++i) {
+          const int64_t p = pair[start[e] + i];
+          for (int64_t c = 0; c < H; ++c) y[p * H + c] = to_f(dp[i * H + c]) * weights[p];
+        }
+      });
     }
   }
 
