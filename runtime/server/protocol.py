@@ -58,6 +58,9 @@ class GenerateRequestBody(BaseModel):
     not streamed."""
     allowed_token_ids: list[int] | None = None
     """vLLM's: only these token ids may be generated."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs name each token ``token_id:ID`` instead of its text (None: as the
+    server's ``--return-tokens-as-token-ids``)."""
     bad_words: list[str] | None = None
     """vLLM's: words not to generate."""
     cache_salt: Annotated[str, Field(min_length=1)] | None = None

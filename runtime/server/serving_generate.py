@@ -299,9 +299,18 @@ class GenerateRequest(ABC, Generic[RequestT]):
         return texts
 
     def logprob_text(self, token_id: int, sampled: Sequence[int], position: int) -> str:
-        """A candidate token's text in logprobs at ``position`` of the tokens ``sampled`` (the
-        prompt's, or the output's): its own, or, for a byte of a UTF-8 character, what it
-        completes after the tokens before it (``logprob_text.py``, as vLLM reports it)."""
+        """A candidate token as logprobs name it at ``position`` of the tokens ``sampled``
+        (the prompt's, or the output's): ``token_id:ID`` when the request asks for ids
+        (``return_tokens_as_token_ids``), else its ``decoded_token``."""
+        as_ids = self.req.return_tokens_as_token_ids
+        if as_ids if as_ids is not None else self.ctx.settings.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.decoded_token(token_id, sampled, position)
+
+    def decoded_token(self, token_id: int, sampled: Sequence[int], position: int) -> str:
+        """A candidate token's text at ``position`` of ``sampled``: its own, or, for a byte
+        of a UTF-8 character, what it completes after the tokens before it
+        (``logprob_text.py``, as vLLM reports it)."""
         text = self.token_text(token_id)
         if not text.endswith(REPLACEMENT):
             return text
@@ -336,7 +345,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                 str(token_id): {
                     "logprob": finite(lp.logprob),
                     "rank": lp.rank,
-                    "decoded_token": self.logprob_text(token_id, prompt, i),
+                    "decoded_token": self.decoded_token(token_id, prompt, i),
                 }
             }
             for rank, (alt_id, logprob) in enumerate(lp.top[:n], start=1):
@@ -345,7 +354,7 @@ class GenerateRequest(ABC, Generic[RequestT]):
                     {
                         "logprob": finite(logprob),
                         "rank": rank,
-                        "decoded_token": self.logprob_text(alt_id, prompt, i),
+                        "decoded_token": self.decoded_token(alt_id, prompt, i),
                     },
                 )
             out.append(entry)

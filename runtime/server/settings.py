@@ -98,6 +98,10 @@ class ServerSettings:
     Gateway API Inference Extension's endpoint picker, KEDA or HPA rules, vLLM's dashboards.
     Off by default: every such series is a second copy in Prometheus."""
 
+    return_tokens_as_token_ids: bool = False
+    """Logprobs name every token ``token_id:ID`` unless a request says otherwise (vLLM's
+    ``--return-tokens-as-token-ids``)."""
+
     allow_runtime_lora_updating: bool = False
     """Serve ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's, behind
     its ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): a client names a folder on the replica to
@@ -234,6 +238,13 @@ class ServerSettings:
             help="accepted as vLLM has it; tool_choice auto needs --tool-call-parser",
         )
         g.add_argument(
+            "--return-tokens-as-token-ids",
+            action="store_true",
+            help="in logprobs, name each token 'token_id:ID' instead of its text (vLLM's), so "
+            "that tokens holding part of a character can be told apart; a request's "
+            "return_tokens_as_token_ids overrides it",
+        )
+        g.add_argument(
             "--allow-runtime-lora-updating",
             action="store_true",
             default=_env_flag(RUNTIME_LORA_ENV),
@@ -261,5 +272,6 @@ class ServerSettings:
             responses_store_mb=args.responses_store_mb,
             vllm_metrics=args.vllm_metrics,
             allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
             engine=EngineSettings.from_cli_args(args),
         )

@@ -59,3 +59,43 @@ def test_echoed_prompt_tokens_join_into_the_prompt(server: ChildProcess):
     # offsets point into the echoed text: each token's text starts where its offset says
     for token, offset in zip(lp["tokens"][:n_prompt], lp["text_offset"][:n_prompt], strict=True):
         assert prompt[offset : offset + len(token)] == token
+
+
+def _completion(url: str, **fields) -> dict:
+    body = {"prompt": "héllo", "max_tokens": 2, "logprobs": 2, "echo": True, "temperature": 0}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        return http.post("/v1/completions", json=body | fields).json()
+
+
+def test_return_tokens_as_token_ids_names_every_token_by_id(server: ChildProcess):
+    """vLLM's return_tokens_as_token_ids: ``token_id:ID`` for the sampled, echoed and
+    alternative tokens (a byte-level tokenizer: id = byte), in completions and chat; vLLM's
+    prompt_logprobs keep their decoded_token."""
+    plain = _completion(server.url)["choices"][0]["logprobs"]
+    got = _completion(server.url, return_tokens_as_token_ids=True, prompt_logprobs=1)
+    lp = got["choices"][0]["logprobs"]
+    assert lp["tokens"][:6] == [f"token_id:{b}" for b in "héllo".encode()]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    tops = [top for top in lp["top_logprobs"] if top]
+    assert tops and all(k.startswith("token_id:") for top in tops for k in top)
+    # ids never collide where texts may ("" for each unfinished character's byte)
+    assert [len(t) for t in tops] >= [len(t) for t in plain["top_logprobs"] if t]
+    assert got["choices"][0]["prompt_logprobs"][3][str(ord("l"))]["decoded_token"] == "l"
+    chat = {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+        "top_logprobs": 2, "temperature": 0, "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        content = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]
+    for entry in content["content"]:
+        assert entry["token"].startswith("token_id:")
+        assert entry["bytes"] == list(entry["token"].encode())
+        assert all(alt["token"].startswith("token_id:") for alt in entry["top_logprobs"])
+
+
+def test_the_server_flag_sets_the_default_a_request_overrides(start_server):
+    s = start_server("--return-tokens-as-token-ids")
+    tokens = _completion(s.url)["choices"][0]["logprobs"]["tokens"]
+    assert tokens[0] == f"token_id:{ord('h')}"
+    tokens = _completion(s.url, return_tokens_as_token_ids=False)["choices"][0]["logprobs"]
+    assert tokens["tokens"][0] == "h"
