@@ -26,7 +26,12 @@ import torch
 from conveyor.runtime.engine import tensor_parallel
 from conveyor.runtime.engine.cuda_graphs import DecodeCudaGraphs
 from conveyor.runtime.engine.piecewise_graphs import PiecewiseCudaGraphs
-from conveyor.runtime.engine.platform import check_memory_for
+from conveyor.runtime.engine.platform import (
+    check_memory_for,
+    memory_limit_bytes,
+    physical_memory_bytes,
+    resident_bytes,
+)
 from conveyor.runtime.engine.prompt_logprobs import add_prompt_logprobs, prompt_logprob_rows
 from conveyor.runtime.engine.sampling_inputs import SamplingInputs, token_logprobs
 from conveyor.runtime.engine.scheduler import ScheduledBatch
@@ -38,13 +43,14 @@ from conveyor.runtime.layers.attention import select_backend
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import use_fused_layers
 from conveyor.runtime.layers.linear import (
+    expert_bytes,
     pack,
     pack_experts,
     pack_linear_layers,
     packing_supported,
 )
 from conveyor.runtime.layers.lora import Adapter, LoRASlots, read_adapter
-from conveyor.runtime.layers.moe import ExpertShape
+from conveyor.runtime.layers.moe import ExpertShape, dense_width
 from conveyor.runtime.layers.parallel import SINGLE, TensorParallel, check_split
 from conveyor.runtime.layers.sampler import Sampler
 from conveyor.runtime.model.loader import ModelFiles, build_model, config_dtype
@@ -146,10 +152,9 @@ class ModelRunner:
         c, size = self.config, self.settings.tensor_parallel_size
         heads = c.num_attention_heads
         try:
-            check_split(
-                heads, getattr(c, "num_key_value_heads", None) or heads, c.intermediate_size, size
-            )
-            ExpertShape.of(c, TensorParallel(0, size))  # the experts' widths split too
+            experts = ExpertShape.of(c, TensorParallel(0, size))  # the experts' widths split too
+            kv_heads = getattr(c, "num_key_value_heads", None) or heads
+            check_split(heads, kv_heads, dense_width(c, experts), size)
             tensor_parallel.check_devices(self.device, size)
             if self.ranks is None:
                 self.ranks = tensor_parallel.Ranks.start(size)
@@ -253,7 +258,18 @@ class ModelRunner:
         """Decode-sized matmuls on oneDNN-packed weights (``layers/linear.py``)."""
         if not packing_supported(self.dtype):
             return
-        packed = pack_linear_layers(self.model) + pack_experts(self.model)
+        packed = pack_linear_layers(self.model)
+        experts = expert_bytes(self.model)
+        room = (memory_limit_bytes() or physical_memory_bytes()) - resident_bytes()
+        if experts and experts > room // 2:  # the KV cache and the rest need the other half
+            gib = 1 << 30
+            log.info(
+                "not packing the experts' weights for oneDNN: their copy (%.2f GiB) would take "
+                "more than half of the %.2f GiB left; prefills run moe.cpp's tiles",
+                experts / gib, room / gib,
+            )  # fmt: skip
+        else:
+            packed += pack_experts(self.model)
         if self.model.lm_head is None:
             self.model.tied_head_packed = pack(self.model.embed_tokens.weight)
             packed += 1

@@ -88,6 +88,11 @@ def memory_limit_bytes(
     return None
 
 
+def physical_memory_bytes() -> int:
+    """The machine's memory (where no cgroup limits this process's)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def resident_bytes() -> int:
     """This process's anonymous resident memory: what the kernel cannot reclaim under a memory
     limit (the mapped libraries and weights files it can drop and read again)."""

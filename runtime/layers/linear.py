@@ -59,6 +59,13 @@ class PackedLinear(nn.Module):
         return packed_linear(x, self.weight, self.packed, self.bias)
 
 
+def expert_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s experts' weights (what ``pack_experts`` copies)."""
+    from conveyor.runtime.layers.moe import SparseMoeBlock
+
+    return sum(b.w13.nbytes + b.w2.nbytes for b in model.modules() if isinstance(b, SparseMoeBlock))
+
+
 def pack_experts(model: nn.Module) -> int:
     """Pack every expert of ``model``'s mixture-of-experts layers (``layers/moe.py``), for
     the CPU kernel's experts with many tokens; returns how many weights."""

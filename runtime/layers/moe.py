@@ -82,8 +82,10 @@ class ExpertShape:
             sparse = tuple(
                 experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)
             )
+        if not any(sparse):
+            return None  # num_experts 0, or every layer in mlp_only_layers: a dense model
         top_k = config.num_experts_per_tok
-        if any(sparse) and not 1 <= top_k <= experts:
+        if not 1 <= top_k <= experts:
             raise ValueError(
                 f"num_experts_per_tok {top_k} must be between 1 and the {experts} experts"
             )
@@ -93,6 +95,15 @@ class ExpertShape:
             experts, top_k, width, start, inter, renormalize, kind != "mixtral",
             shared_width, shared_start, shared, sparse,
         )  # fmt: skip
+
+
+def dense_width(config: Any, experts: ExpertShape | None) -> int:
+    """The dense MLP's width: ``intermediate_size``, or 0 when every layer's MLP is experts
+    (Mixtral's ``intermediate_size`` is its experts' width; a Qwen-MoE's dense width is then
+    never used, so tensor parallelism need not divide it)."""
+    if experts is not None and all(experts.sparse_layers):
+        return 0
+    return config.intermediate_size
 
 
 def split_width(total: int, tp: TensorParallel, what: str) -> tuple[int, int]:

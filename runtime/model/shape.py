@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.runtime.layers.moe import MOE_MODEL_TYPES, ExpertShape
+from conveyor.runtime.layers.moe import MOE_MODEL_TYPES, ExpertShape, dense_width
 from conveyor.runtime.layers.parallel import SINGLE, HeadSplit, TensorParallel
 from conveyor.runtime.layers.rotary import rope_inv_freq, rope_layer_types, rotary_row_order
 from conveyor.runtime.layers.vocab_parallel import VocabSplit
@@ -49,7 +49,10 @@ class DecoderShape:
         self.head_dim = (
             getattr(config, "head_dim", None) or self.hidden_size // self.total_num_heads
         )
-        self.total_intermediate_size = config.intermediate_size
+        self.experts = ExpertShape.of(config, tp)
+        """Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts (``layers/moe.py``); None: dense."""
+        self.total_intermediate_size = dense_width(config, self.experts)
+        """The dense MLP's width; 0 when every layer's MLP is experts."""
         self.tp = tp
         self.split = HeadSplit.of(
             self.total_num_heads, self.total_num_kv_heads, self.total_intermediate_size, tp
@@ -70,8 +73,6 @@ class DecoderShape:
         self.o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-        self.experts = ExpertShape.of(config, tp)
-        """Mixtral's, Qwen2-MoE's and Qwen3-MoE's experts (``layers/moe.py``); None: dense."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         gemma = self.model_type in GEMMA
         self.norm_offset = 1.0 if gemma else 0.0

@@ -85,6 +85,17 @@ def test_routing_follows_each_config():
     assert ExpertShape.of(SimpleNamespace(model_type="qwen3")) is None
 
 
+def test_a_dense_width_no_layer_uses_need_not_split():
+    """A Qwen-MoE whose every layer is experts: only the experts' width must divide by the
+    ranks; with num_experts 0 (every layer dense) it is a dense model."""
+    from conveyor.runtime.model.shape import DecoderShape
+
+    config = SimpleNamespace(**dict(QWEN3_MOE, intermediate_size=6002, mlp_only_layers=[]))
+    shape = DecoderShape(config, TensorParallel(0, 4))
+    assert shape.experts is not None and shape.total_intermediate_size == 0
+    assert ExpertShape.of(SimpleNamespace(**dict(QWEN3_MOE, num_experts=0))) is None
+
+
 def test_shapes_that_cannot_run_are_refused():
     with pytest.raises(ValueError, match="does not divide the model's expert MLP width 48"):
         ExpertShape.of(SimpleNamespace(**QWEN3_MOE), TensorParallel(0, 5))

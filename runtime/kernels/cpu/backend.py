@@ -131,6 +131,10 @@ def _norm_weight(norm: RMSNorm | None) -> torch.Tensor:
     return torch.empty(0) if norm is None else norm.weight
 
 
+MOE_PACKED_MIN_ROWS = 16
+"""moe.cpp's ``kPackedMinRows``: an expert's rows from which it runs oneDNN's GEMMs."""
+
+
 def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:
     def rms_norm(x, weight, eps, residual=None):
         if x.dim() == 3 and residual is None and x.dtype == weight.dtype:
@@ -149,7 +153,10 @@ def cpu_layer_kernels(ops: ModuleType) -> LayerKernels:
         return q, k
 
     def fused_moe(block, x, topk_weights, topk_ids):
-        packed_w13, packed_w2 = block.packed or ([], [])
+        # An expert reaches moe.cpp's 16 rows for oneDNN only in a step of 16 tokens or more:
+        # fewer, and the packed weights' 2E tensors are not worth passing.
+        packed = block.packed if x.shape[0] >= MOE_PACKED_MIN_ROWS else None
+        packed_w13, packed_w2 = packed or ([], [])
         return ops.moe_experts(
             x.contiguous(), block.w13, block.w2, topk_weights, topk_ids.long(),
             block.activation == "gelu_tanh", packed_w13, packed_w2,
