@@ -18,7 +18,6 @@ per head and turns its sliding layers with a rope of their own.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from typing import cast
 
@@ -30,21 +29,18 @@ from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
 from conveyor.runtime.layers.lora import TARGETS, LoRAProjection, LoRASlots
-from conveyor.runtime.layers.moe import ExpertShape, GatedMLP, SparseMoeBlock
+from conveyor.runtime.layers.moe import GatedMLP, SparseMoeBlock
 from conveyor.runtime.layers.parallel import SINGLE, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_type
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
-from conveyor.runtime.model.shape import DecoderShape
-
-EXPERT_WEIGHT = re.compile(
-    r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\."
-    r"(?:(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$"
+from conveyor.runtime.model.expert_weights import (
+    copy_checked,
+    expected,
+    expert_shard,
+    is_expert,
+    load_expert,
 )
-"""A routed expert's checkpoint tensor -> (layer, expert, part, None), or (layer, None, None,
-stacked) for transformers 5's layout of all a layer's experts in one tensor: ``gate_up_proj``
-(E, 2 * I, H), ``down_proj`` (E, H, I). Mixtral names the parts w1 (gate), w3 (up), w2 (down)."""
-EXPERT_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
-"""An expert's gate and up projections -> their half of its ``w13`` rows; the rest is ``w2``."""
+from conveyor.runtime.model.shape import DecoderShape
 
 FUSED = {packed: parts for packed, parts in TARGETS.items() if len(parts) > 1}
 """Checkpoint tensors that hold several projections (Phi-3's ``qkv_proj``, ``gate_up_proj``,
@@ -345,20 +341,8 @@ class LlamaForCausalLM(nn.Module):
             return None
         if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
             return self.shape.vocab.shard
-        if (e := self.shape.experts) is not None:
-            expert = EXPERT_WEIGHT.search(hf_name)
-            if expert is not None:  # each expert's columns, as a dense MLP's
-                start, width = e.intermediate_start, e.intermediate_size
-                if expert[4] == "gate_up_proj":
-                    return None  # stacked gate and up: read whole, cut at load
-                if expert[4] == "down_proj":
-                    return Shard(2, start, width)
-                return (
-                    Shard(0, start, width) if expert[3] in EXPERT_HALF else Shard(1, start, width)
-                )
-            if ".shared_expert." in hf_name:
-                start, width = e.shared_intermediate_start, e.shared_intermediate_size
-                return Shard(1 if ".down_proj." in hf_name else 0, start, width)
+        if self.shape.experts is not None and is_expert(hf_name):
+            return expert_shard(self.shape.experts, hf_name)
         if ".q_proj." in hf_name:
             return Shard(0, sp.head_start * d, sp.num_heads * d)
         if ".k_proj." in hf_name or ".v_proj." in hf_name:
@@ -392,10 +376,11 @@ class LlamaForCausalLM(nn.Module):
             experts = self.shape.experts
             if ".shared_expert" in name and experts and not experts.total_shared_intermediate_size:
                 continue  # a shared expert of width 0 adds 0; transformers saves its tensors
-            expert = EXPERT_WEIGHT.search(name) if self.shape.experts is not None else None
-            if expert is not None:
-                _mark(loaded, self._load_expert(params, expert, tensor, hf_name), hf_name)
-                continue
+            if experts is not None:
+                keys = load_expert(experts, params, name, tensor, hf_name)
+                if keys is not None:
+                    _mark(loaded, keys, hf_name)
+                    continue
             target, shard = name, None
             for hf_part, (ours, index) in self.packed.items():
                 if f".{hf_part}." in name:
@@ -413,52 +398,16 @@ class LlamaForCausalLM(nn.Module):
             if self.shape.norm_offset and name.endswith("norm.weight"):
                 tensor = tensor.float() + self.shape.norm_offset  # Gemma scales by 1 + weight
             if name in ("embed_tokens.weight", "lm_head.weight"):  # the rows past are padding
-                _copy(param.data[: self.shape.vocab.loaded], tensor, hf_name)
+                copy_checked(param.data[: self.shape.vocab.loaded], tensor, hf_name)
             elif shard is None:
-                _copy(param.data, tensor, hf_name)
+                copy_checked(param.data, tensor, hf_name)
             else:
                 rows = self._shard_range(shard[0], ".shared_expert." in name)
-                _copy(param.data.narrow(0, *rows), tensor, hf_name)
+                copy_checked(param.data.narrow(0, *rows), tensor, hf_name)
             _mark(loaded, [target if shard is None else f"{target}:{shard[1]}"], hf_name)
         missing = [n for n in self._expected_names() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    def _load_expert(
-        self, params: dict[str, nn.Parameter], expert: re.Match, tensor: torch.Tensor, hf_name: str
-    ) -> list[str]:
-        """Copy a routed expert's tensor (``EXPERT_WEIGHT``) into its layer's ``w13`` or
-        ``w2``; returns what it set, as ``_expected_names`` names it."""
-        layer, index, part, stacked = expert.groups()
-        e = cast(ExpertShape, self.shape.experts)
-        w13, w2 = params.get(f"{layer}.mlp.w13"), params.get(f"{layer}.mlp.w2")
-        if w13 is None or w2 is None or (index is not None and int(index) >= e.num_experts):
-            raise ValueError(
-                f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}"
-            )
-        width, experts = e.intermediate_size, range(e.num_experts)
-        if stacked == "gate_up_proj":  # (E, 2 * I, H) whole: this rank's gate rows, up rows
-            start, total = e.intermediate_start, e.total_intermediate_size
-            if tensor.dim() != 3 or tensor.shape[1] != 2 * total:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
-                    f"({e.num_experts}, {2 * total}, hidden)"
-                )
-            tensor = torch.cat(
-                [tensor.narrow(1, start, width), tensor.narrow(1, total + start, width)], 1
-            )
-            _copy(w13.data, tensor, hf_name)
-            return [f"{layer}.mlp.w13:{i}:{half}" for i in experts for half in (0, 1)]
-        if stacked == "down_proj":
-            _copy(w2.data, tensor, hf_name)
-            return [f"{layer}.mlp.w2:{i}" for i in experts]
-        i = int(index)
-        half = EXPERT_HALF.get(part)
-        if half is None:
-            _copy(w2.data[i], tensor, hf_name)
-            return [f"{layer}.mlp.w2:{i}"]
-        _copy(w13.data[i].narrow(0, half * width, width), tensor, hf_name)
-        return [f"{layer}.mlp.w13:{i}:{half}"]
 
     def _split_fused(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -512,10 +461,8 @@ class LlamaForCausalLM(nn.Module):
         names = []
         experts = self.shape.experts.num_experts if self.shape.experts else 0
         for name, _ in self.named_parameters():
-            if name.endswith(".mlp.w13"):
-                names += [f"{name}:{i}:{half}" for i in range(experts) for half in (0, 1)]
-            elif name.endswith(".mlp.w2"):
-                names += [f"{name}:{i}" for i in range(experts)]
+            if (per_expert := expected(name, experts)) is not None:
+                names += per_expert
             elif ".qkv_proj." in name:
                 names += [f"{name}:{i}" for i in range(3)]
             elif ".gate_up_proj." in name:
@@ -530,11 +477,3 @@ def _mark(loaded: set[str], keys: list[str], hf_name: str) -> None:
     if not loaded.isdisjoint(keys):
         raise ValueError(f"checkpoint tensor {hf_name!r} is given twice (fused and on its own?)")
     loaded.update(keys)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(
-            f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
-        )
-    dst.copy_(src)
