@@ -419,5 +419,5 @@ class LoRASlots:
         """The rows of ``target``'s output that ``module`` fills (this rank's)."""
         if len(TARGETS[target]) == 1:
             return slice(None)
-        start, size = self.model._shard_range(module)
+        start, size = self.model.shard_range(module)
         return slice(start, start + size)

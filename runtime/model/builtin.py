@@ -207,7 +207,7 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     from safetensors.torch import save_file
 
     from conveyor.runtime.layers.moe import ExpertShape
-    from conveyor.runtime.model.llama import FUSED
+    from conveyor.runtime.model.llama_weights import FUSED
 
     g = torch.Generator().manual_seed(seed)
     h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]

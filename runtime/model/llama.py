@@ -28,23 +28,13 @@ from conveyor.runtime.layers.attention import AttentionBackend, DecoderLayers
 from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import packed_linear
-from conveyor.runtime.layers.lora import TARGETS, LoRAProjection, LoRASlots
+from conveyor.runtime.layers.lora import LoRAProjection, LoRASlots
 from conveyor.runtime.layers.moe import GatedMLP, SparseMoeBlock
 from conveyor.runtime.layers.parallel import SINGLE, Shard, TensorParallel
 from conveyor.runtime.layers.rotary import RotaryEmbedding, rope_inv_freq, rope_type
 from conveyor.runtime.layers.vocab_parallel import VocabParallelEmbedding, gather_logits
-from conveyor.runtime.model.expert_weights import (
-    copy_checked,
-    expected,
-    expert_shard,
-    is_expert,
-    load_expert,
-)
+from conveyor.runtime.model import llama_weights
 from conveyor.runtime.model.shape import DecoderShape
-
-FUSED = {packed: parts for packed, parts in TARGETS.items() if len(parts) > 1}
-"""Checkpoint tensors that hold several projections (Phi-3's ``qkv_proj``, ``gate_up_proj``,
-named as the packed parameters they fill) -> those projections, in order."""
 
 Projected = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """A layer up to its attention: q (T, Hq, D), k and v (T, Hkv, D), and the residual (T, hidden)."""
@@ -183,15 +173,6 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # Hugging Face checkpoint names -> (our merged parameter, shard index).
-    packed = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-
     def __init__(
         self,
         config,
@@ -331,149 +312,23 @@ class LlamaForCausalLM(nn.Module):
         cap = self.shape.final_softcap
         return logits if logits is None or not cap else torch.tanh(logits / cap) * cap
 
-    # -- weights ---------------------------------------------------------------------
+    # -- weights: where a checkpoint's tensors go (``llama_weights.py``) -------------------
 
     def weight_shard(self, hf_name: str) -> Shard | None:
         """The part of checkpoint tensor ``hf_name`` this rank holds (None: all of it). The
         loaders read only that part and hand ``load_weights`` the shard."""
-        tp, sp, d = self.shape.tp, self.shape.split, self.shape.head_dim
-        if tp.size == 1:
-            return None
-        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return self.shape.vocab.shard
-        if self.shape.experts is not None and is_expert(hf_name):
-            return expert_shard(self.shape.experts, hf_name)
-        if ".q_proj." in hf_name:
-            return Shard(0, sp.head_start * d, sp.num_heads * d)
-        if ".k_proj." in hf_name or ".v_proj." in hf_name:
-            return Shard(0, sp.kv_head_start * d, sp.num_kv_heads * d)
-        if ".gate_proj." in hf_name or ".up_proj." in hf_name:
-            return Shard(0, sp.intermediate_start, sp.intermediate_size)
-        if any(f".{fused}." in hf_name for fused in FUSED):
-            return None  # read whole, split and cut by ``_split_fused``
-        for row_parallel, start, size in (
-            (".o_proj.", sp.head_start * d, sp.num_heads * d),
-            (".down_proj.", sp.intermediate_start, sp.intermediate_size),
-        ):
-            if row_parallel in hf_name:
-                if hf_name.endswith(".bias"):  # added once, by rank 0 (``layers/parallel.py``)
-                    return None if tp.rank == 0 else Shard(0, 0, 0, zero=True)
-                return Shard(1, start, size)
-        return None  # the norms: replicated
+        return llama_weights.weight_shard(self.shape, hf_name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face tensors (each already cut to ``weight_shard``) into the (partly
         merged) parameters; all must be set."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for hf_name, tensor in self._split_fused(weights):
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding is the head
-            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
-            experts = self.shape.experts
-            if ".shared_expert" in name and experts and not experts.total_shared_intermediate_size:
-                continue  # a shared expert of width 0 adds 0; transformers saves its tensors
-            if experts is not None:
-                keys = load_expert(experts, params, name, tensor, hf_name)
-                if keys is not None:
-                    _mark(loaded, keys, hf_name)
-                    continue
-            target, shard = name, None
-            for hf_part, (ours, index) in self.packed.items():
-                if f".{hf_part}." in name:
-                    target, shard = name.replace(f".{hf_part}.", f".{ours}."), (hf_part, index)
-                    break
-            if target not in params:
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has no place in {self.shape.model_type}"
-                )
-            param = params[target]
-            if shard is not None:
-                tensor = self.to_rotary_layout(shard[0], tensor)
-            elif name.endswith(("q_norm.weight", "k_norm.weight")):
-                tensor = self.to_rotary_layout("q_proj", tensor)
-            if self.shape.norm_offset and name.endswith("norm.weight"):
-                tensor = tensor.float() + self.shape.norm_offset  # Gemma scales by 1 + weight
-            if name in ("embed_tokens.weight", "lm_head.weight"):  # the rows past are padding
-                copy_checked(param.data[: self.shape.vocab.loaded], tensor, hf_name)
-            elif shard is None:
-                copy_checked(param.data, tensor, hf_name)
-            else:
-                rows = self._shard_range(shard[0], ".shared_expert." in name)
-                copy_checked(param.data.narrow(0, *rows), tensor, hf_name)
-            _mark(loaded, [target if shard is None else f"{target}:{shard[1]}"], hf_name)
-        missing = [n for n in self._expected_names() if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    def _split_fused(
-        self, weights: Iterable[tuple[str, torch.Tensor]]
-    ) -> Iterable[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors with each fused one (``FUSED``) split into its projections'
-        (named as Llama names them), each cut to this rank's rows."""
-        s = self.shape
-        q, kv = s.total_num_heads * s.head_dim, s.total_num_kv_heads * s.head_dim
-        sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [s.total_intermediate_size] * 2}
-        for hf_name, tensor in weights:
-            fused = next((f for f in FUSED if f".{f}." in hf_name), None)
-            if fused is None:
-                yield hf_name, tensor
-                continue
-            if tensor.shape[0] != sum(sizes[fused]):
-                raise ValueError(
-                    f"checkpoint tensor {hf_name!r} has {tensor.shape[0]} rows, expected "
-                    f"{' + '.join(map(str, sizes[fused]))}"
-                )
-            for part, piece in zip(FUSED[fused], tensor.split(sizes[fused]), strict=True):
-                name = hf_name.replace(f".{fused}.", f".{part}.")
-                shard = self.weight_shard(name)
-                yield name, piece if shard is None else shard.of(piece)
+        llama_weights.load_weights(self, weights)
 
     def to_rotary_layout(self, hf_part: str, tensor: torch.Tensor) -> torch.Tensor:
         """Rows of checkpoint projection ``hf_part`` (a weight, bias or LoRA ``B``, whole
-        heads) in the order the rotary tables expect: q's and k's reordered per head under a
-        partial rotary (``layers/rotary.py``), anything else as it is."""
-        order = self.shape.qk_order
-        if order is None or hf_part not in ("q_proj", "k_proj"):
-            return tensor
-        d = self.shape.head_dim
-        return tensor.unflatten(0, (-1, d))[:, order.to(tensor.device)].flatten(0, 1)
+        heads) in the order the rotary tables expect (``llama_weights.to_rotary_layout``)."""
+        return llama_weights.to_rotary_layout(self.shape, hf_part, tensor)
 
-    def _shard_range(self, hf_part: str, shared_expert: bool = False) -> tuple[int, int]:
-        """(start, rows) of checkpoint projection ``hf_part`` in its packed parameter: the
-        dense MLP's, or ``shared_expert``'s (Qwen2-MoE)."""
-        s = self.shape
-        q, kv, inter = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.intermediate_size
-        if shared_expert and s.experts is not None:
-            inter = s.experts.shared_intermediate_size
-        return {
-            "q_proj": (0, q),
-            "k_proj": (q, kv),
-            "v_proj": (q + kv, kv),
-            "gate_proj": (0, inter),
-            "up_proj": (inter, inter),
-        }[hf_part]
-
-    def _expected_names(self) -> list[str]:
-        names = []
-        experts = self.shape.experts.num_experts if self.shape.experts else 0
-        for name, _ in self.named_parameters():
-            if (per_expert := expected(name, experts)) is not None:
-                names += per_expert
-            elif ".qkv_proj." in name:
-                names += [f"{name}:{i}" for i in range(3)]
-            elif ".gate_up_proj." in name:
-                names += [f"{name}:{i}" for i in range(2)]
-            else:
-                names.append(name)
-        return names
-
-
-def _mark(loaded: set[str], keys: list[str], hf_name: str) -> None:
-    """Note what a checkpoint tensor set; each part may be set once."""
-    if not loaded.isdisjoint(keys):
-        raise ValueError(f"checkpoint tensor {hf_name!r} is given twice (fused and on its own?)")
-    loaded.update(keys)
+    def shard_range(self, hf_part: str) -> tuple[int, int]:
+        """(start, rows) of checkpoint projection ``hf_part`` in its merged parameter."""
+        return llama_weights.shard_range(self.shape, hf_part)
