@@ -370,7 +370,7 @@ def test_a_rank_reads_the_model_shape_rank_0_read(tp_models, scaled):
     import torch
     from transformers import AutoConfig
 
-    from conveyor.runtime.engine.tensor_parallel import _config
+    from conveyor.runtime.engine.tensor_parallel_rank import _config
     from conveyor.runtime.model.shape import DecoderShape
 
     config = AutoConfig.from_pretrained(tp_models["conveyor-tiny"])
