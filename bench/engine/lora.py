@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, name in enumerate(names):
             folder = Path(tmp) / name
             write_adapter(folder, shape, seed=i, rank=args.rank, alpha=2 * args.rank, std=0.02)
-            engine.load_lora(engine.runner.read_lora(name, str(folder)))
+            engine.loras.load(engine.runner.read_lora(name, str(folder)))
     b = args.batch
     mixes: dict[str, list[str | None]] = {
         "base model": [None] * b,

@@ -11,11 +11,12 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from conveyor.runtime.engine.bad_words import BadWords
 from conveyor.runtime.engine.block_manager import BlockManager
+from conveyor.runtime.engine.lora_table import LoRATable
 from conveyor.runtime.engine.model_runner import ModelRunner, Sample
 from conveyor.runtime.engine.outputs import EngineStats, RequestOutput
 from conveyor.runtime.engine.platform import configure_threads
@@ -25,11 +26,10 @@ from conveyor.runtime.engine.sampling_defaults import (
 )
 from conveyor.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from conveyor.runtime.engine.sequence import FinishReason, Sequence
-from conveyor.runtime.engine.settings import AdapterError, EngineSettings
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.engine.state import EngineState
 from conveyor.runtime.engine.structured_output import StructuredOutputs
 from conveyor.runtime.engine.tensor_parallel import RankFailure, Ranks
-from conveyor.runtime.layers.lora import Adapter
 from conveyor.runtime.model.loader import load_config, load_tokenizer, open_model
 from conveyor.runtime.sampling_params import SamplingParams
 
@@ -115,8 +115,8 @@ class LLMEngine:
             else 0,
         )
         self._seqs: dict[str, Sequence] = {}
-        self._retiring: dict[int, str] = {}
-        """LoRA slots of adapters unloaded while requests still ran with them -> their names."""
+        self.loras = LoRATable(self.runner, lambda: {s.lora_slot for s in self._seqs.values()})
+        """The LoRA adapters requests may name (``--enable-lora``)."""
         self._aborted: list[Sequence] = []
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -261,7 +261,7 @@ class LLMEngine:
         ``lora``: the name of a loaded LoRA adapter to run it with (None: the base model)."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        lora_slot, lora_key = self._lora_slot(lora)
+        lora_slot, lora_key = self.loras.slot(lora)
         token_ids = self.encode_prompt(prompt)
         self.check_request(token_ids, params, priority)
         if params.structured_output is not None:
@@ -283,76 +283,11 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
-    # -- LoRA adapters ----------------------------------------------------------------------
+    # -- LoRA adapters (``lora_table.py``) --------------------------------------------------
 
     def check_lora(self, name: str) -> None:
         """Raises ``AdapterError`` unless requests may name the LoRA adapter ``name``."""
-        self._lora_slot(name)
-
-    def _lora_slot(self, name: str | None) -> tuple[int, str | None]:
-        if name is None:
-            return -1, None
-        lora = self.runner.model.lora
-        slot = None if lora is None or name in self._retiring.values() else lora.slot_of(name)
-        if lora is None or slot is None:
-            raise AdapterError(f"LoRA adapter {name!r} is not loaded")
-        return slot, lora.keys[slot]
-
-    def load_lora(self, adapter: Adapter, replace: bool = False) -> None:
-        """Put ``adapter`` (``runner.read_lora``, read off this thread) in a free slot, or with
-        ``replace`` in place of a loaded one of its name; requests may then name it. Raises
-        ``AdapterError`` where it cannot go."""
-        lora = self.runner.model.lora
-        if lora is None:
-            raise AdapterError("this replica serves no LoRA adapters: start it with --enable-lora")
-        name = adapter.name
-        if name in self._retiring.values():
-            raise AdapterError(
-                f"LoRA adapter {name!r} is being unloaded: requests still run with it; load it "
-                "again once they have finished"
-            )
-        slot = lora.slot_of(name)
-        if slot is not None and not replace:
-            raise AdapterError(f"LoRA adapter {name!r} is already loaded; unload it first")
-        if slot is None:
-            slot = lora.free_slot()
-        if slot is None:
-            waiting = f" ({len(self._retiring)} of them unloaded, until their requests finish)"
-            raise AdapterError(
-                f"{lora.loaded} LoRA adapters are loaded{waiting if self._retiring else ''}, as "
-                "many as --max-cpu-loras allows; unload one first"
-            )
-        self.runner.put_lora(slot, adapter)
-
-    def served_loras(self) -> dict[str, str]:
-        """The LoRA adapters requests may name -> their folders (those being unloaded aside)."""
-        lora = self.runner.model.lora
-        if lora is None:
-            return {}
-        return {
-            name: path
-            for slot, (name, path) in enumerate(zip(lora.names, lora.paths, strict=True))
-            if name is not None and path is not None and slot not in self._retiring
-        }
-
-    def unload_lora(self, name: str) -> None:
-        """New requests may no longer name the adapter; its slot is emptied once the requests
-        running with it have finished. Raises ``AdapterError`` if it is not loaded."""
-        lora = self.runner.model.lora
-        slot = None if lora is None or name in self._retiring.values() else lora.slot_of(name)
-        if slot is None:
-            raise AdapterError(f"LoRA adapter {name!r} is not loaded")
-        self._retiring[slot] = name
-        self._retire_loras()
-
-    def _retire_loras(self) -> None:
-        """Empty the slots of unloaded adapters that no request runs with any more."""
-        if not self._retiring:
-            return
-        busy = {seq.lora_slot for seq in self._seqs.values()}
-        for slot in [s for s in self._retiring if s not in busy]:
-            self.runner.put_lora(slot, None)
-            del self._retiring[slot]
+        self.loras.slot(name)
 
     def abort_request(self, request_id: str) -> None:
         seq = self._seqs.get(request_id)
@@ -415,8 +350,7 @@ class LLMEngine:
         self.runner.release(seq.request_id)
         self.structured_outputs.release(seq.request_id)
         del self._seqs[seq.request_id]
-        if self._retiring:
-            self._retire_loras()
+        self.loras.retire()
 
     def _output(self, seq: Sequence, new_tokens: list[int]) -> RequestOutput:
         return RequestOutput(
@@ -458,21 +392,7 @@ class LLMEngine:
             prefix_cache_hits=c.prefix_cache_hits,
             preemptions=c.preemptions,
             steps=self.steps,
-            **self._lora_stats(),
-        )
-
-    def _lora_stats(self) -> dict[str, Any]:
-        lora = self.runner.model.lora
-        if lora is None:
-            return {}
-
-        def names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
-            return tuple(sorted({n for s in seqs if (n := lora.name_of(s.lora_slot)) is not None}))
-
-        return dict(
-            max_loras=lora.max_resident or len(lora.names),
-            running_loras=names(self.scheduler.running),
-            waiting_loras=names(self.scheduler.waiting),
+            **self.loras.stats(self.scheduler.running, self.scheduler.waiting),
         )
 
 

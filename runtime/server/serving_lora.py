@@ -100,10 +100,10 @@ async def unload_lora_adapter(ctx: ServerContext, req: UnloadLoRAAdapterRequest)
 
 
 def _load(adapter: Adapter, replace: bool, engine: LLMEngine) -> dict[str, str]:
-    engine.load_lora(adapter, replace=replace)
-    return engine.served_loras()
+    engine.loras.load(adapter, replace=replace)
+    return engine.loras.served()
 
 
 def _unload(name: str, engine: LLMEngine) -> dict[str, str]:
-    engine.unload_lora(name)
-    return engine.served_loras()
+    engine.loras.unload(name)
+    return engine.loras.served()

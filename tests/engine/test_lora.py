@@ -78,12 +78,12 @@ def test_adapters_load_and_unload_while_the_engine_runs(tmp_path: Path) -> None:
         engine = llm.engine
         with pytest.raises(ValueError, match="not loaded"):
             llm.generate("hi", GREEDY, lora="a")
-        engine.load_lora(engine.runner.read_lora("a", str(tmp_path / "a")))
+        engine.loras.load(engine.runner.read_lora("a", str(tmp_path / "a")))
         first = llm.generate(PROMPTS, GREEDY, lora="a")
         with pytest.raises(AdapterError, match="--max-cpu-loras"):
-            engine.load_lora(engine.runner.read_lora("b", str(tmp_path / "b")))
+            engine.loras.load(engine.runner.read_lora("b", str(tmp_path / "b")))
         with pytest.raises(AdapterError, match="already loaded"):
-            engine.load_lora(engine.runner.read_lora("a", str(tmp_path / "a")))
+            engine.loras.load(engine.runner.read_lora("a", str(tmp_path / "a")))
         # unloaded while a request runs with it: the request finishes on it, new ones are refused
         engine.add_request("running", "hello", SamplingParams(max_tokens=5), lora="a")
         engine.add_request("queued", "hello", SamplingParams(max_tokens=5))
@@ -91,15 +91,15 @@ def test_adapters_load_and_unload_while_the_engine_runs(tmp_path: Path) -> None:
         engine.step()
         stats = engine.stats()
         assert (stats.max_loras, stats.running_loras, stats.waiting_loras) == (1, ("a",), ())
-        engine.unload_lora("a")
+        engine.loras.unload("a")
         with pytest.raises(ValueError, match="not loaded"):
             engine.add_request("late", "hello", GREEDY, lora="a")
         with pytest.raises(AdapterError, match="being unloaded"):
-            engine.load_lora(engine.runner.read_lora("a", str(tmp_path / "a")))
+            engine.loras.load(engine.runner.read_lora("a", str(tmp_path / "a")))
         while engine.has_unfinished_requests():
             engine.step()
-        engine.load_lora(engine.runner.read_lora("b", str(tmp_path / "b")))  # its slot is free
-        engine.load_lora(engine.runner.read_lora("b", str(tmp_path / "a")), replace=True)
+        engine.loras.load(engine.runner.read_lora("b", str(tmp_path / "b")))  # its slot is free
+        engine.loras.load(engine.runner.read_lora("b", str(tmp_path / "a")), replace=True)
         again = llm.generate(PROMPTS, GREEDY, lora="b")  # a's weights under b's name
     assert [r.token_ids for r in again] == [r.token_ids for r in first]
 
@@ -117,10 +117,10 @@ def test_slots_are_added_as_adapters_load_and_a_step_computes_only_the_adapters_
     with LLM(str(base), lora_modules=modules, max_loras=1) as llm:
         engine = llm.engine
         alone = {n: llm.generate(PROMPTS[0], GREEDY, lora=n)[0] for n in "abc"}
-        engine.load_lora(engine.runner.read_lora("d", str(tmp_path / "d")))
+        engine.loras.load(engine.runner.read_lora("d", str(tmp_path / "d")))
         assert engine.runner.model.lora.names == ["a", "b", "c", "d", None, None]  # doubled
         alone["d"] = llm.generate(PROMPTS[0], GREEDY, lora="d")[0]
-        engine.unload_lora("a")
+        engine.loras.unload("a")
         names = ["d", None, "b", "c", "d"]
         mixed = llm.generate([PROMPTS[0]] * len(names), GREEDY, lora=names)
         base_alone = llm.generate(PROMPTS[0], GREEDY)[0]
@@ -231,7 +231,7 @@ def test_adapters_split_over_tensor_parallel_ranks_match_one_rank(
             engine = llm.engine
             b = engine.runner.read_lora("b", str(tmp_path / "b"))
             (tmp_path / "b" / "adapter_model.safetensors").rename(tmp_path / "b.safetensors")
-            engine.load_lora(b)  # the other ranks take rank 0's tensors, not the folder's
+            engine.loras.load(b)  # the other ranks take rank 0's tensors, not the folder's
             (tmp_path / "b.safetensors").rename(tmp_path / "b" / "adapter_model.safetensors")
             results.append(llm.generate(PROMPTS, GREEDY, lora=loras))
     _same(results[1], results[0])
