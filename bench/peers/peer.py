@@ -92,6 +92,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
         "hidden_act": "silu", "vocab_size": 4096, "torch_dtype": "float32",
     },
+    # Granite 3.x 2B's scaled down: embeddings x12, scores x1/64, residual branches x0.22,
+    # logits /8, a tied head.
+    "granite-8l-512": {
+        "model_type": "granite", "architectures": ["GraniteForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "embedding_multiplier": 12.0, "attention_multiplier": 0.015625,
+        "residual_multiplier": 0.22, "logits_scaling": 8.0, "hidden_act": "silu",
+        "vocab_size": 4096, "torch_dtype": "float32",
+    },
     # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
     "mixtral-8l-512": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,

@@ -188,7 +188,7 @@ def _read(
         for part, piece in zip(parts, pieces, strict=True):
             if (layer, part) in weights:
                 raise AdapterError(f"{where}: {part} is given twice (fused and on its own)")
-            weights[(layer, part)] = (a, model.to_rotary_layout(part, piece))
+            weights[(layer, part)] = (a, model.output_rows(part, piece))
     return Adapter(name, str(folder), max(a.shape[0] for a, _ in weights.values()), weights)
 
 

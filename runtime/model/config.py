@@ -4,7 +4,7 @@ transformers 5's config classes of the Llama family import ``transformers.activa
 pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, only to hold a
 dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
 read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
-``Qwen2Config``, ``Qwen3Config`` and ``Phi3Config`` (tests/engine/test_model_config.py
+``Qwen2Config``, ``Qwen3Config``, ``Phi3Config`` and ``GraniteConfig`` (tests/engine/test_model_config.py
 compares every field with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
 frequencies transformers' own initialisers compute), rope parameters per layer type -- still
 gets transformers' config: ``from_values`` says None.
@@ -46,6 +46,11 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=4096,
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=32000, pad_token_id=32000,
+    ),
+    "granite": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2,
     ),
 }  # fmt: skip
 
@@ -92,6 +97,15 @@ class ModelConfig:
     """``full_attention`` or ``sliding_attention`` per layer (Qwen2, Qwen3)."""
     partial_rotary_factor: float = 1.0
     """The share of a head's dimensions the rotary turns (Phi-4-mini: 0.75)."""
+    embedding_multiplier: float = 1.0
+    """Granite: the embedded tokens are multiplied by this."""
+    attention_multiplier: float = 1.0
+    """Granite: the attention scores' scale (in place of 1 / sqrt(head_dim))."""
+    residual_multiplier: float = 1.0
+    """Granite: the attention's and the MLP's outputs are multiplied by this before their
+    residual adds."""
+    logits_scaling: float = 1.0
+    """Granite: the logits are divided by this."""
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> ModelConfig | None:

@@ -7,6 +7,10 @@ the LM head to the embeddings. Phi-3's checkpoints hold q/k/v and gate/up fused
 (split at load, so tensor parallelism cuts them as any other), and Phi-4-mini
 turns only part of each head (``layers/rotary.py``).
 
+Granite is Llama with four multipliers: of the embeddings, of the attention scores (in place
+of 1 / sqrt(head_dim)), of each residual branch (folded into o_proj and down_proj at load)
+and a divisor of the logits.
+
 Gemma (1, 2 and 3's text models) scales the embeddings by sqrt(hidden), its norms by
 ``1 + weight`` (offset at load, so every RMSNorm kernel serves it) and gates its MLP
 with GELU's tanh approximation. Gemma 2 and 3 also norm the attention's and the MLP's
@@ -196,8 +200,8 @@ class LlamaForCausalLM(nn.Module):
             for inv_freq, scaling in s.ropes
         )
         """One table per rope of ``shape.ropes``; layer ``i`` turns with ``rotary_of(i)``."""
-        self.embed_scale: float | None = None
-        if s.embed_scale is not None:  # rounded to the model's dtype, as the reference's is
+        self.embed_scale = s.embed_scale
+        if s.embed_scale is not None and s.embed_scale_rounded:  # as the reference's is
             self.embed_scale = float(torch.tensor(s.embed_scale, dtype=torch.get_default_dtype()))
         self.tied_head_packed: torch.Tensor | None = None
         """The tied LM head (the embedding) in oneDNN's layout, set on CPU (``layers/linear.py``)."""
@@ -309,8 +313,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             local = packed_linear(hidden, self.embed_tokens.weight, self.tied_head_packed, None)
         logits = gather_logits(local, self.shape.vocab, self.shape.tp)
+        if logits is None:
+            return None
+        if self.shape.logits_scaling != 1:
+            logits = logits / self.shape.logits_scaling  # Granite
         cap = self.shape.final_softcap
-        return logits if logits is None or not cap else torch.tanh(logits / cap) * cap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     # -- weights: where a checkpoint's tensors go (``llama_weights.py``) -------------------
 
@@ -324,10 +332,10 @@ class LlamaForCausalLM(nn.Module):
         merged) parameters; all must be set."""
         llama_weights.load_weights(self, weights)
 
-    def to_rotary_layout(self, hf_part: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Rows of checkpoint projection ``hf_part`` (a weight, bias or LoRA ``B``, whole
-        heads) in the order the rotary tables expect (``llama_weights.to_rotary_layout``)."""
-        return llama_weights.to_rotary_layout(self.shape, hf_part, tensor)
+    def output_rows(self, hf_part: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The output rows of checkpoint projection ``hf_part`` (a weight, bias or LoRA ``B``)
+        as the model holds them (``llama_weights.output_rows``)."""
+        return llama_weights.output_rows(self.shape, hf_part, tensor)
 
     def shard_range(self, hf_part: str) -> tuple[int, int]:
         """(start, rows) of checkpoint projection ``hf_part`` in its merged parameter."""

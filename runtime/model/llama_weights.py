@@ -6,7 +6,7 @@ here so that tensor parallelism cuts each as any other. ``weight_shard`` says wh
 each tensor a rank holds, so the loaders read only that; ``load_weights`` copies the parts in
 and checks that every parameter was set exactly once. Routed and shared experts map through
 ``expert_weights.py``; a partial rotary reorders q's and k's rows (``to_rotary_layout``);
-Gemma's norms are offset by 1 at load.
+Gemma's norms are offset by 1 and Granite's residual branches scaled (``output_rows``) at load.
 """
 
 from __future__ import annotations
@@ -103,7 +103,9 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {s.model_type}")
         param = params[target]
         if shard is not None:
-            tensor = to_rotary_layout(s, shard[0], tensor)
+            tensor = output_rows(s, shard[0], tensor)
+        elif residual := next((p for p in ("o_proj", "down_proj") if f".{p}." in name), None):
+            tensor = output_rows(s, residual, tensor)
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
             tensor = to_rotary_layout(s, "q_proj", tensor)
         if s.norm_offset and name.endswith("norm.weight"):
@@ -144,10 +146,19 @@ def _split_fused(
             yield name, piece if shard is None else shard.of(piece)
 
 
+def output_rows(shape: DecoderShape, hf_part: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The output rows of checkpoint projection ``hf_part`` (a weight, bias or LoRA ``B``) as
+    the model holds them: q's and k's in rotary order (``to_rotary_layout``), o_proj's and
+    down_proj's times Granite's residual multiplier (``DecoderShape.residual_scale``)."""
+    if shape.residual_scale != 1 and hf_part in ("o_proj", "down_proj"):
+        return tensor * shape.residual_scale
+    return to_rotary_layout(shape, hf_part, tensor)
+
+
 def to_rotary_layout(shape: DecoderShape, hf_part: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Rows of checkpoint projection ``hf_part`` (a weight, bias or LoRA ``B``, whole
-    heads) in the order the rotary tables expect: q's and k's reordered per head under a
-    partial rotary (``layers/rotary.py``), anything else as it is."""
+    """Rows of checkpoint projection ``hf_part`` (whole heads) in the order the rotary tables
+    expect: q's and k's reordered per head under a partial rotary (``layers/rotary.py``),
+    anything else as it is."""
     order = shape.qk_order
     if order is None or hf_part not in ("q_proj", "k_proj"):
         return tensor

@@ -1,8 +1,8 @@
 """A decoder's shape: what ``llama.py``'s layers need from a model's config, read once.
 
 The model types Conveyor runs and what each changes in the shared decoder (biases, q/k norms,
-Gemma's norms, scales and caps, rope tables per layer type, sliding windows, experts), with this
-rank's share of the heads under tensor parallelism.
+Gemma's norms, scales and caps, Granite's multipliers, rope tables per layer type, sliding
+windows, experts), with this rank's share of the heads under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from conveyor.runtime.layers.vocab_parallel import VocabSplit
 from conveyor.runtime.model.config import layer_windows
 
 GEMMA = ("gemma", "gemma2", "gemma3_text")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA, *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *GEMMA, *MOE_MODEL_TYPES,
+)  # fmt: skip
 
 
 class DecoderShape:
@@ -80,13 +82,33 @@ class DecoderShape:
         self.norm_dtype = torch.float32 if gemma else None
         """The norms' weight dtype (None: the model's): Gemma's scale in float32 and round
         once (``layers/layernorm.py``)."""
-        self.embed_scale = self.hidden_size**0.5 if gemma else None
-        """Gemma multiplies the embedded tokens by this (not the tied LM head's rows)."""
+        granite = self.model_type == "granite"
+        self.embed_scale = (
+            self.hidden_size**0.5
+            if gemma
+            else float(config.embedding_multiplier)
+            if granite and config.embedding_multiplier != 1
+            else None
+        )
+        """Gemma and Granite multiply the embedded tokens by this (not the tied LM head's
+        rows); Gemma's is rounded to the model's dtype first (``embed_scale_rounded``)."""
+        self.embed_scale_rounded = gemma
+        self.residual_scale = float(config.residual_multiplier) if granite else 1.0
+        """Granite: the attention's and the MLP's outputs are scaled by this before their
+        residual adds; folded into o_proj and down_proj at load (``llama_weights.py``)."""
+        self.logits_scaling = float(config.logits_scaling) if granite else 1.0
+        """Granite divides its logits by this."""
         self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
         """Gemma 2/3: the attention's and the MLP's outputs are normed before their residual
         adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
         scalar = getattr(config, "query_pre_attn_scalar", None) if self.sandwich_norms else None
-        self.attn_scale = float(scalar or self.head_dim) ** -0.5
+        self.attn_scale = (
+            float(config.attention_multiplier)
+            if granite
+            else float(scalar or self.head_dim) ** -0.5
+        )
+        """The attention scores' scale: 1 / sqrt(head_dim), Gemma's ``query_pre_attn_scalar``'s,
+        or Granite's ``attention_multiplier``."""
         # Only Gemma 2 caps the scores: transformers' and vLLM's Gemma 3 read no
         # attn_logit_softcapping, though its config holds the field.
         cap = (

@@ -67,6 +67,20 @@ GEMMA3 = dict(
 """Gemma 3's: q/k norms, sliding layers turned by a rope of their own (theta 1e4) and full ones
 by a scaled one (theta 1e6, linear x8, as the 4B-27B models' text configs say), a tied head
 read from the unscaled embedding, one KV head (as Gemma 3 1B)."""
+GRANITE = dict(
+    SMALL,
+    architectures=["GraniteForCausalLM"],
+    model_type="granite",
+    embedding_multiplier=2.0,
+    attention_multiplier=0.5,
+    residual_multiplier=3.0,
+    logits_scaling=0.5,
+    tie_word_embeddings=False,
+)
+"""Granite's shape: the embeddings, the attention scores (in place of 1 / sqrt(head_dim)) and
+each residual branch times a multiplier, the logits divided by one. Granite 3's are 12, 1/128,
+0.22 and 8; these make random weights' greedy tokens tell each one apart (the logits' divisor
+only their logprobs: ``test_granite.py``)."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

@@ -25,6 +25,7 @@ MODELS = [
     "mixtral",
     "qwen3_moe",
     "qwen2_moe",
+    "granite",
 ]
 
 

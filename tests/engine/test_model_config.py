@@ -39,13 +39,26 @@ CONFIGS = [
     ("llama", {**SMALL, "hidden_act": "swish"}),
     ("phi3", {**SMALL, "num_key_value_heads": 2, "partial_rotary_factor": 0.5}),
     ("phi3", {**SMALL, "sliding_window": 2047, "rope_scaling": None, "rope_theta": 250000.0}),
+    ("granite", {}),
+    ("granite", SMALL),
+    (
+        "granite",
+        {
+            **SMALL,
+            "embedding_multiplier": 12.0,
+            "attention_multiplier": 0.0078125,
+            "residual_multiplier": 0.22,
+            "logits_scaling": 8.0,
+            "tie_word_embeddings": True,
+        },
+    ),
 ]
 
 READ = (
     "model_type", "hidden_size", "num_layers", "total_num_heads", "total_num_kv_heads",
     "head_dim", "total_intermediate_size", "vocab_size", "rms_norm_eps", "max_position",
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings", "rope_scaling",
-    "windows",
+    "windows", "embed_scale", "attn_scale", "residual_scale", "logits_scaling",
 )  # fmt: skip
 """What ``DecoderShape`` takes from a config."""
 

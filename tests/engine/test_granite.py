@@ -1,0 +1,44 @@
+"""Granite beside transformers: what the shared correctness tests (``model_dirs``'s
+``granite``: batching, chunking, preemption, prefix caching, tensor parallelism, LoRA) do not
+reach. Its logits' divisor never changes a greedy token, only logprobs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from test_correctness import make_engine
+
+from conveyor.runtime import SamplingParams
+from conveyor.runtime.kernels import cpu
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_logprobs_are_of_the_divided_logits(model_dirs, backend):
+    """Each generated token's logprob and top alternatives are transformers', whose logits
+    are divided by ``logits_scaling``; undivided ones would give other numbers."""
+    if backend == "cpu" and (not cpu.enabled() or cpu.load() is None):
+        pytest.skip(f"the CPU kernels are {cpu.load_error()}")
+    from transformers import AutoModelForCausalLM
+
+    path = model_dirs["granite"]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert hf.config.logits_scaling != 1
+    engine = make_engine(model_dirs, "granite", attention_backend=backend)
+    prompt = [random.Random(3).randrange(256) for _ in range(30)]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
+    logprobs = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs += out.new_logprobs
+    tokens = prompt + [lp.token_id for lp in logprobs]
+    with torch.inference_mode():
+        logits = hf(torch.tensor([tokens])).logits[0].float()
+    divided = torch.log_softmax(logits, -1)
+    undivided = torch.log_softmax(logits * hf.config.logits_scaling, -1)
+    for i, lp in enumerate(logprobs):
+        row = len(prompt) - 1 + i
+        assert lp.logprob == pytest.approx(divided[row, lp.token_id].item(), abs=1e-4)
+        assert [t for t, _ in lp.top] == divided[row].topk(3).indices.tolist()
+        assert abs(undivided[row, lp.token_id].item() - lp.logprob) > 1e-2  # the divisor matters
