@@ -68,6 +68,18 @@ def run_staggered(
     return outputs
 
 
+def greedy_logprobs(engine: LLMEngine, prompt: list[int], max_tokens: int, top: int) -> list:
+    """The ``Logprob`` of each token a greedy request for ``prompt`` generates, with its
+    ``top`` alternatives."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=top)
+    engine.add_request("logprobs", prompt, params)
+    logprobs = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            logprobs += out.new_logprobs
+    return logprobs
+
+
 def assert_matches_reference(model_dirs, reference, model, requests, outputs):
     for i, (prompt, max_tokens) in enumerate(requests):
         expected = reference.greedy(model_dirs[model], prompt, max_tokens)

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from model_shapes import GEMMA2, GEMMA3, SMALL
-from test_correctness import make_engine, run_staggered
+from test_correctness import greedy_logprobs, make_engine, run_staggered
 
-from conveyor.runtime import SamplingParams
 from conveyor.runtime.kernels import cpu
 from conveyor.runtime.model.builtin import generate_model
 
@@ -72,11 +71,7 @@ def test_gemma2_logprobs_are_of_the_capped_logits(gemma_dirs, backend):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = make_engine(gemma_dirs, "gemma2", attention_backend=backend)
     prompt = [random.Random(2).randrange(256) for _ in range(30)]
-    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
-    logprobs = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            logprobs += out.new_logprobs
+    logprobs = greedy_logprobs(engine, prompt, 4, 3)
     tokens = prompt + [lp.token_id for lp in logprobs]
     with torch.inference_mode():
         capped = torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), -1)

@@ -8,9 +8,8 @@ import random
 
 import pytest
 import torch
-from test_correctness import make_engine
+from test_correctness import greedy_logprobs, make_engine
 
-from conveyor.runtime import SamplingParams
 from conveyor.runtime.kernels import cpu
 
 
@@ -27,11 +26,7 @@ def test_logprobs_are_of_the_divided_logits(model_dirs, backend):
     assert hf.config.logits_scaling != 1
     engine = make_engine(model_dirs, "granite", attention_backend=backend)
     prompt = [random.Random(3).randrange(256) for _ in range(30)]
-    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, logprobs=3))
-    logprobs = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            logprobs += out.new_logprobs
+    logprobs = greedy_logprobs(engine, prompt, 4, 3)
     tokens = prompt + [lp.token_id for lp in logprobs]
     with torch.inference_mode():
         logits = hf(torch.tensor([tokens])).logits[0].float()
