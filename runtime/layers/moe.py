@@ -29,7 +29,7 @@ from torch import nn
 from conveyor.runtime.layers.activation import GeluAndMul, SiluAndMul
 from conveyor.runtime.layers.parallel import SINGLE, TensorParallel
 
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "granitemoe")
 
 FusedMoEKernel = Callable[
     ["SparseMoeBlock", torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
@@ -48,10 +48,11 @@ class ExpertShape:
     intermediate_start: int
     total_intermediate_size: int
     renormalize: bool
-    """The top-k weights are divided by their sum (Mixtral always; Qwen's ``norm_topk_prob``)."""
+    """The top-k weights are divided by their sum (Mixtral and GraniteMoE always; Qwen's
+    ``norm_topk_prob``)."""
     round_weights: bool
     """The routing weights are rounded to the model's dtype before they scale the experts'
-    outputs (Qwen's routers); Mixtral's stay float32."""
+    outputs (Qwen's and GraniteMoE's routers); Mixtral's stay float32."""
     shared_intermediate_size: int
     """Qwen2-MoE's shared expert's width on this rank; 0: none."""
     shared_intermediate_start: int
@@ -70,7 +71,7 @@ class ExpertShape:
         # Qwen's config.json says num_experts, which transformers 5 keeps as num_local_experts.
         local = getattr(config, "num_local_experts", None)
         experts: int = getattr(config, "num_experts", 0) if local is None else local
-        if kind == "mixtral":
+        if kind in ("mixtral", "granitemoe"):  # GraniteMoE: a softmax over the top k's scores
             inter, shared = config.intermediate_size, 0
             renormalize, sparse = True, (True,) * layers
         else:

@@ -180,10 +180,12 @@ def _mlp_weights(prefix: str, h: int, inter: int, normal, gain: float = 1.0) -> 
 
 def _expert_weights(p: str, config: dict, e: ExpertShape, normal) -> dict:
     """A mixture-of-experts MLP's router, experts and (Qwen2-MoE) shared expert, under the
-    checkpoint's names: Mixtral's ``block_sparse_moe`` with w1/w3/w2, Qwen's ``mlp``."""
+    checkpoint's names: Mixtral's ``block_sparse_moe`` with w1/w3/w2, Qwen's ``mlp``,
+    GraniteMoE's ``block_sparse_moe`` with ``input_linear`` / ``output_linear`` stacked."""
     h, inter = config["hidden_size"], e.total_intermediate_size
     # A router whose scores spread a few units apart, so that every token's top k is clear.
-    block = p + ("block_sparse_moe." if config["model_type"] == "mixtral" else "mlp.")
+    kind = config["model_type"]
+    block = p + ("block_sparse_moe." if kind in ("mixtral", "granitemoe") else "mlp.")
     tensors = {block + "gate.weight": normal(e.num_experts, h, std=2.0 / h**0.5)}
     for i in range(e.num_experts):
         # Narrow experts' outputs scaled up, so that their weights move the greedy tokens.
@@ -194,6 +196,24 @@ def _expert_weights(p: str, config: dict, e: ExpertShape, normal) -> dict:
                 for k, t in mlp.items()
             }
         tensors |= mlp
+    if kind == "granitemoe":  # every expert's in one tensor, under GraniteMoE's names
+        import torch
+
+        experts = range(e.num_experts)
+        gate_up = [
+            f"{block}experts.{i}.{part}.weight"
+            for i in experts
+            for part in ("gate_proj", "up_proj")
+        ]
+        down = [f"{block}experts.{i}.down_proj.weight" for i in experts]
+        tensors[block + "input_linear.weight"] = torch.stack(
+            [
+                torch.cat([tensors.pop(gate_up[2 * i]), tensors.pop(gate_up[2 * i + 1])])
+                for i in experts
+            ]
+        )
+        tensors[block + "output_linear.weight"] = torch.stack([tensors.pop(n) for n in down])
+        tensors[block + "router.layer.weight"] = tensors.pop(block + "gate.weight")
     if e.total_shared_intermediate_size:
         tensors |= _mlp_weights(
             block + "shared_expert.", h, e.total_shared_intermediate_size, normal

@@ -5,7 +5,8 @@ Checkpoints name the experts two ways. One tensor per expert and projection: Mix
 ``block_sparse_moe.experts.N.w1`` (gate), ``w3`` (up), ``w2`` (down), Qwen's
 ``mlp.experts.N.gate_proj`` / ``up_proj`` / ``down_proj``. Or transformers 5's stacked
 layout, all a layer's experts in one tensor: ``experts.gate_up_proj`` (E, 2 * I, H) and
-``experts.down_proj`` (E, H, I). Tensor parallelism splits each expert's columns as a dense
+``experts.down_proj`` (E, H, I), which GraniteMoE's checkpoints hold as ``input_linear`` and
+``output_linear`` (``canonical_name``). Tensor parallelism splits each expert's columns as a dense
 MLP's (``weight_shard``); the stacked gate/up is read whole and cut here, since its gate and
 up halves each hold a slice of this rank's columns.
 
@@ -23,6 +24,15 @@ from torch import nn
 from conveyor.runtime.layers.moe import ExpertShape
 from conveyor.runtime.layers.parallel import Shard
 
+GRANITE_NAMES = {
+    "block_sparse_moe.input_linear.weight": "block_sparse_moe.experts.gate_up_proj",
+    "block_sparse_moe.output_linear.weight": "block_sparse_moe.experts.down_proj",
+    "block_sparse_moe.router.layer.weight": "block_sparse_moe.gate.weight",
+    "block_sparse_moe.router.weight": "block_sparse_moe.gate.weight",
+}
+"""GraniteMoE's names (its checkpoints', then transformers 5's) -> the stacked layout's and the
+router's as Mixtral names it."""
+
 EXPERT_WEIGHT = re.compile(
     r"(layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\."
     r"(?:(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight|(gate_up_proj|down_proj))$"
@@ -33,8 +43,16 @@ EXPERT_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
 """An expert's gate and up projections -> their half of its ``w13`` rows; the rest is ``w2``."""
 
 
+def canonical_name(hf_name: str) -> str:
+    """``hf_name`` with GraniteMoE's expert and router names as the stacked layout's."""
+    for theirs, ours in GRANITE_NAMES.items():
+        if hf_name.endswith(theirs):
+            return hf_name.removesuffix(theirs) + ours
+    return hf_name
+
+
 def is_expert(hf_name: str) -> bool:
-    """``hf_name`` is a routed or a shared expert's tensor."""
+    """``hf_name`` (``canonical_name``) is a routed or a shared expert's tensor."""
     return EXPERT_WEIGHT.search(hf_name) is not None or ".shared_expert." in hf_name
 
 
@@ -53,11 +71,17 @@ def expert_shard(e: ExpertShape, hf_name: str) -> Shard | None:
 
 
 def load_expert(
-    e: ExpertShape, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor, hf_name: str
+    e: ExpertShape,
+    params: dict[str, nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    hf_name: str,
+    down_scale: float = 1.0,
 ) -> list[str] | None:
     """Copy routed expert tensor ``name`` (the model's name for checkpoint tensor ``hf_name``)
-    into its layer's ``w13`` or ``w2``; returns what it set, as ``expected`` names it, or None
-    when ``name`` is no routed expert's."""
+    into its layer's ``w13`` or ``w2`` (times ``down_scale``: GraniteMoE's residual
+    multiplier); returns what it set, as ``expected`` names it, or None when ``name`` is no
+    routed expert's."""
     expert = EXPERT_WEIGHT.search(name)
     if expert is None:
         return None
@@ -66,6 +90,8 @@ def load_expert(
     if w13 is None or w2 is None or (index is not None and int(index) >= e.num_experts):
         raise ValueError(f"checkpoint tensor {hf_name!r} names an expert the model does not have")
     width, experts = e.intermediate_size, range(e.num_experts)
+    if down_scale != 1 and (stacked == "down_proj" or part in ("w2", "down_proj")):
+        tensor = tensor * down_scale
     if stacked == "gate_up_proj":  # (E, 2 * I, H) whole: this rank's gate rows, up rows
         start, total = e.intermediate_start, e.total_intermediate_size
         if tensor.dim() != 3 or tensor.shape[1] != 2 * total:

@@ -19,6 +19,7 @@ import torch
 from conveyor.runtime.layers.lora import TARGETS
 from conveyor.runtime.layers.parallel import Shard
 from conveyor.runtime.model.expert_weights import (
+    canonical_name,
     copy_checked,
     expected,
     expert_shard,
@@ -52,8 +53,8 @@ def weight_shard(shape: DecoderShape, hf_name: str) -> Shard | None:
         return None
     if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
         return shape.vocab.shard
-    if shape.experts is not None and is_expert(hf_name):
-        return expert_shard(shape.experts, hf_name)
+    if shape.experts is not None and is_expert(name := canonical_name(hf_name)):
+        return expert_shard(shape.experts, name)
     if ".q_proj." in hf_name:
         return Shard(0, sp.head_start * d, sp.num_heads * d)
     if ".k_proj." in hf_name or ".v_proj." in hf_name:
@@ -85,12 +86,13 @@ def load_weights(model: LlamaForCausalLM, weights: Iterable[tuple[str, torch.Ten
             continue
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied: the embedding is the head
-        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for it
+        # Mixtral's and GraniteMoE's name for it
+        name = canonical_name(name).replace(".block_sparse_moe.", ".mlp.")
         experts = s.experts
         if ".shared_expert" in name and experts and not experts.total_shared_intermediate_size:
             continue  # a shared expert of width 0 adds 0; transformers saves its tensors
         if experts is not None:
-            keys = load_expert(experts, params, name, tensor, hf_name)
+            keys = load_expert(experts, params, name, tensor, hf_name, s.residual_scale)
             if keys is not None:
                 _mark(loaded, keys, hf_name)
                 continue

@@ -82,7 +82,7 @@ class DecoderShape:
         self.norm_dtype = torch.float32 if gemma else None
         """The norms' weight dtype (None: the model's): Gemma's scale in float32 and round
         once (``layers/layernorm.py``)."""
-        granite = self.model_type == "granite"
+        granite = self.model_type in ("granite", "granitemoe")
         self.embed_scale = (
             self.hidden_size**0.5
             if gemma
@@ -95,7 +95,8 @@ class DecoderShape:
         self.embed_scale_rounded = gemma
         self.residual_scale = float(config.residual_multiplier) if granite else 1.0
         """Granite: the attention's and the MLP's outputs are scaled by this before their
-        residual adds; folded into o_proj and down_proj at load (``llama_weights.py``)."""
+        residual adds; folded into o_proj and down_proj (the experts' w2) at load
+        (``llama_weights.py``)."""
         self.logits_scaling = float(config.logits_scaling) if granite else 1.0
         """Granite divides its logits by this."""
         self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")

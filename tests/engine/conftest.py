@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from model_shapes import GEMMA2, GEMMA3, GRANITE, MIXTRAL, PHI3, QWEN2, QWEN2_MOE, QWEN3, QWEN3_MOE
+from model_shapes import (
+    GEMMA2,
+    GEMMA3,
+    GRANITE,
+    GRANITEMOE,
+    MIXTRAL,
+    PHI3,
+    QWEN2,
+    QWEN2_MOE,
+    QWEN3,
+    QWEN3_MOE,
+)
 
 from conveyor.runtime.model.builtin import TINY_CONFIG, builtin_model_path, generate_model
 
@@ -22,6 +33,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "qwen3_moe": str(generate_model(root / "qwen3_moe", QWEN3_MOE, seed=7)),
         "qwen2_moe": str(generate_model(root / "qwen2_moe", QWEN2_MOE, seed=8)),
         "granite": str(generate_model(root / "granite", GRANITE, seed=9)),
+        "granitemoe": str(generate_model(root / "granitemoe", GRANITEMOE, seed=10)),
     }
 
 

@@ -81,6 +81,17 @@ GRANITE = dict(
 each residual branch times a multiplier, the logits divided by one. Granite 3's are 12, 1/128,
 0.22 and 8; these make random weights' greedy tokens tell each one apart (the logits' divisor
 only their logprobs: ``test_granite.py``)."""
+GRANITEMOE = dict(
+    GRANITE,
+    architectures=["GraniteMoeForCausalLM"],
+    model_type="granitemoe",
+    intermediate_size=64,
+    num_local_experts=6,
+    num_experts_per_tok=2,
+)
+"""GraniteMoE's: Granite's multipliers (the residual one on the experts' sum too) over 6
+experts, 2 per token, weighted by a softmax over their two scores; all of a layer's experts in
+one checkpoint tensor (``input_linear``, ``output_linear``)."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

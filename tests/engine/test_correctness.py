@@ -26,6 +26,7 @@ MODELS = [
     "qwen3_moe",
     "qwen2_moe",
     "granite",
+    "granitemoe",
 ]
 
 

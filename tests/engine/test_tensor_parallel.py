@@ -198,6 +198,7 @@ def test_each_rank_holds_only_its_shard_of_a_gguf(tp_models, tmp_path):
 CASES = [
     ("conveyor-tiny", 2), ("qwen2-322", 4), ("llama-biased", 2), ("phi3", 2), ("gemma2", 2),
     ("gemma3", 2), ("mixtral", 2), ("qwen3_moe", 2), ("qwen2_moe", 2), ("granite", 2),
+    ("granitemoe", 2),
 ]  # fmt: skip
 
 
