@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conveyor.bench.peers import agreement, vllm_env
 from conveyor.bench.peers import clients as community
-from conveyor.bench.peers import vllm_env
 from conveyor.bench.peers.report import format_table, plot, summarize
 from conveyor.bench.peers.servers import SERVED_NAME, RssSampler, conveyor_server, vllm_server
 from conveyor.bench.pinned_env import ToolInstallError
@@ -279,6 +279,9 @@ def main(argv: list[str]) -> int:
         metavar="FLAG",
         help="extra flag for vllm serve (repeatable)",
     )
+    g.add_argument("--check-tokens", type=int, default=8, metavar="N",
+                   help="before the first round's load, send each server the same N greedy "
+                   "prompts with top-5 logprobs and compare the answers (0: skip; default 8)")  # fmt: skip
     w = parser.add_argument_group("workload (as vllm bench serve --dataset-name random)")
     w.add_argument("--num-prompts", type=int, default=128, help="requests per run (default 128)")
     w.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
@@ -319,6 +322,8 @@ def main(argv: list[str]) -> int:
     say(f"model directory: {path}")
 
     runs: list[dict[str, Any]] = []
+    checks = agreement.prompts(path, args.check_tokens)
+    answers: dict[str, list[agreement.Answer]] = {}
     with LoadSampler() as load:
         for round_ in range(1, args.rounds + 1):
             for name in servers:
@@ -334,6 +339,9 @@ def main(argv: list[str]) -> int:
                     rss.start()
                     server.wait_ready()
                     say(f"{name} ready in {server.startup_s:.1f}s")
+                    if checks and round_ == 1:
+                        say(f"{len(checks)} greedy prompts with logprobs against {name}")
+                        answers[name] = agreement.probe(server.url, SERVED_NAME, checks, 32)
                     for client in clients:
                         say(f"round {round_}: {client} client against {name}")
                         if client == "vllm":
@@ -358,8 +366,12 @@ def main(argv: list[str]) -> int:
     machine = load.summary()
     table = format_table(runs, summary, machine, args, path)
     print(table)
+    agreed = None
+    if "conveyor" in answers and "vllm" in answers:
+        agreed = agreement.compare(answers["conveyor"], answers["vllm"])
+        print(agreement.format_agreement(agreed, "vllm"))
     result = {"args": vars(args), "model_dir": str(path), "machine": machine, "runs": runs,
-              "summary": summary}  # fmt: skip
+              "summary": summary, "agreement": agreed}  # fmt: skip
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     try:
         plot(summary, servers, clients, out / "peer.png")
