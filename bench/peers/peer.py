@@ -103,6 +103,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.22, "logits_scaling": 8.0, "hidden_act": "silu",
         "vocab_size": 4096, "torch_dtype": "float32",
     },
+    # Granite 3.0 1B-A400M's scaled down: Granite's multipliers over 32 narrow experts, 8 per
+    # token.
+    "granitemoe-8l-512": {
+        "model_type": "granitemoe", "architectures": ["GraniteMoeForCausalLM"],
+        "hidden_size": 512, "intermediate_size": 256, "num_local_experts": 32,
+        "num_experts_per_tok": 8, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 64, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "embedding_multiplier": 12.0, "attention_multiplier": 0.015625,
+        "residual_multiplier": 0.22, "logits_scaling": 6.0, "hidden_act": "silu",
+        "vocab_size": 4096, "torch_dtype": "float32",
+    },
     # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
     "mixtral-8l-512": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
