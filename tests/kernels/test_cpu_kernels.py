@@ -251,30 +251,64 @@ DECODERS = {
         rope_scaling={"rope_type": "linear", "factor": 8.0}, num_key_value_heads=1,
         tie_word_embeddings=True,
     ),
+    # Mixture-of-experts MLPs: Mixtral's renormalised top 2 of 4; Qwen3-MoE's rounded and
+    # renormalised top 3 of 8 beside a dense layer (mlp_only_layers); Qwen2-MoE's raw softmax
+    # weights and a shared expert under its sigmoid gate, layer 0 dense (decoder_sparse_step).
+    "mixtral": dict(
+        SMALL_DECODER, architectures=["MixtralForCausalLM"], model_type="mixtral",
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+    ),
+    "qwen3-moe": dict(
+        SMALL_DECODER, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+        num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
+    ),
+    "qwen2-moe": dict(
+        SMALL_DECODER, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=96, norm_topk_prob=False, decoder_sparse_step=2,
+        tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(DECODERS))
-def test_decoder_layers_in_one_call_match_the_python_loop(name, tmp_path, backend):
+MOE_DECODERS = ("mixtral", "qwen2-moe", "qwen3-moe")
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [(name, "float32") for name in sorted(DECODERS)]
+    # Qwen's routing weights rounded to the model's dtype, the experts' roundings in bfloat16.
+    + [(name, "bfloat16") for name in MOE_DECODERS],
+)
+def test_decoder_layers_in_one_call_match_the_python_loop(name, dtype, tmp_path, backend):
     """Every step of an engine run (prefill chunks, decodes of one and many rows, both mixed)
     gives the same bits through ``decoder_layers`` as through the Python loop over layers, for
     each kind of layer the model builds (Qwen3's q/k norms, Gemma's GELU gate, Gemma 2/3's
-    sandwich norms, windows and caps, Gemma 3's two rope tables)."""
+    sandwich norms, windows and caps, Gemma 3's two rope tables; the mixtures of experts'
+    routing, experts and shared expert, on their packed weights in steps of 16 rows or more)."""
     from conveyor.runtime.engine.llm import LLM
+    from conveyor.runtime.layers.linear import PackedLinear
     from conveyor.runtime.model.builtin import generate_model
     from conveyor.runtime.sampling_params import SamplingParams
 
     model_dir = generate_model(tmp_path / name, DECODERS[name], seed=3)
-    llm = LLM(str(model_dir), dtype="float32", max_running_requests=4, chunked_prefill_size=48)
+    llm = LLM(str(model_dir), dtype=dtype, max_running_requests=4, chunked_prefill_size=48)
     model = llm.engine.runner.model
     fused = model.fused_layers
+    if dtype != "float32" and not isinstance(model.layers[0].self_attn.qkv_proj, PackedLinear):
+        pytest.skip(f"oneDNN packs no {dtype} weights here")
     assert fused is not None, "the CPU backend did not take the model's layers into one call"
-    forward, steps = model.forward, []
+    forward, steps, calls = model.forward, [], []
+
+    def counted(*args):
+        calls.append(len(args[0]))
+        return fused(*args)
 
     def both_ways(input_ids, positions, kv_caches, meta):
         model.fused_layers = None
         expected = forward(input_ids, positions, kv_caches, meta)
-        model.fused_layers = fused
+        model.fused_layers = counted
         got = forward(input_ids, positions, kv_caches, meta)  # writes the same K/V again
         assert torch.equal(got, expected)
         steps.append((meta.num_decode_tokens, len(input_ids)))
@@ -293,6 +327,7 @@ def test_decoder_layers_in_one_call_match_the_python_loop(name, tmp_path, backen
     kinds = {"decode of 1" if t == d == 1 else "decodes" if t == d else "mixed" if d else "prefill"
              for d, t in steps}  # fmt: skip
     assert kinds == {"decode of 1", "decodes", "mixed", "prefill"}
+    assert calls == [t for _, t in steps], "a step did not run the layers in one call"
 
 
 MOE_SHAPES = [  # (tokens, experts, top k, hidden, expert width)

@@ -20,6 +20,7 @@ from conveyor.runtime.layers.attention_metadata import AttentionMetadata
 from conveyor.runtime.layers.fused import LayerKernels
 from conveyor.runtime.layers.layernorm import RMSNorm
 from conveyor.runtime.layers.linear import PackedLinear
+from conveyor.runtime.layers.moe import SparseMoeBlock
 
 
 class CpuAttentionBackend:
@@ -68,24 +69,30 @@ class CpuAttentionBackend:
         None when the model does not fit it: every linear packed for oneDNN, every norm's weight
         in the model's dtype, float32 rotary tables. Every kind of layer ``model/llama.py``
         builds fits: Qwen3's and Gemma 3's q/k norms, Gemma's GELU gate, Gemma 2/3's sandwich
-        norms, a rope table per layer type (Gemma 3). Epsilon, scale and the score soft cap
-        come from the shape, as the layers' own do."""
+        norms, a rope table per layer type (Gemma 3), and the mixture-of-experts MLPs of
+        ``layers/moe.py`` (routed the same way, ``moe.cpp``'s experts as ``fused_moe`` runs
+        them, the shared expert), beside dense ones. Epsilon, scale, the score soft cap and
+        the routing come from the shape, as the layers' own do."""
         ops = self.ops
         # The Llama family's submodules, read by name (``runtime/model/llama.py``); torch types
         # each as Tensor | Module, so the walk reads the model as Any.
         llama: Any = model
         shape = getattr(llama, "shape", None)
-        if not hasattr(ops, "decoder_layers") or shape is None or shape.experts is not None:
-            return None  # experts run between the Python layers (``layers/moe.py``)
+        if not hasattr(ops, "decoder_layers") or shape is None:
+            return None
         dtype = llama.embed_tokens.weight.dtype
         if any(isinstance(m, RMSNorm) and m.weight.dtype != dtype for m in llama.layers.modules()):
             return None  # a norm the Python kernel leaves to the torch reference
         weights: list[torch.Tensor] = []
+        packed_experts: list[list[torch.Tensor]] = []  # each sparse layer's, w13's then w2's
         for layer in llama.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(lin, PackedLinear) for lin in linears):
+            attn = layer.self_attn
+            mlp = _mlp_weights(layer.mlp, packed_experts)
+            if mlp is None or not all(
+                isinstance(lin, PackedLinear) for lin in (attn.qkv_proj, attn.o_proj)
+            ):
                 return None
+            gate_up, down, moe = mlp
             weights += [
                 _norm_weight(layer.input_layernorm),
                 *_linear_weights(attn.qkv_proj),
@@ -94,11 +101,14 @@ class CpuAttentionBackend:
                 *_linear_weights(attn.o_proj),
                 _norm_weight(layer.post_attention_layernorm),
                 _norm_weight(getattr(layer, "pre_feedforward_layernorm", None)),  # Gemma 2/3
-                *_linear_weights(mlp.gate_up_proj),
-                *_linear_weights(mlp.down_proj),
+                *gate_up,
+                *down,
                 _norm_weight(getattr(layer, "post_feedforward_layernorm", None)),
+                *moe,
             ]
         weights = [w.detach() for w in weights]
+        if len(packed_experts) != sum(shape.experts.sparse_layers if shape.experts else ()):
+            packed_experts = []  # some not packed (``pack_experts``): the tiles serve them all
         assert len(weights) == ops.weights_per_layer * len(llama.layers)
         cos = [rotary.cos for rotary in llama.rotaries]
         sin = [rotary.sin for rotary in llama.rotaries]
@@ -108,14 +118,22 @@ class CpuAttentionBackend:
         s, scale, softcap = shape, shape.attn_scale, shape.attn_softcap  # LlamaAttention's
         layer_ropes, windows = list(shape.layer_ropes), list(shape.windows)
         gelu = shape.activation == "gelu_tanh"  # LlamaMLP's GeluAndMul; else SiluAndMul
+        e = shape.experts
+        top_k, renormalize, round_weights = (
+            (e.top_k, e.renormalize, e.round_weights) if e is not None else (0, False, False)
+        )
+        packed = [w for pair in packed_experts for w in pair]  # flat, as decoder_layers takes it
 
         def run(x, positions, kv_caches, meta: AttentionMetadata):
+            # As ``fused_moe``: the packed experts from moe.cpp's rows for oneDNN only.
+            experts = packed if x.shape[0] >= MOE_PACKED_MIN_ROWS else []
             return ops.decoder_layers(
                 x, positions, kv_caches, weights, cos, sin, layer_ropes, meta.slot_mapping,
                 meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
                 meta.num_prefills > 0, meta.prefill_block_tables, meta.prefill_query_start_loc,
                 meta.prefill_context_lens, s.num_heads, s.num_kv_heads, s.head_dim,
-                s.rms_norm_eps, gelu, scale, softcap, windows,
+                s.rms_norm_eps, gelu, scale, softcap, windows, top_k, renormalize,
+                round_weights, experts,
             )  # fmt: skip
 
         return run
@@ -124,6 +142,45 @@ class CpuAttentionBackend:
 def _linear_weights(lin: PackedLinear) -> list[torch.Tensor]:
     """(weight, packed weight, bias or an empty tensor), as ``decoder_layers`` takes them."""
     return [lin.weight, lin.packed, lin.bias if lin.bias is not None else torch.empty(0)]
+
+
+def _mlp_weights(
+    mlp: nn.Module, packed_experts: list[list[torch.Tensor]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None:
+    """A layer's MLP as ``decoder_layers`` takes it: (gate_up, down) linears of the dense MLP
+    or the shared expert (empty ones: none), and the mixture of experts' (router weight,
+    packed router, w13, w2, shared expert's gate weight, its packed) or empty tensors for a
+    dense layer; a sparse layer's packed experts (w13's then w2's) are appended to
+    ``packed_experts``. None: a layer ``decoder_layers`` cannot run (a linear not packed for
+    oneDNN, experts without the CPU kernel)."""
+    empty = torch.empty(0)
+    if not isinstance(mlp, SparseMoeBlock):  # the dense MLP (``LlamaMLP``)
+        dense = _packed(mlp.gate_up_proj, mlp.down_proj)
+        if dense is None:
+            return None
+        return _linear_weights(dense[0]), _linear_weights(dense[1]), [empty] * 6
+    router = _packed(mlp.gate)
+    if mlp.kernel is None or router is None:
+        return None  # the torch path's roundings are not moe.cpp's
+    gate_up, down, shared_gate = [empty] * 3, [empty] * 3, [empty] * 2
+    if mlp.shared_expert is not None:
+        shared = _packed(
+            mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate
+        )
+        if shared is None:
+            return None
+        gate_up, down = _linear_weights(shared[0]), _linear_weights(shared[1])
+        shared_gate = _linear_weights(shared[2])[:2]  # no bias
+    if mlp.packed is not None:
+        packed_experts.append([*mlp.packed[0], *mlp.packed[1]])
+    moe = [*_linear_weights(router[0])[:2], mlp.w13, mlp.w2, *shared_gate]  # router: no bias
+    return gate_up, down, moe
+
+
+def _packed(*linears: object) -> list[PackedLinear] | None:
+    """``linears``, or None when one is not packed for oneDNN (``layers/linear.py``)."""
+    packed = [lin for lin in linears if isinstance(lin, PackedLinear)]
+    return packed if len(packed) == len(linears) else None
 
 
 def _norm_weight(norm: RMSNorm | None) -> torch.Tensor:

@@ -6,7 +6,9 @@
 // loop makes the same calls, in the same order, on the same tensors, so its output is the
 // Python path's bit for bit; runtime/kernels/cpu/backend.py decides when a model fits it.
 // It serves every layer llama.py builds: Llama's, Qwen3's per-head q/k norms, Gemma's GELU
-// gate, Gemma 2/3's sandwich norms and Gemma 3's per-layer rope tables.
+// gate, Gemma 2/3's sandwich norms and Gemma 3's per-layer rope tables, and the
+// mixture-of-experts MLPs of layers/moe.py (Mixtral, Qwen2-MoE's shared expert, Qwen3-MoE):
+// its routing in the same ATen calls, moe.cpp's experts as the CPU backend's kernel runs them.
 
 #include "ops.h"
 
@@ -25,7 +27,7 @@ namespace conveyor_cpu {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& packed,
                   const at::Tensor& b) {
   std::optional<at::Tensor> bias;
-  if (b.numel() > 0) bias = b;
+  if (b.defined() && b.numel() > 0) bias = b;
   if (x.size(0) >= 2) {
     static const c10::OperatorHandle op =
         c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -47,14 +49,54 @@ namespace {
 
 // Weights of one layer, in this order; each linear is (weight, packed weight, bias or empty),
 // and a norm the layer does not have is an empty tensor (the q/k norms outside Qwen3 and
-// Gemma 3, the feed-forward ones outside Gemma 2/3).
+// Gemma 3, the feed-forward ones outside Gemma 2/3). The gated MLP (gate_up, down) is the
+// dense layer's, or a mixture-of-experts layer's shared expert (Qwen2-MoE; empty: none). A
+// mixture-of-experts layer has a router and its experts' stacked w13 (E, 2I, H) and w2
+// (E, H, I), and with a shared expert that expert's sigmoid gate (1, H); a dense layer has
+// empty tensors there.
 enum Weight : int64_t {
   kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kOBias,
   kPostNorm, kPreFeedforwardNorm, kGateUp, kGateUpPacked, kGateUpBias, kDown, kDownPacked,
-  kDownBias, kPostFeedforwardNorm, kWeightsPerLayer
+  kDownBias, kPostFeedforwardNorm, kRouter, kRouterPacked, kW13, kW2, kSharedGate,
+  kSharedGatePacked, kWeightsPerLayer
 };
 
 bool present(const at::Tensor& w) { return w.numel() > 0; }
+
+// The gated MLP: act(x @ gate_up) through down, as layers/moe.py's GatedMLP (LlamaMLP's).
+at::Tensor gated_mlp(const at::Tensor& x, const at::Tensor* w, bool gelu) {
+  const at::Tensor gate_up = linear(x, w[kGateUp], w[kGateUpPacked], w[kGateUpBias]);
+  const at::Tensor h = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+  return linear(h, w[kDown], w[kDownPacked], w[kDownBias]);
+}
+
+// A mixture-of-experts MLP, as layers/moe.py's SparseMoeBlock.forward with the CPU backend's
+// kernel: route() in the same ATen calls (the router, the float32 softmax, torch.topk, the
+// renormalisation, the weights rounded to x's dtype), so the same experts and weights, ties
+// included; moe.cpp's experts, on their packed weights (2E: w13's then w2's) from
+// kPackedMinRows rows (runtime/kernels/cpu/backend.py passes none below); then the shared
+// expert under its sigmoid gate.
+at::Tensor sparse_moe(const at::Tensor& x, const at::Tensor* w, const at::Tensor* packed,
+                      int64_t num_packed, int64_t top_k, bool renormalize, bool round_weights,
+                      bool gelu) {
+  const at::Tensor probs = at::softmax(linear(x, w[kRouter], w[kRouterPacked], at::Tensor()),
+                                       -1, at::kFloat);  // (T, E)
+  auto [weights, ids] = at::topk(probs, top_k, -1);  // (T, k) each
+  if (renormalize) weights = weights / weights.sum(at::IntArrayRef{-1}, true);
+  if (round_weights) weights = weights.to(x.scalar_type()).to(at::kFloat);
+  const int64_t E = w[kW13].size(0);
+  std::vector<at::Tensor> packed_w13, packed_w2;
+  if (num_packed > 0) {
+    packed_w13.assign(packed, packed + E);
+    packed_w2.assign(packed + E, packed + 2 * E);
+  }
+  at::Tensor out = moe_experts(x.contiguous(), w[kW13], w[kW2], weights, ids, gelu,
+                               std::move(packed_w13), std::move(packed_w2));
+  if (present(w[kGateUp]))
+    out = out + at::sigmoid(linear(x, w[kSharedGate], w[kSharedGatePacked], at::Tensor())) *
+                    gated_mlp(x, w, gelu);
+  return out;
+}
 
 // x (T, H, D) normed per head, as runtime/kernels/cpu/backend.py's kernel norms a 3-D input
 // (Qwen3's and Gemma 3's q/k norms): a contiguous copy's rows -> (T, H, D), contiguous.
@@ -71,7 +113,9 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // gelu: the MLP gates with GELU's tanh approximation (Gemma), not SiLU. scale: the scores'
 // (query_pre_attn_scalar ** -0.5 under Gemma 2/3), softcap: their soft cap (0: none).
 // windows: per layer, the keys a query sees (0: all before it; runtime/model/config.py's
-// layer_windows).
+// layer_windows). The mixture-of-experts layers' routing: top_k experts a token, their
+// weights renormalised, rounded to x's dtype (ExpertShape's); packed_experts: each such
+// layer's 2E packed expert weights, in layer order, or none.
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor x, at::Tensor positions, at::Tensor kv_caches,
     const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& cos,
@@ -80,7 +124,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor decode_block_tables, at::Tensor decode_context_lens, bool has_prefills,
     at::Tensor prefill_block_tables, at::Tensor prefill_query_start_loc,
     at::Tensor prefill_context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double eps, bool gelu, double scale, double softcap, const std::vector<int64_t>& windows) {
+    double eps, bool gelu, double scale, double softcap, const std::vector<int64_t>& windows,
+    int64_t top_k, bool renormalize, bool round_weights,
+    const std::vector<at::Tensor>& packed_experts) {
   const int64_t layers = kv_caches.size(0);
   TORCH_CHECK(int64_t(windows.size()) == layers, "decoder_layers needs a window per layer, got ",
               windows.size(), " for ", layers, " layers");
@@ -95,6 +141,17 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   const int64_t T = x.size(0), nd = num_decode_tokens;
   TORCH_CHECK(nd >= 0 && nd <= T && (has_prefills || nd == T), "decode tokens out of range");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  int64_t sparse_layers = 0, num_experts = 0;
+  for (int64_t l = 0; l < layers; ++l)
+    if (present(weights[l * kWeightsPerLayer + kW13])) {
+      ++sparse_layers;
+      num_experts = weights[l * kWeightsPerLayer + kW13].size(0);
+    }
+  TORCH_CHECK(packed_experts.empty() ||
+                  int64_t(packed_experts.size()) == sparse_layers * 2 * num_experts,
+              "decoder_layers needs 2 packed weights per expert of every sparse layer, or none");
+  const int64_t packed_per_layer = packed_experts.empty() ? 0 : 2 * num_experts;
+  int64_t sparse_index = 0;
   at::Tensor residual;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
@@ -132,9 +189,14 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     } else {
       fused_add_rms_norm(x, residual, w[kPostNorm], eps);
     }
-    const at::Tensor gate_up = linear(x, w[kGateUp], w[kGateUpPacked], w[kGateUpBias]);
-    const at::Tensor h = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
-    x = linear(h, w[kDown], w[kDownPacked], w[kDownBias]);
+    if (present(w[kW13])) {
+      TORCH_CHECK(w[kW13].size(0) == num_experts, "decoder_layers: every sparse layer needs ",
+                  num_experts, " experts");
+      x = sparse_moe(x, w, packed_experts.data() + sparse_index++ * packed_per_layer,
+                     packed_per_layer, top_k, renormalize, round_weights, gelu);
+    } else {
+      x = gated_mlp(x, w, gelu);
+    }
     if (present(w[kPostFeedforwardNorm])) x = rms_norm(x, w[kPostFeedforwardNorm], eps);
   }
   return {x, residual};
