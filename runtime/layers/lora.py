@@ -16,6 +16,10 @@ A step whose tokens all belong to the base model runs no LoRA code: the fused C+
 the CUDA graphs stay as they are. A step that holds an adapter's tokens runs the layers one
 by one, eagerly (``ModelRunner._forward``).
 
+On a mixture-of-experts model (Mixtral, Qwen-MoE, GraniteMoE) adapters of the attention
+projections, and of the MLPs of the layers that keep a dense one, are served; PEFT's default
+targets (q_proj, v_proj) are attention's. Adapters of the experts are refused.
+
 Under tensor parallelism a column-parallel projection (q/k/v, gate/up) takes this rank's
 rows of ``B``, a row-parallel one (o, down) this rank's columns of ``A``: its partial delta
 is summed by the layer's all-reduce with the rest.
@@ -140,6 +144,11 @@ def _read(
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         m = _TENSOR.fullmatch(key)
+        if m is None and (".experts." in key or ".shared_expert." in key):
+            raise AdapterError(
+                f"adapter {name!r}: tensor {key!r} adapts a mixture of experts' expert; only "
+                "attention projections (and dense layers' MLPs) are served on these models"
+            )
         if m is None or _BLOCK[m.group(3)] != m.group(2):
             raise AdapterError(
                 f"adapter {name!r}: tensor {key!r} is not a LoRA weight of q/k/v/o/gate/up/down "
@@ -154,6 +163,12 @@ def _read(
         where = f"adapter {name!r}, layer {layer} {module}"
         if layer >= model.shape.num_layers:
             raise AdapterError(f"{where}: the model has {model.shape.num_layers} layers")
+        experts = model.shape.experts
+        if _BLOCK[module] == "mlp" and experts is not None and experts.sparse_layers[layer]:
+            raise AdapterError(
+                f"{where}: that layer's MLP is a mixture of experts; adapters of experts are "
+                "not served, only of attention projections and dense layers' MLPs"
+            )
         if set(pair) != {"A", "B"}:
             raise AdapterError(f"{where}: lora_A and lora_B must both be given")
         a, b = pair["A"].float(), pair["B"].float()
@@ -304,11 +319,6 @@ class LoRASlots:
     def __init__(
         self, model: LlamaForCausalLM, slots: int, max_rank: int, max_resident: int | None = None
     ) -> None:
-        if model.shape.experts is not None:
-            raise ValueError(
-                f"LoRA adapters on a mixture-of-experts model ({model.shape.model_type}) are not "
-                "supported; serve it without --enable-lora and --lora-modules"
-            )
         self.model = model
         self.max_rank = max_rank
         self.max_resident = max_resident
@@ -325,6 +335,8 @@ class LoRASlots:
         for i, layer in enumerate(model.layers):
             for target, modules in TARGETS.items():
                 block = "self_attn" if target in ("qkv_proj", "o_proj") else "mlp"
+                if f"layers.{i}.{block}.{target}.weight" not in params:
+                    continue  # a mixture of experts' layer: no dense MLP (``_read`` refuses it)
                 out_features, in_features = params[f"layers.{i}.{block}.{target}.weight"].shape
                 a = weight.new_zeros(0, in_features)
                 b = weight.new_zeros(out_features, 0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from lora_files import FUSED_MODULES, MODULES, write_adapter, write_merged
+from safetensors.torch import load_file, save_file
 
 from conveyor.runtime.engine.llm import LLM, GenerationResult
 from conveyor.runtime.engine.settings import AdapterError, LoRAModule
@@ -55,6 +56,56 @@ def test_adapters_and_base_in_one_batch_match_merged_weights(
     _same(mixed, want)
     # the adapters change the answers: the test would catch deltas that were left out
     assert mixed[0].token_ids != mixed[6].token_ids or mixed[0].logprobs != mixed[6].logprobs
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
+def test_attention_adapters_on_a_mixture_of_experts_match_merged_weights(
+    model: str, model_dirs: dict[str, str], tmp_path: Path
+) -> None:
+    """PEFT's default targets are attention's; Qwen3-MoE's dense layer 1 takes MLP ones too."""
+    base = Path(model_dirs[model])
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    a = write_adapter(tmp_path / "a", base, seed=3, rank=8, alpha=16, std=0.3, modules=attention)
+    served = [LoRAModule("a", str(tmp_path / "a"))]
+    if model == "qwen3_moe":  # mlp_only_layers=[1]
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        b = write_adapter(tmp_path / "b", base, seed=4, rank=4, alpha=8, modules=mlp, layers=[1])
+        served.append(LoRAModule("b", str(tmp_path / "b")))
+    with LLM(str(base), lora_modules=tuple(served), max_lora_rank=8) as llm:
+        names = [s.name for s in served]
+        mixed = llm.generate(
+            PROMPTS * len(served), GREEDY, lora=[n for n in names for _ in PROMPTS]
+        )
+        base_out = llm.generate(PROMPTS, GREEDY)
+    want = []
+    merged = [write_merged(tmp_path / "merged-a", base, a, scaling=16 / 8)]
+    if model == "qwen3_moe":
+        merged.append(write_merged(tmp_path / "merged-b", base, b, scaling=8 / 4))
+    for folder in merged:
+        with LLM(str(folder)) as llm:
+            want += llm.generate(PROMPTS, GREEDY)
+    _same(mixed, want)
+    assert [r.token_ids for r in mixed[:3]] != [r.token_ids for r in base_out]
+
+
+def test_adapters_of_experts_are_refused_with_the_reason(
+    model_dirs: dict[str, str], tmp_path: Path
+) -> None:
+    base = Path(model_dirs["qwen3_moe"])
+    # layer 0's MLP is experts: its gate_proj is no dense projection
+    write_adapter(tmp_path / "sparse", base, seed=5, modules=("gate_proj",), layers=[0])
+    experts = tmp_path / "experts"
+    write_adapter(experts, base, seed=6, modules=("q_proj",), layers=[0])
+    tensors = load_file(str(experts / "adapter_model.safetensors"))
+    for half, shape in (("A", (8, 128)), ("B", (48, 8))):
+        key = f"base_model.model.model.layers.0.mlp.experts.3.gate_proj.lora_{half}.weight"
+        tensors[key] = torch.zeros(shape)
+    save_file(tensors, str(experts / "adapter_model.safetensors"))
+    with LLM(str(base), enable_lora=True, max_lora_rank=8) as llm:
+        with pytest.raises(AdapterError, match="layer 0 gate_proj: that layer's MLP is a mixture"):
+            llm.engine.runner.read_lora("sparse", str(tmp_path / "sparse"))
+        with pytest.raises(AdapterError, match="adapts a mixture of experts' expert"):
+            llm.engine.runner.read_lora("experts", str(experts))
 
 
 def test_an_adapter_never_reads_the_base_models_cached_blocks(tmp_path: Path) -> None:

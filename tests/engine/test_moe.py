@@ -166,11 +166,6 @@ def test_a_missing_expert_is_named(moe_dirs, tmp_path):
         make_engine({"broken": str(broken)}, "broken")
 
 
-def test_lora_on_a_moe_model_is_refused(moe_dirs):
-    with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts model"):
-        make_engine(moe_dirs, "mixtral", enable_lora=True)
-
-
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 def test_a_shared_expert_of_width_0_as_transformers_saves_it(reference, tmp_path):
     """Qwen2-MoE without a shared expert: transformers still saves its (empty) projections and
