@@ -430,35 +430,12 @@ class EngineSettings:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineSettings:
-        return cls(
-            model=args.model,
-            tokenizer=args.tokenizer,
-            dtype=args.dtype,
-            load_format=args.load_format,
-            device=args.device,
-            seed=args.seed,
-            max_running_requests=args.max_running_requests,
-            chunked_prefill_size=args.chunked_prefill_size,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            max_total_tokens=args.max_total_tokens,
-            mem_fraction_static=args.mem_fraction_static,
-            cpu_kv_cache_bytes=args.cpu_kv_cache_bytes,
-            enable_prefix_caching=not args.disable_prefix_caching,
-            scheduler=args.scheduler,
-            scheduling_policy=args.scheduling_policy,
-            attention_backend=args.attention_backend,
-            enforce_eager=args.enforce_eager,
-            piecewise_cuda_graph_max_tokens=args.piecewise_cuda_graph_max_tokens,
-            num_threads=args.num_threads,
-            tensor_parallel_size=args.tensor_parallel_size,
-            generation_config=args.generation_config,
-            lora_modules=tuple(args.lora_modules),
-            enable_lora=args.enable_lora,
-            max_loras=args.max_loras,
-            max_cpu_loras=args.max_cpu_loras,
-            max_lora_rank=args.max_lora_rank,
-        )
+        """The settings ``add_cli_args``' flags name, each under its field's name."""
+        given = vars(args)
+        values = {f.name: given[f.name] for f in dataclasses.fields(cls) if f.name in given}
+        values["enable_prefix_caching"] = not args.disable_prefix_caching
+        values["lora_modules"] = tuple(args.lora_modules)
+        return cls(**values)
 
     def replace(self, **changes: Any) -> EngineSettings:
         return dataclasses.replace(self, **changes)
