@@ -80,10 +80,13 @@ def compare(ours: list[Answer], theirs: list[Answer]) -> dict[str, Any]:
             max_delta = max(max_delta, abs(a.logprobs[p] - b.logprobs[p]))
             top_sets_equal += set(a.top[p]) == set(b.top[p])
         if same < min(len(a.tokens), len(b.tokens)):
-            # the margin between the two servers' choices, in the peer's logprobs
-            picked = b.top[same]
-            margin = picked.get(b.tokens[same], 0.0) - picked.get(a.tokens[same], float("-inf"))
+            # the margin between the two servers' choices, in the peer's logprobs (None: ours
+            # is not among its top alternatives)
+            ours_there = b.top[same].get(a.tokens[same])
+            margin = None if ours_there is None else b.logprobs[same] - ours_there
             ties.append({"prompt": i, "position": same, "margin": margin})
+        elif len(a.tokens) != len(b.tokens):  # one answer ends where the other goes on
+            ties.append({"prompt": i, "position": same, "lengths": [len(a.tokens), len(b.tokens)]})
     return {
         "prompts": len(ours),
         "identical": identical,
@@ -103,9 +106,12 @@ def format_agreement(result: dict[str, Any], peer: str) -> str:
         f"sets equal at {result['top_sets_equal']}/{result['positions_compared']}"
     ]
     for d in result["divergences"]:
-        lines.append(
-            f"  prompt {d['prompt']} diverges at token {d['position']}: {peer}'s margin "
-            f"between the two choices {d['margin']:.2e}"
-            + (" (a near tie)" if abs(d["margin"]) < 1e-3 else "")
-        )
+        where = f"  prompt {d['prompt']} diverges at token {d['position']}: "
+        if "lengths" in d:
+            lines.append(where + f"the answers are {d['lengths'][0]} and {d['lengths'][1]} long")
+        elif d["margin"] is None:
+            lines.append(where + f"our token is not among {peer}'s top {TOP}")
+        else:
+            near = " (a near tie)" if abs(d["margin"]) < 1e-3 else ""
+            lines.append(where + f"{peer}'s margin between the two choices {d['margin']:.2e}{near}")
     return "\n".join(lines)

@@ -91,7 +91,7 @@ def load_expert(
         raise ValueError(f"checkpoint tensor {hf_name!r} names an expert the model does not have")
     width, experts = e.intermediate_size, range(e.num_experts)
     if down_scale != 1 and (stacked == "down_proj" or part in ("w2", "down_proj")):
-        tensor = tensor * down_scale
+        tensor = tensor.float() * down_scale  # float32: a bf16 checkpoint rounds once
     if stacked == "gate_up_proj":  # (E, 2 * I, H) whole: this rank's gate rows, up rows
         start, total = e.intermediate_start, e.total_intermediate_size
         if tensor.dim() != 3 or tensor.shape[1] != 2 * total:

@@ -153,7 +153,7 @@ def output_rows(shape: DecoderShape, hf_part: str, tensor: torch.Tensor) -> torc
     the model holds them: q's and k's in rotary order (``to_rotary_layout``), o_proj's and
     down_proj's times Granite's residual multiplier (``DecoderShape.residual_scale``)."""
     if shape.residual_scale != 1 and hf_part in ("o_proj", "down_proj"):
-        return tensor * shape.residual_scale
+        return tensor.float() * shape.residual_scale  # float32: a bf16 checkpoint rounds once
     return to_rotary_layout(shape, hf_part, tensor)
 
 

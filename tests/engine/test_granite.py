@@ -8,9 +8,13 @@ import random
 
 import pytest
 import torch
+from model_shapes import GRANITE
 from test_correctness import greedy_logprobs, make_engine
 
+from conveyor.runtime.engine.llm_engine import LLMEngine
+from conveyor.runtime.engine.settings import EngineSettings
 from conveyor.runtime.kernels import cpu
+from conveyor.runtime.model.builtin import generate_model
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -37,3 +41,17 @@ def test_logprobs_are_of_the_divided_logits(model_dirs, backend):
         assert lp.logprob == pytest.approx(divided[row, lp.token_id].item(), abs=1e-4)
         assert [t for t, _ in lp.top] == divided[row].topk(3).indices.tolist()
         assert abs(undivided[row, lp.token_id].item() - lp.logprob) > 1e-2  # the divisor matters
+
+
+def test_a_bfloat16_checkpoint_served_in_float32_scales_its_residuals_exactly(tmp_path):
+    """Granite's residual multiplier is folded into weights at load; a bf16 checkpoint's
+    must be scaled in float32, not rounded to bf16 once more before it is served."""
+    from safetensors.torch import load_file, save_file
+
+    path = generate_model(tmp_path / "g", dict(GRANITE, residual_multiplier=0.22), seed=3)
+    weights = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(weights, str(path / "model.safetensors"))
+    engine = LLMEngine(EngineSettings(model=str(path), device="cpu", dtype="float32"))
+    o_proj = engine.runner.model.layers[0].self_attn.o_proj.weight
+    want = weights["model.layers.0.self_attn.o_proj.weight"].float() * 0.22
+    assert torch.equal(o_proj, want)

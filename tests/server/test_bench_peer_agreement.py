@@ -42,3 +42,16 @@ def test_a_divergence_is_found_with_its_margin_and_stops_the_comparison():
     assert d["prompt"] == 1 and d["position"] == 1 and abs(d["margin"] - 5e-4) < 1e-9
     text = agreement.format_agreement(result, "vllm")
     assert "identical 1/2" in text and "near tie" in text
+
+
+def test_answers_of_other_lengths_and_tokens_outside_the_top_are_said_so():
+    ours = [_answer([1, 2], [-0.1, -0.2]), _answer([4, 5], [-1.0, -1.0])]
+    theirs = [_answer([1, 2, 3], [-0.1, -0.2, -0.3]), _answer([4, 9], [-1.0, -1.0])]
+    result = agreement.compare(ours, theirs)
+    assert result["identical"] == 0
+    short, outside = result["divergences"]
+    assert short == {"prompt": 0, "position": 2, "lengths": [2, 3]}
+    assert outside["margin"] is None  # our 5 is not in the peer's top at that position
+    json.dumps(result, allow_nan=False)  # results.json stays strict JSON
+    text = agreement.format_agreement(result, "vllm")
+    assert "2 and 3 long" in text and "not among vllm's top" in text
