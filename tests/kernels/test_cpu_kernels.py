@@ -368,6 +368,46 @@ def test_moe_experts_match_the_torch_path(shape, activation, dtype, packed, back
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("width", [24, 1032])
+@pytest.mark.parametrize("threads", [None, 24], ids=["threads-default", "threads-24"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_moe_experts_packed_row_counts(activation, dtype, threads, width, backend):
+    """Experts on either side of moe.cpp's row threshold, packed: 15 rows (the tiles), 16 and
+    17 (oneDNN's GEMMs), 256, 257 and 601 (the larger split into shares for the threads),
+    beside an idle expert; ragged widths, the pairs in shuffled order. 1,032 wide, the
+    largest experts' gate and up outputs pass 2 MiB: they run one after another, each GEMM
+    on every thread. On 24 threads the tasks are fewer than the threads: the same."""
+    from conveyor.runtime.layers.linear import pack_experts, packing_supported
+    from conveyor.runtime.layers.moe import ExpertShape, SparseMoeBlock
+    from conveyor.runtime.layers.parallel import SINGLE
+
+    if not packing_supported(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} weights here")
+    counts, hidden = [15, 16, 17, 256, 0, 257, 601], 40
+    g = torch.Generator().manual_seed(7)
+    e = ExpertShape(len(counts), 2, width, 0, width, False, True, 0, 0, 0, (True,))
+    block = SparseMoeBlock(hidden, e, activation, SINGLE).to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    assert pack_experts(block) == 2 * len(counts)
+    # Each token's two experts: the pairs' experts shuffled, then paired up (k = 2).
+    pairs = torch.cat([torch.full((n,), i) for i, n in enumerate(counts)])
+    ids = pairs[torch.randperm(len(pairs), generator=g)].view(-1, 2)
+    x = torch.randn(ids.shape[0], hidden, generator=g).to(dtype)
+    weights = torch.rand(ids.shape, generator=g) * 2
+    expected = block.experts(x, weights, ids)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        got = backend.layer_kernels.fused_moe(block, x, weights, ids)
+    finally:
+        torch.set_num_threads(before)
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
 def test_moe_experts_refuse_bad_input(backend):
     x, w13, w2 = torch.zeros(2, 8), torch.zeros(4, 6, 8), torch.zeros(4, 8, 3)
     weights = torch.ones(2, 1)

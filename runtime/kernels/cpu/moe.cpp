@@ -1,7 +1,8 @@
 // A mixture-of-experts MLP's routed experts on CPU (Mixtral, Qwen-MoE): three parallel passes
 // over the token-expert pairs grouped by expert, where the torch path makes a dozen calls (and
 // as many OpenMP regions) for every expert that has tokens. An expert with many tokens (a
-// prefill's) runs oneDNN's GEMMs on its prepacked weights instead, as a dense layer's.
+// prefill's) runs oneDNN's GEMMs on its prepacked weights instead, as a dense layer's: each
+// expert (or share of one) whole on one thread, the experts in parallel.
 //
 // 1. For each expert and tile of its MLP columns: the gate and up rows' dot products with the
 //    expert's tokens, then act(gate) * up, into h (pairs, I).
@@ -18,8 +19,10 @@
 #include "simd.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
+#include <array>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -31,6 +34,17 @@ constexpr int64_t kColumnsPerTask = 16;
 // Rows (an expert's tokens in the step) from which oneDNN's GEMM on the prepacked weights
 // beats the tiles below: measured on qwen3moe-8l-512's and mixtral-8l-512's experts.
 constexpr int64_t kPackedMinRows = 16;
+// The fewest rows of a share of an expert's rows on that path: the experts with many rows are
+// split into shares for the threads to have work to the end of a layer where few experts
+// hold most rows.
+constexpr int64_t kShareMinRows = 64;
+// An expert whose gate and up outputs (rows x 2I values) take more bytes than this (a core's
+// L2 here) runs each GEMM on every thread, not whole on one: on mixtral-8l-512's experts of
+// 512 rows, two at once (one a thread) ran 0.89x as fast as one after another (one run).
+constexpr int64_t kOneThreadMaxBytes = 2 << 20;
+// Rows per chunk of the loops around a task's GEMMs.
+constexpr int64_t kRowsPerChunk = 16;
+constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // GELU-tanh's z, as ops.cpp's
 
 // fn(i) for i in [0, n) on torch's threads, one task at a time each (dynamic: a thread the OS
 // deschedules holds back one task, not a share).
@@ -138,45 +152,112 @@ void moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const
     std::vector<int64_t> next(start.begin(), start.end() - 1);
     for (int64_t p = 0; p < S; ++p) pair[next[ids[p]]++] = p;
   }
-  // Each grouped pair's token row, as float32.
+  // Each pair's weighted output; every row is written below: no need to zero it.
+  std::unique_ptr<float[]> y(new float[S * H]);
+
+  // 0. The experts with many rows (a prefill's): oneDNN's GEMMs on their prepacked weights.
+  //    Each task is one expert's rows, or a share of them, on one thread (oneDNN runs
+  //    single-threaded inside the parallel region): no barrier between the GEMMs, and the
+  //    gather, the activation and the weighted scatter fused around them, in buffers of the
+  //    task's own.
+  std::vector<int64_t> tiled = count;
+  if (!packed_w13.empty()) {
+    // Rows per task at most: enough tasks for two a thread (an expert that has more rows is
+    // split into even shares), but no fewer rows than kShareMinRows (oneDNN's GEMMs slow down
+    // below those) and none split on one thread (which would read its weights twice).
+    const int64_t threads = at::get_num_threads();
+    int64_t packed_rows = 0;
+    for (int64_t e = 0; e < E; ++e)
+      if (count[e] >= kPackedMinRows) packed_rows += count[e];
+    const int64_t share_rows =
+        threads <= 1 ? S : std::max(kShareMinRows, (packed_rows + 2 * threads - 1) / (2 * threads));
+    std::vector<std::array<int64_t, 3>> tasks;  // (expert, first row, rows)
+    for (int64_t e = 0; e < E; ++e)  // the experts too large for one thread first
+      if (count[e] >= kPackedMinRows && threads > 1 &&
+          count[e] * 2 * I * static_cast<int64_t>(sizeof(T)) > kOneThreadMaxBytes) {
+        tiled[e] = 0;
+        tasks.push_back({e, 0, count[e]});
+      }
+    const int64_t whole = static_cast<int64_t>(tasks.size());
+    for (int64_t e = 0; e < E; ++e) {
+      if (count[e] < kPackedMinRows || tiled[e] == 0) continue;
+      tiled[e] = 0;
+      const int64_t shares = (count[e] + share_rows - 1) / share_rows;
+      for (int64_t s = 0; s < shares; ++s) {
+        const int64_t r0 = count[e] * s / shares, r1 = count[e] * (s + 1) / shares;
+        tasks.push_back({e, r0, r1 - r0});
+      }
+    }
+    // The largest first, so that the last task a thread takes is a short one.
+    std::stable_sort(tasks.begin() + whole, tasks.end(),
+                     [](const auto& a, const auto& b) { return a[2] > b[2]; });
+    const auto opts = x.options();
+    const at::ThreadLocalState state;  // grad and inference mode, for the pool's threads
+    const auto run = [&](int64_t task) {
+      const at::ThreadLocalStateGuard guard(state);
+      const auto [e, r0, n] = tasks[task];
+      const int64_t* rows = pair.data() + start[e] + r0;
+      // The loops around the GEMMs are parallel where the task runs alone (serial inside
+      // for_tasks' region, as at::parallel_for is in any).
+      std::unique_ptr<T[]> xg(new T[n * H]), act(new T[n * I]);
+      at::parallel_for(0, n, kRowsPerChunk, [&](int64_t b, int64_t end) {
+        for (int64_t i = b; i < end; ++i)
+          std::copy_n(xp + (rows[i] / k) * H, H, xg.get() + i * H);
+      });
+      const at::Tensor gate_up =
+          linear(at::from_blob(xg.get(), {n, H}, opts), w13[e], packed_w13[e], at::empty({0}));
+      const T* gu = gate_up.data_ptr<T>();
+      at::parallel_for(0, n, kRowsPerChunk, [&](int64_t b, int64_t end) {
+        std::vector<float> buf(I);
+        for (int64_t i = b; i < end; ++i) {
+          if (gelu)
+            gated_row(gu + i * 2 * I, gu + i * 2 * I + I, act.get() + i * I, I, buf.data(),
+                      [](float g) { return kTwoSqrt2OverPi * (g + 0.044715f * g * g * g); });
+          else
+            gated_row(gu + i * 2 * I, gu + i * 2 * I + I, act.get() + i * I, I, buf.data(),
+                      [](float g) { return g; });
+        }
+      });
+      const at::Tensor down =
+          linear(at::from_blob(act.get(), {n, I}, opts), w2[e], packed_w2[e], at::empty({0}));
+      const T* dp = down.data_ptr<T>();
+      at::parallel_for(0, n, kRowsPerChunk, [&](int64_t b, int64_t end) {
+        for (int64_t i = b; i < end; ++i) {
+          const int64_t p = rows[i];
+          const float wp = weights[p];
+          for (int64_t c = 0; c < H; ++c) y[p * H + c] = to_f(dp[i * H + c]) * wp;
+        }
+      });
+    };
+    // The large experts one after another, each of oneDNN's GEMMs on every thread; the rest
+    // in parallel, unless they are fewer than the threads (a short prefill on many cores).
+    const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+    for (int64_t task = 0; task < whole; ++task) run(task);
+    if (n_tasks - whole >= threads) {
+      for_tasks(n_tasks - whole, [&](int64_t i) { run(whole + i); });
+    } else {
+      for (int64_t task = whole; task < n_tasks; ++task) run(task);
+    }
+  }
+
+  // The tiles' pairs' token rows, as float32 (converted only where some expert has them).
+  const bool any_tiled = std::any_of(tiled.begin(), tiled.end(), [](int64_t n) { return n > 0; });
   std::vector<float> x_f;
   if constexpr (!std::is_same_v<T, float>) {
-    x_f.resize(T_ * H);
-    for (int64_t i = 0; i < T_ * H; ++i) x_f[i] = to_f(xp[i]);
+    if (any_tiled) {
+      x_f.resize(T_ * H);
+      for (int64_t i = 0; i < T_ * H; ++i) x_f[i] = to_f(xp[i]);
+    }
   }
   const float* xs = std::is_same_v<T, float> ? reinterpret_cast<const float*>(xp) : x_f.data();
   std::vector<const float*> x_rows(S), h_rows(S);
-  // Every row of y is written below, and every row of h that is read: no need to zero them.
-  std::unique_ptr<float[]> h(new float[S * I]), y(new float[S * H]);
-  for (int64_t i = 0; i < S; ++i) {
-    x_rows[i] = xs + (pair[i] / k) * H;
-    h_rows[i] = h.get() + i * I;
-  }
-  constexpr float kTwoSqrt2OverPi = 1.5957691216057308f;  // GELU-tanh's z, as ops.cpp's
-
-  // 0. An expert with many rows (a prefill's): oneDNN's GEMMs on its prepacked weights, one
-  //    expert after another, each parallel inside.
-  std::vector<int64_t> tiled = count;
-  if (!packed_w13.empty()) {
-    const auto opts = at::TensorOptions().dtype(at::kLong);
-    for (int64_t e = 0; e < E; ++e) {
-      if (count[e] < kPackedMinRows) continue;
-      tiled[e] = 0;
-      auto tokens = at::empty({count[e]}, opts);
-      int64_t* tp = tokens.data_ptr<int64_t>();
-      for (int64_t i = 0; i < count[e]; ++i) tp[i] = pair[start[e] + i] / k;
-      auto gate_up = linear(x.index_select(0, tokens), w13[e], packed_w13[e], at::empty({0}));
-      auto act = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
-      auto down = linear(act, w2[e], packed_w2[e], at::empty({0})).contiguous();
-      const T* dp = down.data_ptr<T>();
-      at::parallel_for(0, count[e], std::max<int64_t>(1, (1 << 14) / H), [&](int64_t b, int64_t end) {
-        for (int64_t i = b; i < end; ++i) {
-          const int64_t p = pair[start[e] + i];
-          for (int64_t c = 0; c < H; ++c) y[p * H + c] = to_f(dp[i * H + c]) * weights[p];
-        }
-      });
+  // Every row of h that is read is written: no need to zero it.
+  std::unique_ptr<float[]> h(new float[any_tiled ? S * I : 0]);
+  if (any_tiled)
+    for (int64_t i = 0; i < S; ++i) {
+      x_rows[i] = xs + (pair[i] / k) * H;
+      h_rows[i] = h.get() + i * I;
     }
-  }
 
   // 1. h = act(x . gate) * (x . up), per expert and tile of its I columns.
   const auto up_tiles = tiles(tiled, I);
