@@ -69,7 +69,8 @@ def _answer(logprobs: dict[str, Any]) -> Answer:
 
 def compare(ours: list[Answer], theirs: list[Answer]) -> dict[str, Any]:
     """How far ``ours`` and ``theirs`` (the same prompts' answers) agree."""
-    identical, max_delta, top_sets_equal, positions, ties = 0, 0.0, 0, 0, []
+    identical, max_delta, top_sets_equal, positions = 0, 0.0, 0, 0
+    ties: list[dict[str, Any]] = []
     for i, (a, b) in enumerate(zip(ours, theirs, strict=True)):
         same = 0
         while same < min(len(a.tokens), len(b.tokens)) and a.tokens[same] == b.tokens[same]:
