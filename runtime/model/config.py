@@ -4,7 +4,8 @@ transformers 5's config classes of the Llama family import ``transformers.activa
 pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, only to hold a
 dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
 read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
-``Qwen2Config``, ``Qwen3Config``, ``Phi3Config`` and ``GraniteConfig`` (tests/engine/test_model_config.py
+``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``, ``GraniteConfig`` and ``SmolLM3Config``
+(tests/engine/test_model_config.py
 compares every field with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
 frequencies transformers' own initialisers compute), rope parameters per layer type -- still
 gets transformers' config: ``from_values`` says None.
@@ -52,7 +53,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2,
     ),
+    "smollm3": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
+        bos_token_id=128000, eos_token_id=128001, pad_token_id=128004, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
+
+_DEFAULT_THETA = {"smollm3": 2_000_000.0}
+"""The rope theta of a config that names none, where its class's ``default_theta`` is not
+``DEFAULT_ROPE_THETA``."""
 
 _HEAD_DIM_FROM_HIDDEN = ("llama", "mistral", "phi3")
 """Types whose config derives a missing head_dim as hidden_size // num_attention_heads (Qwen2
@@ -106,6 +116,11 @@ class ModelConfig:
     residual adds."""
     logits_scaling: float = 1.0
     """Granite: the logits are divided by this."""
+    no_rope_layers: list[int] | None = None
+    """SmolLM3: per layer, 1 where it turns q and k with the rope, 0 where it does not (a NoPE
+    layer); filled from ``no_rope_layer_interval`` where config.json leaves it out."""
+    no_rope_layer_interval: int = 4
+    """SmolLM3: every this-many-th layer is a NoPE layer, where ``no_rope_layers`` is not given."""
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> ModelConfig | None:
@@ -114,7 +129,7 @@ class ModelConfig:
         model_type = values.get("model_type")
         if model_type not in _DEFAULTS:
             return None
-        rope = _plain_rope(values)
+        rope = _plain_rope(values, _DEFAULT_THETA.get(model_type, DEFAULT_ROPE_THETA))
         if rope is None:
             return None
         fields = {f.name for f in dataclasses.fields(cls)}
@@ -126,6 +141,8 @@ class ModelConfig:
             config.head_dim = config.hidden_size // config.num_attention_heads
         if config.num_key_value_heads is None:
             config.num_key_value_heads = config.num_attention_heads
+        if model_type == "smollm3":
+            _smollm3_layers(config)
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -133,14 +150,29 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-def _plain_rope(values: dict[str, Any]) -> dict[str, Any] | None:
+def _smollm3_layers(config: ModelConfig) -> None:
+    """SmolLM3Config's derived lists: a NoPE layer every ``no_rope_layer_interval`` layers
+    (the 4th, 8th, ...), and, with ``use_sliding_window`` and a ``sliding_window``, the NoPE
+    layers sliding (``layer_types``)."""
+    layers, every = config.num_hidden_layers, config.no_rope_layer_interval
+    if config.no_rope_layers is None:
+        config.no_rope_layers = [int((i + 1) % every != 0) for i in range(layers)]
+    if config.layer_types is None:
+        slides = config.use_sliding_window and config.sliding_window is not None
+        config.layer_types = [
+            "sliding_attention" if slides and not config.no_rope_layers[i] else "full_attention"
+            for i in range(layers)
+        ]
+
+
+def _plain_rope(values: dict[str, Any], default_theta: float) -> dict[str, Any] | None:
     """transformers' standardised ``rope_parameters`` for a plain rope; None for any other."""
     # transformers reads a legacy ``rope_scaling`` in preference to ``rope_parameters``.
     given = values.get("rope_scaling") or values.get("rope_parameters") or {}
     if not isinstance(given, dict) or any(isinstance(v, dict) for v in given.values()):
         return None  # per-layer-type parameters
     rope = dict(given)
-    rope.setdefault("rope_theta", values.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope.setdefault("rope_theta", values.get("rope_theta", default_theta))
     rope.setdefault("rope_type", rope.get("type", "default"))
     return rope if rope["rope_type"] == "default" and rope["rope_theta"] is not None else None
 
@@ -153,13 +185,15 @@ def layer_windows(config: Any) -> tuple[int, ...]:
     Qwen3-MoE (whose configs set it only with ``use_sliding_window``); Qwen2 and
     Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
     those from ``max_window_layers`` on); Gemma 2 and 3 in the layers ``layer_types`` names
-    (every other one, five of every six), and so does Qwen2-MoE; Llama and Gemma never. A query at position ``i`` then sees keys
-    ``i - window + 1 .. i``."""
+    (every other one, five of every six), and so do Qwen2-MoE and SmolLM3 (whose config marks
+    its NoPE layers sliding where ``use_sliding_window`` is on; transformers' masks and vLLM
+    slide in whichever layers ``layer_types`` marks); Llama and Gemma never. A query at
+    position ``i`` then sees keys ``i - window + 1 .. i``."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or 0
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (window,) * layers
-    if config.model_type in ("gemma2", "gemma3_text", "qwen2_moe"):  # the config fills layer_types
+    if config.model_type in ("gemma2", "gemma3_text", "qwen2_moe", "smollm3"):  # filled in
         return tuple(window if kind == "sliding_attention" else 0 for kind in config.layer_types)
     if config.model_type not in ("qwen2", "qwen3") or not getattr(
         config, "use_sliding_window", False

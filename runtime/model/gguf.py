@@ -196,6 +196,12 @@ class GGUFModel:
                 "the file may be truncated: fetch it again"
             ) from exc
         self.architecture = str(self.field("general.architecture", ""))
+        if self.architecture == "smollm3":
+            raise GGUFError(
+                f"{str(path)!r} holds a 'smollm3' model: Conveyor serves SmolLM3 (and its "
+                "layers without rope, no_rope_layers) from its Hugging Face checkpoint only; "
+                "serve that"
+            )
         if self.architecture not in ARCHITECTURES:
             raise GGUFError(
                 f"{str(path)!r} holds a {self.architecture or 'unnamed'!r} model; Conveyor runs "

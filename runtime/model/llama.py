@@ -1,4 +1,5 @@
-"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma share one shape.
+"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Granite and SmolLM3
+share one shape.
 
 RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache,
 and a gated MLP. The differences are flags read from the Hugging Face config (``shape.py``):
@@ -6,6 +7,9 @@ Qwen2 has biases on q/k/v, Qwen3 normalises q and k per head, some models tie
 the LM head to the embeddings. Phi-3's checkpoints hold q/k/v and gate/up fused
 (split at load, so tensor parallelism cuts them as any other), and Phi-4-mini
 turns only part of each head (``layers/rotary.py``).
+
+SmolLM3 is Llama whose NoPE layers (``no_rope_layers``: every fourth by default) turn neither
+q nor k: their attention sees no positions but the causal mask's.
 
 Granite is Llama with four multipliers: of the embeddings, of the attention scores (in place
 of 1 / sqrt(head_dim)), of each residual branch (folded into o_proj and down_proj at load)
@@ -70,10 +74,11 @@ class LlamaAttention(nn.Module):
         """Set when the replica serves LoRA adapters (``layers/lora.py``)."""
 
     def project(
-        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+        self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), rotated: all that depends on
-        the step's tokens alone (a piecewise CUDA graph holds it, ``piecewise_graphs.py``)."""
+        """x (T, hidden) -> q (T, Hq, D), k and v (T, Hkv, D), rotated (unless ``rotary`` is
+        None: SmolLM3's NoPE layers): all that depends on the step's tokens alone (a piecewise
+        CUDA graph holds it, ``piecewise_graphs.py``)."""
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         if self.lora_qkv_proj is not None:
             qkv = self.lora_qkv_proj(x, qkv)
@@ -83,6 +88,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is None:
+            return q, k, v
         return rotary(positions, q, k) + (v,)
 
     def attend(
@@ -153,7 +160,7 @@ class LlamaDecoderLayer(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        rotary: RotaryEmbedding,
+        rotary: RotaryEmbedding | None,
     ) -> Projected:
         """The input norm (with the residual add) and the projections -> (q, k, v, residual)."""
         if residual is None:
@@ -296,9 +303,10 @@ class LlamaForCausalLM(nn.Module):
         """The first rope table: every layer's but under per-layer-type ropes (Gemma 3)."""
         return cast(RotaryEmbedding, self.rotaries[0])
 
-    def rotary_of(self, i: int) -> RotaryEmbedding:
-        """Layer ``i``'s rope table."""
-        return cast(RotaryEmbedding, self.rotaries[self.shape.layer_ropes[i]])
+    def rotary_of(self, i: int) -> RotaryEmbedding | None:
+        """Layer ``i``'s rope table; None where it turns nothing (SmolLM3's NoPE layers)."""
+        table = self.shape.layer_ropes[i]
+        return None if table is None else cast(RotaryEmbedding, self.rotaries[table])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings (T, hidden), scaled where the model scales them (Gemma)."""

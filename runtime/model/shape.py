@@ -1,8 +1,9 @@
 """A decoder's shape: what ``llama.py``'s layers need from a model's config, read once.
 
 The model types Conveyor runs and what each changes in the shared decoder (biases, q/k norms,
-Gemma's norms, scales and caps, Granite's multipliers, rope tables per layer type, sliding
-windows, experts), with this rank's share of the heads under tensor parallelism.
+Gemma's norms, scales and caps, Granite's multipliers, rope tables per layer type, SmolLM3's
+layers without rope, sliding windows, experts), with this rank's share of the heads under
+tensor parallelism.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from conveyor.runtime.model.config import layer_windows
 
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *GEMMA, *MOE_MODEL_TYPES,
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *GEMMA, *MOE_MODEL_TYPES,
 )  # fmt: skip
 
 
@@ -134,18 +135,37 @@ class DecoderShape:
                 f"layer_types names {sorted(unknown)}, which rope_parameters has no entry for "
                 f"(it has {list(rope_types)})"
             )
-        self.layer_ropes = (
+        tables = (
             tuple(rope_types.index(kind) for kind in config.layer_types)
             if rope_types
             else (0,) * self.num_layers
         )
-        """Per layer, the index of its table in ``ropes``."""
+        self.layer_ropes: tuple[int | None, ...] = tuple(
+            table if turns else None
+            for table, turns in zip(tables, _rope_layers(config), strict=True)
+        )
+        """Per layer, the index of its table in ``ropes``; None: the layer turns neither q nor
+        k (SmolLM3's NoPE layers)."""
         if len({inv.numel() for inv, _ in self.ropes}) > 1:
             raise ValueError("layer types that turn different shares of a head are not supported")
         self.inv_freq, self.rope_scaling = self.ropes[0]
         self.qk_order = rotary_row_order(self.head_dim, 2 * self.inv_freq.numel())
         """A partial rotary's order of a head's q/k dimensions (``layers/rotary.py``); None:
         the checkpoint's."""
+
+
+def _rope_layers(config) -> tuple[bool, ...]:
+    """Per layer, whether it turns q and k: every layer but SmolLM3's NoPE ones, where
+    ``no_rope_layers`` says 0 (its config fills the list: every fourth layer by default)."""
+    layers = config.num_hidden_layers
+    flags = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
+    if flags is None:
+        return (True,) * layers
+    if len(flags) < layers:
+        raise ValueError(
+            f"no_rope_layers has {len(flags)} entries for {layers} layers; it needs one a layer"
+        )
+    return tuple(bool(flag) for flag in flags[:layers])
 
 
 def _activation(config) -> str:

@@ -14,6 +14,7 @@ from model_shapes import (
     QWEN2_MOE,
     QWEN3,
     QWEN3_MOE,
+    SMOLLM3,
 )
 
 from conveyor.runtime.model.builtin import TINY_CONFIG, builtin_model_path, generate_model
@@ -34,6 +35,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "qwen2_moe": str(generate_model(root / "qwen2_moe", QWEN2_MOE, seed=8)),
         "granite": str(generate_model(root / "granite", GRANITE, seed=9)),
         "granitemoe": str(generate_model(root / "granitemoe", GRANITEMOE, seed=10)),
+        "smollm3": str(generate_model(root / "smollm3", SMOLLM3, seed=11)),
     }
 
 

@@ -92,6 +92,16 @@ GRANITEMOE = dict(
 """GraniteMoE's: Granite's multipliers (the residual one on the experts' sum too) over 6
 experts, 2 per token, weighted by a softmax over their two scores; all of a layer's experts in
 one checkpoint tensor (``input_linear``, ``output_linear``)."""
+SMOLLM3 = dict(
+    SMALL,
+    architectures=["SmolLM3ForCausalLM"],
+    model_type="smollm3",
+    no_rope_layers=[1, 0],
+    tie_word_embeddings=False,
+)
+"""SmolLM3's shape: Llama whose NoPE layers turn neither q nor k. SmolLM3-3B's are every fourth
+(``no_rope_layers``' 0s); here the second of two, against the default list's none (an interval
+of 4), so greedy tokens tell rope everywhere, or skipped in the wrong layer, apart."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

@@ -27,6 +27,7 @@ MODELS = [
     "qwen2_moe",
     "granite",
     "granitemoe",
+    "smollm3",
 ]
 
 

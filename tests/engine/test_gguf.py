@@ -170,6 +170,15 @@ def test_refuses_another_architecture(gguf_dir, model_dirs, tmp_path):
     assert "'gpt2' model" in message and "llama, mistral, qwen2, qwen3" in message
 
 
+def test_refuses_smollm3_and_names_its_hugging_face_files(model_dirs, tmp_path):
+    """SmolLM3 is served from its Hugging Face files, whose config says which layers skip
+    the rope (``no_rope_layers``); its GGUFs are refused with a pointer to them, not run as
+    a Llama that turns every layer."""
+    path = write_gguf(model_dirs["conveyor-tiny"], tmp_path / "s.gguf", architecture="smollm3")
+    message = refused(path)
+    assert "'smollm3' model" in message and "Hugging Face checkpoint" in message
+
+
 def test_refuses_a_mixture_of_experts(model_dirs, tmp_path):
     path = write_gguf(model_dirs["conveyor-tiny"], tmp_path / "mixtral.gguf", experts=8)
     assert "mixture-of-experts GGUF (8 experts)" in refused(path)

@@ -52,13 +52,28 @@ CONFIGS = [
             "tie_word_embeddings": True,
         },
     ),
+    ("smollm3", {}),
+    ("smollm3", SMALL),
+    ("smollm3", {**SMALL, "num_hidden_layers": 7, "no_rope_layer_interval": 3, "rope_theta": 5e6}),
+    ("smollm3", {**SMALL, "no_rope_layers": [0, 1, 1], "attention_bias": True, "mlp_bias": True}),
+    (
+        "smollm3",
+        {
+            **SMALL,
+            "num_hidden_layers": 8,
+            "use_sliding_window": True,
+            "sliding_window": 16,
+            "tie_word_embeddings": False,
+            "head_dim": 64,
+        },
+    ),
 ]
 
 READ = (
     "model_type", "hidden_size", "num_layers", "total_num_heads", "total_num_kv_heads",
     "head_dim", "total_intermediate_size", "vocab_size", "rms_norm_eps", "max_position",
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings", "rope_scaling",
-    "windows", "embed_scale", "attn_scale", "residual_scale", "logits_scaling",
+    "windows", "embed_scale", "attn_scale", "residual_scale", "logits_scaling", "layer_ropes",
 )  # fmt: skip
 """What ``DecoderShape`` takes from a config."""
 

@@ -1,6 +1,6 @@
 """Sliding-window attention: Mistral's (every layer, 4096 keys unless the config says
-otherwise), Phi-3's (every layer, where the config says) and Qwen2's and Qwen3's (``use_sliding_window``, the layers ``layer_types`` or
-``max_window_layers`` pick) give transformers' greedy tokens once a context is longer than
+otherwise), Phi-3's (every layer, where the config says), Qwen2's and Qwen3's (``use_sliding_window``, the layers ``layer_types`` or
+``max_window_layers`` pick) and SmolLM3's (its NoPE layers, with ``use_sliding_window``) give transformers' greedy tokens once a context is longer than
 the window, on every CPU attention path, batched, chunked and prefix-cached. Before, the
 window was ignored and the tokens differed from the first one past it."""
 
@@ -29,7 +29,12 @@ QWEN3 = dict(
     sliding_window=9, layer_types=["sliding_attention", "full_attention"],
 )  # fmt: skip
 PHI3 = dict(SMALL, architectures=["Phi3ForCausalLM"], model_type="phi3", sliding_window=10)
-CONFIGS = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": PHI3}
+SMOLLM3 = dict(
+    SMALL, architectures=["SmolLM3ForCausalLM"], model_type="smollm3", use_sliding_window=True,
+    sliding_window=10, no_rope_layers=[1, 0], pad_token_id=None, tie_word_embeddings=False,
+)  # fmt: skip
+"""Its config slides the NoPE layers (the second) when ``use_sliding_window`` is on."""
+CONFIGS = {"mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3, "phi3": PHI3, "smollm3": SMOLLM3}
 
 BACKENDS = ["torch", "cpu"]
 """The C++ kernels run the layers in one call for Mistral and Qwen2 (``decoder.cpp``) and
@@ -95,6 +100,12 @@ WINDOW_CONFIGS = [
     pytest.param(
         dict(SMALL, architectures=["LlamaForCausalLM"], model_type="llama", sliding_window=8),
         id="llama-ignores",
+    ),
+    pytest.param(dict(SMOLLM3), id="smollm3-nope-layers"),
+    pytest.param(dict(SMOLLM3, use_sliding_window=False), id="smollm3-off"),
+    pytest.param(
+        dict(SMOLLM3, num_hidden_layers=8, no_rope_layers=None, no_rope_layer_interval=3),
+        id="smollm3-interval",
     ),
 ]
 

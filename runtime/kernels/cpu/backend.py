@@ -69,9 +69,9 @@ class CpuAttentionBackend:
         None when the model does not fit it: every linear packed for oneDNN, every norm's weight
         in the model's dtype, float32 rotary tables. Every kind of layer ``model/llama.py``
         builds fits: Qwen3's and Gemma 3's q/k norms, Gemma's GELU gate, Gemma 2/3's sandwich
-        norms, a rope table per layer type (Gemma 3), and the mixture-of-experts MLPs of
-        ``layers/moe.py`` (routed the same way, ``moe.cpp``'s experts as ``fused_moe`` runs
-        them, the shared expert), beside dense ones. Epsilon, scale, the score soft cap and
+        norms, a rope table per layer type (Gemma 3) or none (SmolLM3's NoPE layers), and the
+        mixture-of-experts MLPs of ``layers/moe.py`` (routed the same way, ``moe.cpp``'s
+        experts as ``fused_moe`` runs them, the shared expert), beside dense ones. Epsilon, scale, the score soft cap and
         the routing come from the shape, as the layers' own do."""
         ops = self.ops
         # The Llama family's submodules, read by name (``runtime/model/llama.py``); torch types
@@ -116,7 +116,9 @@ class CpuAttentionBackend:
             if table.dtype != torch.float32 or not table.is_contiguous():
                 return None
         s, scale, softcap = shape, shape.attn_scale, shape.attn_softcap  # LlamaAttention's
-        layer_ropes, windows = list(shape.layer_ropes), list(shape.windows)
+        # -1: a layer that turns nothing (SmolLM3's NoPE layers).
+        layer_ropes = [-1 if r is None else r for r in shape.layer_ropes]
+        windows = list(shape.windows)
         gelu = shape.activation == "gelu_tanh"  # LlamaMLP's GeluAndMul; else SiluAndMul
         e = shape.experts
         top_k, renormalize, round_weights = (

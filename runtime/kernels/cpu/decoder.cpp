@@ -109,7 +109,8 @@ at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // x (T, hidden), the embedded tokens, through every layer; returns (x, residual) for the
 // final norm. kv_caches (layers, 2, blocks, block_size, Hkv, D); the step's metadata as
 // AttentionMetadata holds it; the first num_decode_tokens rows are decodes. cos/sin: the rope
-// tables, (max_position, D) float32 each, and layer_ropes each layer's index in them.
+// tables, (max_position, D) float32 each, and layer_ropes each layer's index in them (-1: the
+// layer turns nothing, SmolLM3's NoPE layers).
 // gelu: the MLP gates with GELU's tanh approximation (Gemma), not SiLU. scale: the scores'
 // (query_pre_attn_scalar ** -0.5 under Gemma 2/3), softcap: their soft cap (0: none).
 // windows: per layer, the keys a query sees (0: all before it; runtime/model/config.py's
@@ -136,7 +137,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   TORCH_CHECK(int64_t(layer_ropes.size()) == layers && cos.size() == sin.size(),
               "decoder_layers needs a rope table per layer");
   for (const int64_t r : layer_ropes)
-    TORCH_CHECK(r >= 0 && r < int64_t(cos.size()), "rope table ", r, " out of range");
+    TORCH_CHECK(r >= -1 && r < int64_t(cos.size()), "rope table ", r, " out of range");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous (tokens, hidden) tensor");
   const int64_t T = x.size(0), nd = num_decode_tokens;
   TORCH_CHECK(nd >= 0 && nd <= T && (has_prefills || nd == T), "decode tokens out of range");
@@ -169,7 +170,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
       q = head_rms_norm(q, w[kQNorm], eps);
       k = head_rms_norm(k, w[kKNorm], eps);
     }
-    rotary_embedding(positions, q, k, cos[layer_ropes[l]], sin[layer_ropes[l]]);
+    if (layer_ropes[l] >= 0)
+      rotary_embedding(positions, q, k, cos[layer_ropes[l]], sin[layer_ropes[l]]);
     const at::Tensor layer_cache = kv_caches.select(0, l);
     const at::Tensor k_cache = layer_cache.select(0, 0), v_cache = layer_cache.select(0, 1);
     store_kv(k, v, k_cache, v_cache, slots);
