@@ -115,6 +115,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "residual_multiplier": 0.22, "logits_scaling": 6.0, "hidden_act": "silu",
         "vocab_size": 4096, "torch_dtype": "float32",
     },
+    # SmolLM3-3B's scaled down: heads of 128 (4 of them over 1 KV head, its 4:1), an MLP 5.375x
+    # as wide, theta 5e6, a tied head, and its NoPE layers: every fourth turns no rope.
+    "smollm3-8l-512": {
+        "model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 5e6, "no_rope_layers": [1, 1, 1, 0, 1, 1, 1, 0],
+        "no_rope_layer_interval": 4, "use_sliding_window": False, "sliding_window": None,
+        "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "vocab_size": 4096, "torch_dtype": "float32",
+    },
+    # Phi-4-mini's scaled down: heads of 128 (4 over 2 KV heads; its own are 24 over 8), three
+    # quarters of each turned (partial_rotary_factor 0.75), an MLP 2.67x as wide, a tied head;
+    # a plain rope where it has LongRoPE (whose short factors serve its 4k context).
+    "phi4mini-8l-512": {
+        "model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1368, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "tie_word_embeddings": True, "hidden_act": "silu", "vocab_size": 4096,
+        "torch_dtype": "float32",
+    },
     # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
     "mixtral-8l-512": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
