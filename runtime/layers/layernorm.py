@@ -3,7 +3,8 @@
 Llama's norm rounds the normalised x to the activation dtype, then scales it by its weight
 (in that dtype). Gemma's scales by ``1 + weight`` in float32 and rounds once: its norms keep
 a float32 weight (``1 + weight``, offset at load), which every kernel reads as "scale in
-float32, round once" -- in float32 models the two are the same.
+float32, round once" -- in float32 models the two are the same. OLMo 2/3's norms scale in
+float32 and round once too (a float32 weight, no offset).
 """
 
 from __future__ import annotations
@@ -46,11 +47,16 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        if weight.dtype == torch.float32 and dtype != torch.float32:  # Gemma's: round once
-            out = (weight * xf).to(dtype)
-        else:
-            out = weight * xf.to(dtype)
+        out = RMSNorm.scaled(
+            xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps), weight, x.dtype
+        )
         return out if residual is None else (out, residual)
+
+    @staticmethod
+    def scaled(normed: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The float32 normalised rows times the weight, in ``dtype``: Llama's rounds the rows
+        first, a float32 weight beside half-precision rows (Gemma's, OLMo's) rounds once."""
+        if weight.dtype == torch.float32 and dtype != torch.float32:
+            return (weight * normed).to(dtype)
+        return weight * normed.to(dtype)

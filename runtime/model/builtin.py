@@ -84,7 +84,8 @@ def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
     ``config`` is a Hugging Face config dict of model type llama, mistral, qwen2
     (q/k/v biases), qwen3 (q/k norms), phi3 (q/k/v and gate/up fused), gemma, gemma2
     or gemma3_text (norms that scale by 1 + weight; 2 and 3 with four norms a layer, 3
-    with q/k norms); the tests use small random shapes of each made this way.
+    with q/k norms), olmo2 or olmo3 (norms after the attention and the MLP only, q/k norms
+    over the whole projection); the tests use small random shapes of each made this way.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -247,11 +248,20 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
     def norm(size: int) -> torch.Tensor:  # near 1; Gemma's norms add the 1 themselves
         return (0.0 if gemma else 1.0) + normal(size, std=0.05)
 
+    olmo = kind in ("olmo2", "olmo3")
+    # OLMo's q/k norms span every head: heads of unequal sizes tell that from a norm per head.
+    head_gain = torch.tensor([0.5, 1.0, 2.0])[torch.arange(max(nh, nkv)) % 3] if olmo else None
+
+    def heads(w: torch.Tensor) -> torch.Tensor:
+        if head_gain is None:
+            return w
+        return (w.unflatten(0, (-1, hd)) * head_gain[: w.shape[0] // hd, None, None]).flatten(0, 1)
+
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         tensors |= {
-            p + "self_attn.q_proj.weight": normal(nh * hd, h, std=0.08),
-            p + "self_attn.k_proj.weight": normal(nkv * hd, h, std=0.08),
+            p + "self_attn.q_proj.weight": heads(normal(nh * hd, h, std=0.08)),
+            p + "self_attn.k_proj.weight": heads(normal(nkv * hd, h, std=0.08)),
             p + "self_attn.v_proj.weight": normal(nkv * hd, h, std=0.06),
             p + "self_attn.o_proj.weight": normal(h, nh * hd, std=0.04),
         }
@@ -259,15 +269,13 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             tensors |= _expert_weights(p, config, experts, normal)
         else:
             tensors |= _mlp_weights(p + "mlp.", h, inter, normal)
-        tensors |= {
-            p + "input_layernorm.weight": norm(h),
-            p + "post_attention_layernorm.weight": norm(h),
-        }
+        if not olmo:  # OLMo norms only the attention's and the MLP's outputs
+            tensors[p + "input_layernorm.weight"] = norm(h)
+        tensors[p + "post_attention_layernorm.weight"] = norm(h)
         if kind in ("gemma2", "gemma3_text"):
-            tensors |= {
-                p + "pre_feedforward_layernorm.weight": norm(h),
-                p + "post_feedforward_layernorm.weight": norm(h),
-            }
+            tensors[p + "pre_feedforward_layernorm.weight"] = norm(h)
+        if kind in ("gemma2", "gemma3_text") or olmo:
+            tensors[p + "post_feedforward_layernorm.weight"] = norm(h)
         qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
         if qkv_bias or config.get("attention_bias"):
             tensors |= {
@@ -283,10 +291,10 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "mlp.up_proj.bias": normal(inter, std=0.1),
                 p + "mlp.down_proj.bias": normal(h, std=0.1),
             }
-        if kind in ("qwen3", "qwen3_moe", "gemma3_text"):
-            tensors |= {
-                p + "self_attn.q_norm.weight": norm(hd),
-                p + "self_attn.k_norm.weight": norm(hd),
+        if kind in ("qwen3", "qwen3_moe", "gemma3_text") or olmo:
+            tensors |= {  # OLMo's over the whole projection, the others' per head
+                p + "self_attn.q_norm.weight": norm(nh * hd if olmo else hd),
+                p + "self_attn.k_norm.weight": norm(nkv * hd if olmo else hd),
             }
         if config["model_type"] == "phi3":  # Phi-3's checkpoints hold q/k/v and gate/up fused
             for fused, parts in FUSED.items():

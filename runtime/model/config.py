@@ -4,8 +4,8 @@ transformers 5's config classes of the Llama family import ``transformers.activa
 pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, only to hold a
 dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
 read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
-``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``, ``GraniteConfig`` and ``SmolLM3Config``
-(tests/engine/test_model_config.py
+``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``, ``GraniteConfig``, ``SmolLM3Config``,
+``Olmo2Config`` and ``Olmo3Config`` (tests/engine/test_model_config.py
 compares every field with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
 frequencies transformers' own initialisers compute), rope parameters per layer type -- still
 gets transformers' config: ``from_values`` says None.
@@ -58,9 +58,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=32768,
         bos_token_id=128000, eos_token_id=128001, pad_token_id=128004, tie_word_embeddings=True,
     ),
+    "olmo2": dict(
+        vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279,
+    ),
+    "olmo3": dict(
+        vocab_size=50304, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279, sliding_window=4096,
+    ),
 }  # fmt: skip
 
-_DEFAULT_THETA = {"smollm3": 2_000_000.0}
+_DEFAULT_THETA = {"smollm3": 2_000_000.0, "olmo3": 500_000.0}
 """The rope theta of a config that names none, where its class's ``default_theta`` is not
 ``DEFAULT_ROPE_THETA``."""
 
@@ -104,7 +114,8 @@ class ModelConfig:
     max_window_layers: int = 0
     """Qwen2/Qwen3: layers from this index on slide, where ``layer_types`` is not given."""
     layer_types: list[str] | None = None
-    """``full_attention`` or ``sliding_attention`` per layer (Qwen2, Qwen3)."""
+    """``full_attention`` or ``sliding_attention`` per layer (Qwen2, Qwen3, OLMo 3: by default
+    three sliding layers, then a full one)."""
     partial_rotary_factor: float = 1.0
     """The share of a head's dimensions the rotary turns (Phi-4-mini: 0.75)."""
     embedding_multiplier: float = 1.0
@@ -143,6 +154,11 @@ class ModelConfig:
             config.num_key_value_heads = config.num_attention_heads
         if model_type == "smollm3":
             _smollm3_layers(config)
+        if model_type == "olmo3" and config.layer_types is None:  # as Olmo3Config fills it
+            config.layer_types = [
+                "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                for i in range(config.num_hidden_layers)
+            ]
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -185,15 +201,16 @@ def layer_windows(config: Any) -> tuple[int, ...]:
     Qwen3-MoE (whose configs set it only with ``use_sliding_window``); Qwen2 and
     Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
     those from ``max_window_layers`` on); Gemma 2 and 3 in the layers ``layer_types`` names
-    (every other one, five of every six), and so do Qwen2-MoE and SmolLM3 (whose config marks
-    its NoPE layers sliding where ``use_sliding_window`` is on; transformers' masks and vLLM
-    slide in whichever layers ``layer_types`` marks); Llama and Gemma never. A query at
-    position ``i`` then sees keys ``i - window + 1 .. i``."""
+    (every other one, five of every six), and so do Qwen2-MoE, OLMo 3 (three of every four, by
+    default) and SmolLM3 (whose config marks its NoPE layers sliding where
+    ``use_sliding_window`` is on; transformers' masks and vLLM slide in whichever layers
+    ``layer_types`` marks); Llama, Gemma and OLMo 2 never. A query at position ``i`` then sees
+    keys ``i - window + 1 .. i``."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or 0
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (window,) * layers
-    if config.model_type in ("gemma2", "gemma3_text", "qwen2_moe", "smollm3"):  # filled in
+    if config.model_type in ("gemma2", "gemma3_text", "qwen2_moe", "olmo3", "smollm3"):  # filled
         return tuple(window if kind == "sliding_attention" else 0 for kind in config.layer_types)
     if config.model_type not in ("qwen2", "qwen3") or not getattr(
         config, "use_sliding_window", False

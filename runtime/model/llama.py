@@ -1,5 +1,5 @@
-"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Granite and SmolLM3
-share one shape.
+"""The Llama family's decoder: Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Granite, SmolLM3
+and OLMo share one shape.
 
 RMSNorm, rotary embeddings, grouped-query attention over the paged KV cache,
 and a gated MLP. The differences are flags read from the Hugging Face config (``shape.py``):
@@ -22,6 +22,11 @@ outputs before each residual add ("sandwich" norms), scale scores by
 ``query_pre_attn_scalar`` and slide a window in some layers. Gemma 2 soft-caps the
 attention scores and the logits (``cap * tanh(x / cap)``); Gemma 3 normalises q and k
 per head and turns its sliding layers with a rope of their own.
+
+OLMo 2 and 3 have no norm before the attention or the MLP: each reads the residual stream as
+it is, and its output is normed before the residual add (``post_attention_layernorm``,
+``post_feedforward_layernorm``). Their q and k norms span the whole projection, every head at
+once, before the rotary; OLMo 3 slides a window in three layers of every four.
 """
 
 from __future__ import annotations
@@ -65,6 +70,16 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_dtype)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_dtype)
         self.qk_norm = s.qk_norm
+        self.qk_norm_across_heads = s.qk_norm_across_heads
+        if s.qk_norm_across_heads:  # OLMo: this rank's heads' share of a norm of all of them
+            self.q_norm = RMSNorm(self.q_size, s.rms_norm_eps, s.norm_dtype)
+            self.k_norm = RMSNorm(self.kv_size, s.rms_norm_eps, s.norm_dtype)
+            self.qk_widths = (
+                s.total_num_heads * s.head_dim,
+                s.total_num_kv_heads * s.head_dim,
+                max(1, s.tp.size // s.total_num_kv_heads),
+            )
+            """The norms' whole widths (q's, k's), and how many ranks hold each KV head."""
         self.scale = s.attn_scale
         self.softcap = s.attn_softcap
         self.backend = backend
@@ -83,6 +98,8 @@ class LlamaAttention(nn.Module):
         if self.lora_qkv_proj is not None:
             qkv = self.lora_qkv_proj(x, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_across_heads:
+            q, k = self.norm_across_heads(q, k)
         q = q.view(-1, self.num_heads, self.head_dim)  # (T, Hq, D)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -91,6 +108,25 @@ class LlamaAttention(nn.Module):
         if rotary is None:
             return q, k, v
         return rotary(positions, q, k) + (v,)
+
+    def norm_across_heads(
+        self, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """OLMo's q and k norms, (T, q_size) and (T, kv_size) -> the same, each over the whole
+        projection: under tensor parallelism the ranks' sums of squares are summed first (a KV
+        head that several ranks hold counted once), in one all-reduce for both."""
+        q, k = q.contiguous(), k.contiguous()
+        if self.tp is None:
+            return cast(torch.Tensor, self.q_norm(q)), cast(torch.Tensor, self.k_norm(k))
+        q_width, k_width, kv_copies = self.qk_widths
+        qf, kf = q.float(), k.float()
+        squares = torch.stack([qf.pow(2).sum(-1), kf.pow(2).sum(-1) / kv_copies], dim=-1)
+        self.tp.all_reduce(squares)  # (T, 2): the whole q's and k's sums of squares
+        scale = torch.rsqrt(squares / squares.new_tensor([q_width, k_width]) + self.q_norm.eps)
+        return (
+            RMSNorm.scaled(qf * scale[:, :1], self.q_norm.weight, q.dtype),
+            RMSNorm.scaled(kf * scale[:, 1:], self.k_norm.weight, k.dtype),
+        )
 
     def attend(
         self,
@@ -148,11 +184,14 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = SparseMoeBlock(s.hidden_size, s.experts, s.activation, s.tp)
         else:
             self.mlp = LlamaMLP(s)
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
+        if not s.post_norms:  # OLMo has no input norm
+            self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
         self.sandwich_norms = s.sandwich_norms
+        self.post_norms = s.post_norms
         if s.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
+        if s.sandwich_norms or s.post_norms:
             self.post_feedforward_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, s.norm_dtype)
 
     def before_attention(
@@ -163,6 +202,9 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding | None,
     ) -> Projected:
         """The input norm (with the residual add) and the projections -> (q, k, v, residual)."""
+        if self.post_norms:  # OLMo: the residual stream itself goes in
+            residual = x if residual is None else x + residual
+            return (*self.self_attn.project(positions, residual, rotary), residual)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -175,6 +217,9 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's output projection, the residual add, norm and MLP -> (x, residual)."""
         o = self.self_attn.output(o)
+        if self.post_norms:  # OLMo: the MLP reads the stream; each output normed, then added
+            residual = residual + self.post_attention_layernorm(o)
+            return self.post_feedforward_layernorm(self.mlp(residual)), residual
         if not self.sandwich_norms:
             x, residual = self.post_attention_layernorm(o, residual)
             return self.mlp(x), residual

@@ -6,7 +6,8 @@ here so that tensor parallelism cuts each as any other. ``weight_shard`` says wh
 each tensor a rank holds, so the loaders read only that; ``load_weights`` copies the parts in
 and checks that every parameter was set exactly once. Routed and shared experts map through
 ``expert_weights.py``; a partial rotary reorders q's and k's rows (``to_rotary_layout``);
-Gemma's norms are offset by 1 and Granite's residual branches scaled (``output_rows``) at load.
+Gemma's norms are offset by 1 and Granite's residual branches scaled (``output_rows``) at load;
+OLMo's q/k norms span the whole projection, so a rank holds its heads' part of their weights.
 """
 
 from __future__ import annotations
@@ -55,9 +56,10 @@ def weight_shard(shape: DecoderShape, hf_name: str) -> Shard | None:
         return shape.vocab.shard
     if shape.experts is not None and is_expert(name := canonical_name(hf_name)):
         return expert_shard(shape.experts, name)
-    if ".q_proj." in hf_name:
+    across = shape.qk_norm_across_heads  # OLMo's q/k norms: this rank's heads' part of each
+    if ".q_proj." in hf_name or (across and ".q_norm." in hf_name):
         return Shard(0, sp.head_start * d, sp.num_heads * d)
-    if ".k_proj." in hf_name or ".v_proj." in hf_name:
+    if ".k_proj." in hf_name or ".v_proj." in hf_name or (across and ".k_norm." in hf_name):
         return Shard(0, sp.kv_head_start * d, sp.num_kv_heads * d)
     if ".gate_proj." in hf_name or ".up_proj." in hf_name:
         return Shard(0, sp.intermediate_start, sp.intermediate_size)

@@ -1,9 +1,9 @@
 """A decoder's shape: what ``llama.py``'s layers need from a model's config, read once.
 
 The model types Conveyor runs and what each changes in the shared decoder (biases, q/k norms,
-Gemma's norms, scales and caps, Granite's multipliers, rope tables per layer type, SmolLM3's
-layers without rope, sliding windows, experts), with this rank's share of the heads under
-tensor parallelism.
+Gemma's norms, scales and caps, Granite's multipliers, OLMo's post-norms and whole-width q/k
+norms, rope tables per layer type, SmolLM3's layers without rope, sliding windows, experts),
+with this rank's share of the heads under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -17,8 +17,10 @@ from conveyor.runtime.layers.vocab_parallel import VocabSplit
 from conveyor.runtime.model.config import layer_windows
 
 GEMMA = ("gemma", "gemma2", "gemma3_text")
+OLMO = ("olmo2", "olmo3")
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *GEMMA, *MOE_MODEL_TYPES,
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *GEMMA, *OLMO,
+    *MOE_MODEL_TYPES,
 )  # fmt: skip
 
 
@@ -75,14 +77,19 @@ class DecoderShape:
         self.qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
         self.o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
         self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        olmo = self.model_type in OLMO
         self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+        """Qwen3 and Gemma 3 norm q and k per head (a norm of ``head_dim``)."""
+        self.qk_norm_across_heads = olmo
+        """OLMo 2/3 norm q and k over the whole projection (every head at once), before the
+        rotary; under tensor parallelism the sum of squares is summed over the ranks."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         gemma = self.model_type in GEMMA
         self.norm_offset = 1.0 if gemma else 0.0
         """Added to every norm's checkpoint weight at load: Gemma's norms scale by 1 + weight."""
-        self.norm_dtype = torch.float32 if gemma else None
-        """The norms' weight dtype (None: the model's): Gemma's scale in float32 and round
-        once (``layers/layernorm.py``)."""
+        self.norm_dtype = torch.float32 if gemma or olmo else None
+        """The norms' weight dtype (None: the model's): Gemma's and OLMo's scale in float32
+        and round once (``layers/layernorm.py``)."""
         granite = self.model_type in ("granite", "granitemoe")
         self.embed_scale = (
             self.hidden_size**0.5
@@ -103,6 +110,10 @@ class DecoderShape:
         self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
         """Gemma 2/3: the attention's and the MLP's outputs are normed before their residual
         adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
+        self.post_norms = olmo
+        """OLMo 2/3: no norm before the attention or the MLP (each reads the residual stream
+        itself); their outputs are normed (``post_attention_layernorm``,
+        ``post_feedforward_layernorm``) before their residual adds."""
         scalar = getattr(config, "query_pre_attn_scalar", None) if self.sandwich_norms else None
         self.attn_scale = (
             float(config.attention_multiplier)

@@ -9,6 +9,8 @@ from model_shapes import (
     GRANITE,
     GRANITEMOE,
     MIXTRAL,
+    OLMO2,
+    OLMO3,
     PHI3,
     QWEN2,
     QWEN2_MOE,
@@ -36,6 +38,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "granite": str(generate_model(root / "granite", GRANITE, seed=9)),
         "granitemoe": str(generate_model(root / "granitemoe", GRANITEMOE, seed=10)),
         "smollm3": str(generate_model(root / "smollm3", SMOLLM3, seed=11)),
+        "olmo2": str(generate_model(root / "olmo2", OLMO2, seed=11)),
+        "olmo3": str(generate_model(root / "olmo3", OLMO3, seed=12)),
     }
 
 

@@ -102,6 +102,34 @@ SMOLLM3 = dict(
 """SmolLM3's shape: Llama whose NoPE layers turn neither q nor k. SmolLM3-3B's are every fourth
 (``no_rope_layers``' 0s); here the second of two, against the default list's none (an interval
 of 4), so greedy tokens tell rope everywhere, or skipped in the wrong layer, apart."""
+OLMO2 = dict(
+    SMALL,
+    architectures=["Olmo2ForCausalLM"],
+    model_type="olmo2",
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+"""OLMo 2's shape: no norm before the attention or the MLP, each one's output normed before
+its residual add, q and k normed over the whole projection (the generated heads' sizes differ,
+so a norm per head would give other tokens)."""
+OLMO3 = dict(
+    OLMO2,
+    architectures=["Olmo3ForCausalLM"],
+    model_type="olmo3",
+    num_key_value_heads=1,
+    sliding_window=12,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+    },
+)
+"""OLMo 3's: OLMo 2's layers, a window in the sliding layer (the first; OLMo 3 slides in three
+of every four), and YaRN's rope on the full layer only (as OLMo 3's long-context configs say),
+one KV head (shared by 2 ranks under tensor parallelism)."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

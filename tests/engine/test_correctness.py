@@ -28,6 +28,8 @@ MODELS = [
     "granite",
     "granitemoe",
     "smollm3",
+    "olmo2",
+    "olmo3",
 ]
 
 

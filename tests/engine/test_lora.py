@@ -29,7 +29,9 @@ def _same(got: list[GenerationResult], want: list[GenerationResult]) -> None:
             assert a.logprob == pytest.approx(b.logprob, abs=2e-3)
 
 
-@pytest.mark.parametrize("model", ["conveyor-tiny", "qwen2", "qwen3", "phi3", "gemma3", "granite"])
+@pytest.mark.parametrize(
+    "model", ["conveyor-tiny", "qwen2", "qwen3", "phi3", "gemma3", "granite", "olmo2"]
+)
 def test_adapters_and_base_in_one_batch_match_merged_weights(
     model: str, model_dirs: dict[str, str], tmp_path: Path
 ) -> None:

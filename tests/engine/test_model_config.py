@@ -67,6 +67,14 @@ CONFIGS = [
             "head_dim": 64,
         },
     ),
+    ("olmo2", {}),
+    ("olmo2", {**SMALL, "rope_theta": 500000.0}),
+    ("olmo3", {}),  # its own theta (5e5), three sliding layers of every four
+    ("olmo3", {**SMALL, "num_hidden_layers": 6, "sliding_window": 64}),
+    (
+        "olmo3",
+        {**SMALL, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
+    ),
 ]
 
 READ = (
@@ -74,6 +82,7 @@ READ = (
     "head_dim", "total_intermediate_size", "vocab_size", "rms_norm_eps", "max_position",
     "qkv_bias", "o_bias", "mlp_bias", "qk_norm", "tie_word_embeddings", "rope_scaling",
     "windows", "embed_scale", "attn_scale", "residual_scale", "logits_scaling", "layer_ropes",
+    "qk_norm_across_heads", "post_norms", "norm_dtype",
 )  # fmt: skip
 """What ``DecoderShape`` takes from a config."""
 

@@ -251,6 +251,18 @@ DECODERS = {
         rope_scaling={"rope_type": "linear", "factor": 8.0}, num_key_value_heads=1,
         tie_word_embeddings=True,
     ),
+    # Norms after each block only, q/k norms over the whole projection; OLMo 3's windows (the
+    # first two layers) and YaRN's rope on its full layer only.
+    "olmo2": dict(
+        SMALL_DECODER, architectures=["Olmo2ForCausalLM"], model_type="olmo2",
+        tie_word_embeddings=False,
+    ),
+    "olmo3": dict(
+        SMALL_DECODER, architectures=["Olmo3ForCausalLM"], model_type="olmo3",
+        sliding_window=12, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        tie_word_embeddings=False,
+    ),
     # Mixture-of-experts MLPs: Mixtral's renormalised top 2 of 4; Qwen3-MoE's rounded and
     # renormalised top 3 of 8 beside a dense layer (mlp_only_layers); Qwen2-MoE's raw softmax
     # weights and a shared expert under its sigmoid gate, layer 0 dense (decoder_sparse_step).
@@ -285,8 +297,8 @@ def test_decoder_layers_in_one_call_match_the_python_loop(name, dtype, tmp_path,
     """Every step of an engine run (prefill chunks, decodes of one and many rows, both mixed)
     gives the same bits through ``decoder_layers`` as through the Python loop over layers, for
     each kind of layer the model builds (Qwen3's q/k norms, Gemma's GELU gate, Gemma 2/3's
-    sandwich norms, windows and caps, Gemma 3's two rope tables; the mixtures of experts'
-    routing, experts and shared expert, on their packed weights in steps of 16 rows or more)."""
+    sandwich norms, windows and caps, Gemma 3's two rope tables, OLMo's post-norms and q/k
+    norms over the whole projection; the mixtures of experts' routing, experts and shared expert, on their packed weights in steps of 16 rows or more)."""
     from conveyor.runtime.engine.llm import LLM
     from conveyor.runtime.layers.linear import PackedLinear
     from conveyor.runtime.model.builtin import generate_model

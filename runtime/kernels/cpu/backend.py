@@ -69,9 +69,10 @@ class CpuAttentionBackend:
         None when the model does not fit it: every linear packed for oneDNN, every norm's weight
         in the model's dtype, float32 rotary tables. Every kind of layer ``model/llama.py``
         builds fits: Qwen3's and Gemma 3's q/k norms, Gemma's GELU gate, Gemma 2/3's sandwich
-        norms, a rope table per layer type (Gemma 3) or none (SmolLM3's NoPE layers), and the
-        mixture-of-experts MLPs of ``layers/moe.py`` (routed the same way, ``moe.cpp``'s
-        experts as ``fused_moe`` runs them, the shared expert), beside dense ones. Epsilon, scale, the score soft cap and
+        norms, OLMo 2/3's post-norms and q/k norms over the whole projection, a rope table per
+        layer type (Gemma 3, OLMo 3) or none (SmolLM3's NoPE layers), and the mixture-of-experts
+        MLPs of ``layers/moe.py`` (routed the same way, ``moe.cpp``'s experts as ``fused_moe``
+        runs them, the shared expert), beside dense ones. Epsilon, scale, the score soft cap and
         the routing come from the shape, as the layers' own do."""
         ops = self.ops
         # The Llama family's submodules, read by name (``runtime/model/llama.py``); torch types
@@ -94,16 +95,16 @@ class CpuAttentionBackend:
                 return None
             gate_up, down, moe = mlp
             weights += [
-                _norm_weight(layer.input_layernorm),
+                _norm_weight(getattr(layer, "input_layernorm", None)),  # none in OLMo
                 *_linear_weights(attn.qkv_proj),
-                _norm_weight(getattr(attn, "q_norm", None)),  # Qwen3, Gemma 3
+                _norm_weight(getattr(attn, "q_norm", None)),  # Qwen3, Gemma 3, OLMo
                 _norm_weight(getattr(attn, "k_norm", None)),
                 *_linear_weights(attn.o_proj),
                 _norm_weight(layer.post_attention_layernorm),
                 _norm_weight(getattr(layer, "pre_feedforward_layernorm", None)),  # Gemma 2/3
                 *gate_up,
                 *down,
-                _norm_weight(getattr(layer, "post_feedforward_layernorm", None)),
+                _norm_weight(getattr(layer, "post_feedforward_layernorm", None)),  # and OLMo
                 *moe,
             ]
         weights = [w.detach() for w in weights]

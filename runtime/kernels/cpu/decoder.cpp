@@ -6,7 +6,8 @@
 // loop makes the same calls, in the same order, on the same tensors, so its output is the
 // Python path's bit for bit; runtime/kernels/cpu/backend.py decides when a model fits it.
 // It serves every layer llama.py builds: Llama's, Qwen3's per-head q/k norms, Gemma's GELU
-// gate, Gemma 2/3's sandwich norms and Gemma 3's per-layer rope tables, and the
+// gate, Gemma 2/3's sandwich norms and Gemma 3's per-layer rope tables, OLMo 2/3's norms after
+// each block only and q/k norms over the whole projection, and the
 // mixture-of-experts MLPs of layers/moe.py (Mixtral, Qwen2-MoE's shared expert, Qwen3-MoE):
 // its routing in the same ATen calls, moe.cpp's experts as the CPU backend's kernel runs them.
 
@@ -48,12 +49,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& pa
 namespace {
 
 // Weights of one layer, in this order; each linear is (weight, packed weight, bias or empty),
-// and a norm the layer does not have is an empty tensor (the q/k norms outside Qwen3 and
-// Gemma 3, the feed-forward ones outside Gemma 2/3). The gated MLP (gate_up, down) is the
-// dense layer's, or a mixture-of-experts layer's shared expert (Qwen2-MoE; empty: none). A
-// mixture-of-experts layer has a router and its experts' stacked w13 (E, 2I, H) and w2
-// (E, H, I), and with a shared expert that expert's sigmoid gate (1, H); a dense layer has
-// empty tensors there.
+// and a norm the layer does not have is an empty tensor (the q/k norms outside Qwen3, Gemma 3
+// and OLMo, the feed-forward ones outside Gemma 2/3 and OLMo, the input norm in OLMo: a layer
+// without one reads the residual stream itself and norms its blocks' outputs only). A q/k norm
+// of a head's width norms each head, one of the projection's width all heads at once (OLMo).
+// The gated MLP (gate_up, down) is the dense layer's, or a mixture-of-experts layer's shared
+// expert (Qwen2-MoE; empty: none). A mixture-of-experts layer has a router and its experts'
+// stacked w13 (E, 2I, H) and w2 (E, H, I), and with a shared expert that expert's sigmoid gate
+// (1, H); a dense layer has empty tensors there.
 enum Weight : int64_t {
   kInputNorm, kQkv, kQkvPacked, kQkvBias, kQNorm, kKNorm, kO, kOPacked, kOBias,
   kPostNorm, kPreFeedforwardNorm, kGateUp, kGateUpPacked, kGateUpBias, kDown, kDownPacked,
@@ -102,6 +105,13 @@ at::Tensor sparse_moe(const at::Tensor& x, const at::Tensor* w, const at::Tensor
 // (Qwen3's and Gemma 3's q/k norms): a contiguous copy's rows -> (T, H, D), contiguous.
 at::Tensor head_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return rms_norm(x.contiguous().view({-1, x.size(2)}), w, eps).view(x.sizes());
+}
+
+// x (T, H, D) normed per head, or over all its heads at once when w is that wide (OLMo's q/k
+// norms, as llama.py's norm_across_heads norms a contiguous copy of the projection).
+at::Tensor qk_rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  if (w.numel() == x.size(2)) return head_rms_norm(x, w, eps);
+  return rms_norm(x.contiguous().view({x.size(0), -1}), w, eps).view(x.sizes());
 }
 
 }  // namespace
@@ -156,7 +166,11 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
   at::Tensor residual;
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kWeightsPerLayer;
-    if (!residual.defined()) {
+    const bool post_norms = !present(w[kInputNorm]);  // OLMo: the stream itself goes in
+    if (post_norms) {
+      residual = residual.defined() ? at::add(x, residual) : x;
+      x = residual;
+    } else if (!residual.defined()) {
       residual = x;
       x = rms_norm(x, w[kInputNorm], eps);
     } else {
@@ -167,8 +181,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, head_dim});
     if (present(w[kQNorm])) {
-      q = head_rms_norm(q, w[kQNorm], eps);
-      k = head_rms_norm(k, w[kKNorm], eps);
+      q = qk_rms_norm(q, w[kQNorm], eps);
+      k = qk_rms_norm(k, w[kKNorm], eps);
     }
     if (layer_ropes[l] >= 0)
       rotary_embedding(positions, q, k, cos[layer_ropes[l]], sin[layer_ropes[l]]);
@@ -185,7 +199,10 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
                               prefill_block_tables, prefill_query_start_loc,
                               prefill_context_lens, scale, windows[l], softcap);
     x = linear(o.flatten(1), w[kO], w[kOPacked], w[kOBias]);
-    if (present(w[kPreFeedforwardNorm])) {  // Gemma 2/3: the attention's output normed first
+    if (post_norms) {  // OLMo: the attention's output normed, added; the MLP reads the stream
+      residual = at::add(residual, rms_norm(x, w[kPostNorm], eps));
+      x = residual;
+    } else if (present(w[kPreFeedforwardNorm])) {  // Gemma 2/3: the attention's output normed
       x = rms_norm(x, w[kPostNorm], eps);
       fused_add_rms_norm(x, residual, w[kPreFeedforwardNorm], eps);
     } else {
