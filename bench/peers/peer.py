@@ -137,6 +137,29 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True, "hidden_act": "silu", "vocab_size": 4096,
         "torch_dtype": "float32",
     },
+    # OLMo 2 1B's scaled down: norms after the attention and the MLP only, q/k norms over the
+    # whole projection, 4 heads of 128 with as many KV heads, theta 5e5.
+    "olmo2-8l-512": {
+        "model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "hidden_act": "silu", "vocab_size": 4096, "torch_dtype": "float32",
+    },
+    # OLMo 3 7B's scaled down: OLMo 2's layers, three sliding layers to one full (a window of
+    # 64, so the bench's prompts feel it), YaRN x8 on the full layers only.
+    "olmo3-8l-512": {
+        "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "sliding_window": 64,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"]
+        + ["sliding_attention"] * 3 + ["full_attention"],
+        "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                         "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0},
+        "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 4096,
+        "torch_dtype": "float32",
+    },
     # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
     "mixtral-8l-512": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,
