@@ -135,11 +135,20 @@ class DecoderShape:
         self.windows = layer_windows(config)
         """Per layer, the keys a query sees (its own included); 0: all before it."""
         rope_types = rope_layer_types(config)
-        self.ropes = [
-            rope_inv_freq(config, self.head_dim, context, kind) for kind in rope_types or (None,)
-        ]
+        self.ropes: list[tuple[torch.Tensor, float]] = []
         """Each rope table's (inverse frequencies, attention scaling): one, or one per layer
         type whose parameters differ (Gemma 3's full and sliding layers)."""
+        type_table = []  # per entry of rope_types: its table in self.ropes
+        for kind in rope_types or (None,):
+            inv, scaling = rope_inv_freq(config, self.head_dim, context, kind)
+            # Types whose parameters come out the same share a table (OLMo 3's sliding and
+            # full layers without a scaled rope: its config nests a set per type all the same).
+            same = [
+                i for i, (u, a) in enumerate(self.ropes) if a == scaling and torch.equal(u, inv)
+            ]
+            if not same:
+                self.ropes.append((inv, scaling))
+            type_table.append(same[0] if same else len(self.ropes) - 1)
         unknown = set(getattr(config, "layer_types", None) or ()) - set(rope_types or ())
         if rope_types and unknown:
             raise ValueError(
@@ -147,7 +156,7 @@ class DecoderShape:
                 f"(it has {list(rope_types)})"
             )
         tables = (
-            tuple(rope_types.index(kind) for kind in config.layer_types)
+            tuple(type_table[rope_types.index(kind)] for kind in config.layer_types)
             if rope_types
             else (0,) * self.num_layers
         )
