@@ -117,19 +117,56 @@ def load_config(files: ModelFiles):
         if files.gguf is not None:
             return files.gguf.config()
         values = json.loads((files.path / "config.json").read_text())
-        if (config := ModelConfig.from_values(values)) is not None:
-            return config
-        from transformers import AutoConfig
+        if (config := ModelConfig.from_values(values)) is None:
+            from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(files.path)
-        if values.get("model_type") in TEXT_OF_MULTIMODAL:
-            log.info(
-                "%s is an image-text model: serving its text model (requests with images are "
-                "refused)",
-                values["model_type"],
+            config = AutoConfig.from_pretrained(files.path)
+            if values.get("model_type") in TEXT_OF_MULTIMODAL:
+                log.info(
+                    "%s is an image-text model: serving its text model (requests with images "
+                    "are refused)",
+                    values["model_type"],
+                )
+                config = config.text_config
+        if getattr(config, "tie_word_embeddings", False) and _holds_its_own_head(files):
+            log.warning(
+                "config.json ties the LM head to the embedding, but the checkpoint holds an "
+                "lm_head.weight of other values: serving that head, as transformers does "
+                "(set tie_word_embeddings to false to silence this)"
             )
-            return config.text_config
+            config.tie_word_embeddings = False
         return config
+
+
+def _holds_its_own_head(files: ModelFiles) -> bool:
+    """Whether the safetensors hold an ``lm_head.weight`` that differs from the embedding.
+    transformers 5 then reads the config's ``tie_word_embeddings`` as wrong and loads the
+    head untied (``PreTrainedModel.tie_weights``); an equal copy (as some checkpoints save
+    beside the embedding) is tied. Only the files' headers are read unless both are there."""
+    from safetensors import safe_open
+
+    rename = checkpoint_names(files)
+    found: dict[str, tuple[str, str]] = {}
+    paths = sorted(glob.glob(str(files.path / "*.safetensors")))
+    for file in paths:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for stored in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                name = rename(stored)
+                if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                    found[name] = (file, stored)
+    if len(found) < 2:
+        return False
+    head, embed = (
+        _read_tensor(*found[name]) for name in ("lm_head.weight", "model.embed_tokens.weight")
+    )
+    return not torch.equal(head, embed)
+
+
+def _read_tensor(file: str, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
 
 
 TEXT_OF_MULTIMODAL = {

@@ -168,3 +168,25 @@ def test_an_activation_other_than_silu_or_tanh_gelu_is_refused_not_run_as_either
         tanh = copy.copy(config)
         tanh.hidden_act = "gelu_pytorch_tanh"
         assert DecoderShape(tanh).activation == "gelu_tanh"
+
+
+@pytest.mark.parametrize(
+    ("head", "tied"),
+    [("other", False), ("copy", True), (None, True)],
+)
+def test_a_tied_config_beside_a_head_of_its_own_serves_that_head(tmp_path, head, tied):
+    """transformers 5 unties a config's ``tie_word_embeddings`` when the checkpoint holds an
+    ``lm_head.weight`` of other values than the embedding (and loads that head); an equal
+    copy, or none, stays tied."""
+    from safetensors.torch import save_file
+
+    from conveyor.runtime.model.loader import ModelFiles, load_config
+
+    config = {"model_type": "llama", **SMALL, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    embed = torch.randn(320, 256, generator=torch.Generator().manual_seed(0))
+    tensors = {"model.embed_tokens.weight": embed}
+    if head is not None:
+        tensors["lm_head.weight"] = embed.clone() if head == "copy" else embed * 2
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    assert load_config(ModelFiles(tmp_path)).tie_word_embeddings is tied
