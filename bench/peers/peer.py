@@ -160,6 +160,31 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 4096,
         "torch_dtype": "float32",
     },
+    # EXAONE 4.0 32B's scaled down: norms after the attention and the MLP only, q/k norms per
+    # head, three local layers (a window of 64, turned by Llama 3's scaled rope) to one global
+    # layer that turns no rope ("LLLG"), 4 heads of 128 over 1 KV head, an untied head.
+    "exaone4-8l-512": {
+        "model_type": "exaone4", "architectures": ["Exaone4ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e6, "sliding_window": 64,
+        "sliding_window_pattern": "LLLG",
+        "layer_types": (["sliding_attention"] * 3 + ["full_attention"]) * 2,
+        "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 4096,
+        "torch_dtype": "float32",
+    },
+    # Seed-OSS-36B's scaled down: Llama with biases on q/k/v only, q twice the hidden width
+    # (8 heads of 128 over 1 KV head, its 10:1 near), theta 1e7, an untied head.
+    "seedoss-8l-512": {
+        "model_type": "seed_oss", "architectures": ["SeedOssForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 2752, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "head_dim": 128, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "rope_theta": 1e7, "attention_bias": True,
+        "attention_out_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "hidden_act": "silu", "vocab_size": 4096, "torch_dtype": "float32",
+    },
     # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
     "mixtral-8l-512": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,

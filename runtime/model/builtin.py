@@ -85,7 +85,9 @@ def generate_model(path: Path, config: dict, seed: int = 0) -> Path:
     (q/k/v biases), qwen3 (q/k norms), phi3 (q/k/v and gate/up fused), gemma, gemma2
     or gemma3_text (norms that scale by 1 + weight; 2 and 3 with four norms a layer, 3
     with q/k norms), olmo2 or olmo3 (norms after the attention and the MLP only, q/k norms
-    over the whole projection); the tests use small random shapes of each made this way.
+    over the whole projection), exaone4 (OLMo's norms, q/k norms per head) or seed_oss
+    (q/k/v biases, an o_proj bias with attention_out_bias); the tests use small random shapes
+    of each made this way.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
@@ -249,6 +251,7 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
         return (0.0 if gemma else 1.0) + normal(size, std=0.05)
 
     olmo = kind in ("olmo2", "olmo3")
+    post_norms = olmo or kind == "exaone4"
     # OLMo's q/k norms span every head: heads of unequal sizes tell that from a norm per head.
     head_gain = torch.tensor([0.5, 1.0, 2.0])[torch.arange(max(nh, nkv)) % 3] if olmo else None
 
@@ -269,12 +272,12 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             tensors |= _expert_weights(p, config, experts, normal)
         else:
             tensors |= _mlp_weights(p + "mlp.", h, inter, normal)
-        if not olmo:  # OLMo norms only the attention's and the MLP's outputs
+        if not post_norms:  # OLMo and EXAONE 4 norm only the attention's and the MLP's outputs
             tensors[p + "input_layernorm.weight"] = norm(h)
         tensors[p + "post_attention_layernorm.weight"] = norm(h)
         if kind in ("gemma2", "gemma3_text"):
             tensors[p + "pre_feedforward_layernorm.weight"] = norm(h)
-        if kind in ("gemma2", "gemma3_text") or olmo:
+        if kind in ("gemma2", "gemma3_text") or post_norms:
             tensors[p + "post_feedforward_layernorm.weight"] = norm(h)
         qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
         if qkv_bias or config.get("attention_bias"):
@@ -283,15 +286,17 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),
                 p + "self_attn.v_proj.bias": normal(nkv * hd, std=0.1),
             }
-        if config.get("attention_bias") and kind not in ("qwen2", "qwen2_moe"):
-            tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)  # Llama's bias is on all four
+        # Llama's bias is on all four; Seed-OSS has attention_out_bias for o_proj's.
+        o_bias = config.get("attention_bias") and kind not in ("qwen2", "qwen2_moe", "seed_oss")
+        if o_bias or (kind == "seed_oss" and config.get("attention_out_bias")):
+            tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)
         if config.get("mlp_bias"):
             tensors |= {
                 p + "mlp.gate_proj.bias": normal(inter, std=0.1),
                 p + "mlp.up_proj.bias": normal(inter, std=0.1),
                 p + "mlp.down_proj.bias": normal(h, std=0.1),
             }
-        if kind in ("qwen3", "qwen3_moe", "gemma3_text") or olmo:
+        if kind in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4") or olmo:
             tensors |= {  # OLMo's over the whole projection, the others' per head
                 p + "self_attn.q_norm.weight": norm(nh * hd if olmo else hd),
                 p + "self_attn.k_norm.weight": norm(nkv * hd if olmo else hd),

@@ -5,7 +5,8 @@ pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, on
 dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
 read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
 ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``, ``GraniteConfig``, ``SmolLM3Config``,
-``Olmo2Config`` and ``Olmo3Config`` (tests/engine/test_model_config.py
+``Olmo2Config``, ``Olmo3Config``, ``Exaone4Config`` and ``SeedOssConfig``
+(tests/engine/test_model_config.py
 compares every field with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
 frequencies transformers' own initialisers compute), rope parameters per layer type -- still
 gets transformers' config: ``from_values`` says None.
@@ -68,13 +69,25 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=2048,
         rms_norm_eps=1e-5, pad_token_id=1, eos_token_id=50279, sliding_window=4096,
     ),
+    "exaone4": dict(
+        vocab_size=102400, hidden_size=4096, intermediate_size=16384, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2, sliding_window=4096,
+        sliding_window_pattern=4,
+    ),
+    "seed_oss": dict(
+        vocab_size=155136, hidden_size=4096, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=80, num_key_value_heads=8, head_dim=128,
+        max_position_embeddings=524288, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+        attention_bias=True,
+    ),
 }  # fmt: skip
 
 _DEFAULT_THETA = {"smollm3": 2_000_000.0, "olmo3": 500_000.0}
 """The rope theta of a config that names none, where its class's ``default_theta`` is not
 ``DEFAULT_ROPE_THETA``."""
 
-_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral", "phi3")
+_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral", "phi3", "seed_oss")
 """Types whose config derives a missing head_dim as hidden_size // num_attention_heads (Qwen2
 has no such field: the decoder derives it the same way; Qwen3's default is 128)."""
 
@@ -98,6 +111,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    """Llama's: biases on q/k/v and o_proj; Seed-OSS's: on q/k/v only."""
+    attention_out_bias: bool = False
+    """Seed-OSS: a bias on o_proj."""
     mlp_bias: bool = False
     hidden_act: str = "silu"
     bos_token_id: int | None = None
@@ -132,6 +148,10 @@ class ModelConfig:
     layer); filled from ``no_rope_layer_interval`` where config.json leaves it out."""
     no_rope_layer_interval: int = 4
     """SmolLM3: every this-many-th layer is a NoPE layer, where ``no_rope_layers`` is not given."""
+    sliding_window_pattern: int | str | None = None
+    """EXAONE 4: every this-many-th layer is a full one, the others slide, where
+    ``layer_types`` is not given (4: three local layers, then a global one); also written as
+    a string of L (local) and G (global) repeated over the layers, as EXAONE's hub configs do."""
 
     @classmethod
     def from_values(cls, values: dict[str, Any]) -> ModelConfig | None:
@@ -159,6 +179,8 @@ class ModelConfig:
                 "full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                 for i in range(config.num_hidden_layers)
             ]
+        if model_type == "exaone4":
+            _exaone4_layers(config)
         return config
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,6 +199,35 @@ def _smollm3_layers(config: ModelConfig) -> None:
         slides = config.use_sliding_window and config.sliding_window is not None
         config.layer_types = [
             "sliding_attention" if slides and not config.no_rope_layers[i] else "full_attention"
+            for i in range(layers)
+        ]
+
+
+def _exaone4_layers(config: ModelConfig) -> None:
+    """Exaone4Config's ``layer_types`` where config.json leaves it out: with a
+    ``sliding_window``, every ``sliding_window_pattern``-th layer full and the others sliding
+    (4 by default; an ``LLLG`` string read letter by letter, repeated); without one, every
+    layer full (where transformers' class divides by a pattern of 0)."""
+    layers = config.num_hidden_layers
+    if config.layer_types is not None:
+        return
+    pattern = config.sliding_window_pattern
+    if config.sliding_window is None or not pattern:
+        config.layer_types = ["full_attention"] * layers
+    elif isinstance(pattern, str):
+        letters = pattern.upper()
+        if set(letters) - {"L", "G"}:
+            raise ValueError(
+                f"sliding_window_pattern {pattern!r} is neither a number nor a string of L "
+                "(local) and G (global)"
+            )
+        config.layer_types = [
+            "sliding_attention" if letters[i % len(letters)] == "L" else "full_attention"
+            for i in range(layers)
+        ]
+    else:
+        config.layer_types = [
+            "sliding_attention" if (i + 1) % int(pattern) else "full_attention"
             for i in range(layers)
         ]
 
@@ -202,15 +253,17 @@ def layer_windows(config: Any) -> tuple[int, ...]:
     Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
     those from ``max_window_layers`` on); Gemma 2 and 3 in the layers ``layer_types`` names
     (every other one, five of every six), and so do Qwen2-MoE, OLMo 3 (three of every four, by
-    default) and SmolLM3 (whose config marks its NoPE layers sliding where
+    default), SmolLM3 (whose config marks its NoPE layers sliding where
     ``use_sliding_window`` is on; transformers' masks and vLLM slide in whichever layers
-    ``layer_types`` marks); Llama, Gemma and OLMo 2 never. A query at position ``i`` then sees
+    ``layer_types`` marks) and EXAONE 4 (three local layers of every four, where it has a
+    ``sliding_window``); Llama, Gemma, OLMo 2 and Seed-OSS never. A query at position ``i`` then sees
     keys ``i - window + 1 .. i``."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or 0
     if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return (window,) * layers
-    if config.model_type in ("gemma2", "gemma3_text", "qwen2_moe", "olmo3", "smollm3"):  # filled
+    filled = ("gemma2", "gemma3_text", "qwen2_moe", "olmo3", "smollm3", "exaone4")
+    if config.model_type in filled:
         return tuple(window if kind == "sliding_attention" else 0 for kind in config.layer_types)
     if config.model_type not in ("qwen2", "qwen3") or not getattr(
         config, "use_sliding_window", False

@@ -1,8 +1,9 @@
 """A decoder's shape: what ``llama.py``'s layers need from a model's config, read once.
 
 The model types Conveyor runs and what each changes in the shared decoder (biases, q/k norms,
-Gemma's norms, scales and caps, Granite's multipliers, OLMo's post-norms and whole-width q/k
-norms, rope tables per layer type, SmolLM3's layers without rope, sliding windows, experts),
+Gemma's norms, scales and caps, Granite's multipliers, OLMo's and EXAONE 4's post-norms, q/k
+norms per head or over the whole projection, rope tables per layer type, layers without rope
+(SmolLM3's, EXAONE 4's global ones), sliding windows, experts),
 with this rank's share of the heads under tensor parallelism.
 """
 
@@ -19,8 +20,8 @@ from conveyor.runtime.model.config import layer_windows
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 OLMO = ("olmo2", "olmo3")
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", *GEMMA, *OLMO,
-    *MOE_MODEL_TYPES,
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss", "exaone4",
+    *GEMMA, *OLMO, *MOE_MODEL_TYPES,
 )  # fmt: skip
 
 
@@ -70,16 +71,24 @@ class DecoderShape:
         """This rank's rows of the embedding and the LM head."""
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
-        # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only.
+        # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only, and
+        # Seed-OSS has its own attention_out_bias for o_proj.
         qwen2 = self.model_type == "qwen2" or (
             self.model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)
         )
-        self.qkv_bias = qwen2 or bool(getattr(config, "attention_bias", False))
-        self.o_bias = not qwen2 and bool(getattr(config, "attention_bias", False))
-        self.mlp_bias = bool(getattr(config, "mlp_bias", False))
+        # EXAONE 4 has no biases, whatever its config.json holds.
+        exaone4 = self.model_type == "exaone4"
+        attention_bias = not exaone4 and bool(getattr(config, "attention_bias", False))
+        self.qkv_bias = qwen2 or attention_bias
+        self.o_bias = (
+            bool(getattr(config, "attention_out_bias", False))
+            if self.model_type == "seed_oss"
+            else not qwen2 and attention_bias
+        )
+        self.mlp_bias = not exaone4 and bool(getattr(config, "mlp_bias", False))
         olmo = self.model_type in OLMO
-        self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text")
-        """Qwen3 and Gemma 3 norm q and k per head (a norm of ``head_dim``)."""
+        self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
+        """Qwen3, Gemma 3 and EXAONE 4 norm q and k per head (a norm of ``head_dim``)."""
         self.qk_norm_across_heads = olmo
         """OLMo 2/3 norm q and k over the whole projection (every head at once), before the
         rotary; under tensor parallelism the sum of squares is summed over the ranks."""
@@ -110,10 +119,11 @@ class DecoderShape:
         self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
         """Gemma 2/3: the attention's and the MLP's outputs are normed before their residual
         adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
-        self.post_norms = olmo
-        """OLMo 2/3: no norm before the attention or the MLP (each reads the residual stream
-        itself); their outputs are normed (``post_attention_layernorm``,
-        ``post_feedforward_layernorm``) before their residual adds."""
+        self.post_norms = olmo or self.model_type == "exaone4"
+        """OLMo 2/3 and EXAONE 4: no norm before the attention or the MLP (each reads the
+        residual stream itself); their outputs are normed (``post_attention_layernorm``,
+        ``post_feedforward_layernorm``) before their residual adds. EXAONE 4's norms round
+        before they scale, as Llama's (``norm_dtype`` None)."""
         scalar = getattr(config, "query_pre_attn_scalar", None) if self.sandwich_norms else None
         self.attn_scale = (
             float(config.attention_multiplier)
@@ -165,7 +175,7 @@ class DecoderShape:
             for table, turns in zip(tables, _rope_layers(config), strict=True)
         )
         """Per layer, the index of its table in ``ropes``; None: the layer turns neither q nor
-        k (SmolLM3's NoPE layers)."""
+        k (SmolLM3's NoPE layers, EXAONE 4's global ones)."""
         if len({inv.numel() for inv, _ in self.ropes}) > 1:
             raise ValueError("layer types that turn different shares of a head are not supported")
         self.inv_freq, self.rope_scaling = self.ropes[0]
@@ -176,8 +186,12 @@ class DecoderShape:
 
 def _rope_layers(config) -> tuple[bool, ...]:
     """Per layer, whether it turns q and k: every layer but SmolLM3's NoPE ones, where
-    ``no_rope_layers`` says 0 (its config fills the list: every fourth layer by default)."""
+    ``no_rope_layers`` says 0 (its config fills the list: every fourth layer by default), and
+    EXAONE 4's full layers where it has a ``sliding_window`` (its global layers turn nothing;
+    without a window every layer turns, as transformers' ``Exaone4Attention`` reads it)."""
     layers = config.num_hidden_layers
+    if config.model_type == "exaone4" and getattr(config, "sliding_window", None) is not None:
+        return tuple(kind == "sliding_attention" for kind in config.layer_types)
     flags = getattr(config, "no_rope_layers", None) if config.model_type == "smollm3" else None
     if flags is None:
         return (True,) * layers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from model_shapes import (
+    EXAONE4,
     GEMMA2,
     GEMMA3,
     GRANITE,
@@ -16,6 +17,7 @@ from model_shapes import (
     QWEN2_MOE,
     QWEN3,
     QWEN3_MOE,
+    SEED_OSS,
     SMOLLM3,
 )
 
@@ -40,6 +42,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "smollm3": str(generate_model(root / "smollm3", SMOLLM3, seed=11)),
         "olmo2": str(generate_model(root / "olmo2", OLMO2, seed=11)),
         "olmo3": str(generate_model(root / "olmo3", OLMO3, seed=12)),
+        "exaone4": str(generate_model(root / "exaone4", EXAONE4, seed=13)),
+        "seed_oss": str(generate_model(root / "seed_oss", SEED_OSS, seed=14)),
     }
 
 

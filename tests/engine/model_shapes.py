@@ -130,6 +130,29 @@ OLMO3 = dict(
 """OLMo 3's: OLMo 2's layers, a window in the sliding layer (the first; OLMo 3 slides in three
 of every four), and YaRN's rope on the full layer only (as OLMo 3's long-context configs say),
 one KV head (shared by 2 ranks under tensor parallelism)."""
+EXAONE4 = dict(
+    SMALL,
+    architectures=["Exaone4ForCausalLM"],
+    model_type="exaone4",
+    rms_norm_eps=1e-5,
+    sliding_window=12,
+    sliding_window_pattern=2,
+    tie_word_embeddings=False,
+)
+"""EXAONE 4's shape: OLMo's norms (after each block, none before), q and k normed per head,
+local layers that slide and turn the rope and global ones that do neither (EXAONE 4 32B: three
+local, then a global; here ``sliding_window_pattern`` 2 makes the first local and the second
+global, with no ``layer_types`` given)."""
+SEED_OSS = dict(
+    SMALL,
+    architectures=["SeedOssForCausalLM"],
+    model_type="seed_oss",
+    attention_bias=True,
+    attention_out_bias=True,
+    tie_word_embeddings=False,
+)
+"""Seed-OSS's shape: Llama with biases on q/k/v (``attention_bias``) and, here, on o_proj
+(``attention_out_bias``, which Seed-OSS-36B leaves off)."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

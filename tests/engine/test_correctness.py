@@ -30,6 +30,8 @@ MODELS = [
     "smollm3",
     "olmo2",
     "olmo3",
+    "exaone4",
+    "seed_oss",
 ]
 
 

@@ -75,6 +75,20 @@ CONFIGS = [
         "olmo3",
         {**SMALL, "layer_types": ["full_attention", "sliding_attention"], "sliding_window": 8},
     ),
+    ("exaone4", {}),  # a window of 4096 in three layers of every four; the fourth turns no rope
+    (
+        "exaone4",
+        {**SMALL, "num_hidden_layers": 7, "sliding_window": 64, "sliding_window_pattern": 3},
+    ),
+    ("exaone4", {**SMALL, "sliding_window": None, "layer_types": ["full_attention"] * 2}),
+    (
+        "exaone4",
+        {**SMALL, "layer_types": ["full_attention", "sliding_attention"], "head_dim": 64},
+    ),
+    ("exaone4", {**SMALL, "attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True}),
+    ("seed_oss", {}),
+    ("seed_oss", {**SMALL, "num_key_value_heads": 2, "head_dim": 32}),
+    ("seed_oss", {**SMALL, "attention_bias": False, "attention_out_bias": True, "mlp_bias": True}),
 ]
 
 READ = (
@@ -119,6 +133,22 @@ def test_the_engine_reads_what_transformers_config_says(model_type, values):
 )
 def test_what_it_does_not_model_is_left_to_transformers(values):
     assert ModelConfig.from_values(values) is None
+
+
+def test_exaone4_reads_its_hub_configs_pattern_string_and_a_config_without_a_window():
+    """EXAONE's hub configs write ``sliding_window_pattern`` as a string ("LLLG": three local
+    layers, then a global one), which transformers' class cannot derive ``layer_types`` from;
+    it reads as the number 4 does. Without a window (and no ``layer_types``, where the class
+    divides by zero) every layer is full and turns the rope."""
+    values = {**SMALL, "model_type": "exaone4", "num_hidden_layers": 6}
+    by_string = DecoderShape(ModelConfig.from_values({**values, "sliding_window_pattern": "LLLG"}))
+    by_number = DecoderShape(ModelConfig.from_values({**values, "sliding_window_pattern": 4}))
+    assert by_string.windows == by_number.windows == (4096, 4096, 4096, 0, 4096, 4096)
+    assert by_string.layer_ropes == by_number.layer_ropes == (0, 0, 0, None, 0, 0)
+    no_window = DecoderShape(ModelConfig.from_values({**values, "sliding_window": None}))
+    assert no_window.windows == (0,) * 6 and no_window.layer_ropes == (0,) * 6
+    with pytest.raises(ValueError, match="neither a number nor a string of L"):
+        ModelConfig.from_values({**values, "sliding_window_pattern": "LLXG"})
 
 
 def test_reading_a_config_imports_no_transformers(tmp_path):

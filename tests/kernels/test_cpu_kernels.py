@@ -263,6 +263,13 @@ DECODERS = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
         tie_word_embeddings=False,
     ),
+    # OLMo's norm order with per-head q/k norms; a local layer that slides and turns the rope
+    # between global ones that do neither (EXAONE 4).
+    "exaone4": dict(
+        SMALL_DECODER, architectures=["Exaone4ForCausalLM"], model_type="exaone4",
+        sliding_window=12, layer_types=["full_attention", "sliding_attention", "full_attention"],
+        tie_word_embeddings=False,
+    ),
     # Mixture-of-experts MLPs: Mixtral's renormalised top 2 of 4; Qwen3-MoE's rounded and
     # renormalised top 3 of 8 beside a dense layer (mlp_only_layers); Qwen2-MoE's raw softmax
     # weights and a shared expert under its sigmoid gate, layer 0 dense (decoder_sparse_step).
@@ -298,7 +305,7 @@ def test_decoder_layers_in_one_call_match_the_python_loop(name, dtype, tmp_path,
     gives the same bits through ``decoder_layers`` as through the Python loop over layers, for
     each kind of layer the model builds (Qwen3's q/k norms, Gemma's GELU gate, Gemma 2/3's
     sandwich norms, windows and caps, Gemma 3's two rope tables, OLMo's post-norms and q/k
-    norms over the whole projection; the mixtures of experts' routing, experts and shared expert, on their packed weights in steps of 16 rows or more)."""
+    norms over the whole projection, EXAONE 4's global layers without rope; the mixtures of experts' routing, experts and shared expert, on their packed weights in steps of 16 rows or more)."""
     from conveyor.runtime.engine.llm import LLM
     from conveyor.runtime.layers.linear import PackedLinear
     from conveyor.runtime.model.builtin import generate_model
