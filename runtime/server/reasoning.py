@@ -1,7 +1,8 @@
 """A reasoning model's thinking, apart from its answer (vLLM's ``--reasoning-parser``).
 
 Qwen3 and DeepSeek-R1 (and its distilled Qwen2 and Llama models) think first, between
-``<think>`` and ``</think>``, then answer. With ``--reasoning-parser``, a chat completion
+``<think>`` and ``</think>``, then answer; Seed-OSS between ``<seed:think>`` and
+``</seed:think>``. With ``--reasoning-parser``, a chat completion
 gives the thinking as ``reasoning_content`` and only the answer as ``content`` (the field
 vLLM and DeepSeek's API use), whole or streamed; tool calls are read from the answer only.
 
@@ -12,6 +13,9 @@ vLLM and DeepSeek's API use), whole or streamed; tool calls are read from the an
   inside the thinking: everything before ``</think>`` is reasoning, and output without it
   (cut off by ``max_tokens``) is all reasoning. A ``<think>`` the model writes anyway is
   dropped.
+- ``seed_oss``: Seed-OSS's tags, read as ``deepseek_r1`` reads its own (vLLM's): the model
+  opens ``<seed:think>`` itself, but output without ``</seed:think>`` is all reasoning, and
+  its thinking budget's reflections (``<seed:cot_budget_reflect>``) stay in it.
 
 Both read text, so the tags must survive detokenisation: they are ordinary added tokens in
 these models' tokenizers, not special ones that ``skip_special_tokens`` removes.
@@ -19,9 +23,15 @@ these models' tokenizers, not special ones that ``skip_special_tokens`` removes.
 
 from __future__ import annotations
 
-START, END = "<think>", "</think>"
+PARSERS: dict[str, tuple[str, str, bool]] = {
+    "qwen3": ("<think>", "</think>", False),
+    "deepseek_r1": ("<think>", "</think>", True),
+    "seed_oss": ("<seed:think>", "</seed:think>", True),
+}
+"""name -> (the tag that opens the thinking, the one that closes it, whether output is
+thinking until the closing tag: opened in the prompt, or read as if it were)."""
 
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = tuple(PARSERS)
 """``--reasoning-parser``'s choices."""
 
 
@@ -32,16 +42,17 @@ class ReasoningParser:
                 f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {name!r}"
             )
         self.name = name
-        self.opens_in_prompt = name == "deepseek_r1"
+        self.start, self.end, self.opens_in_prompt = PARSERS[name]
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole output -> (reasoning, answer); None for a part that is not there."""
-        body = text.removeprefix(START) if self.opens_in_prompt or text.startswith(START) else None
-        if body is None or END not in body:
+        start, end = self.start, self.end
+        body = text.removeprefix(start) if self.opens_in_prompt or text.startswith(start) else None
+        if body is None or end not in body:
             if self.opens_in_prompt and body is not None:
                 return body, None  # still thinking when it stopped
             return None, text
-        reasoning, _, answer = body.partition(END)
+        reasoning, _, answer = body.partition(end)
         return reasoning, answer or None
 
 
@@ -59,27 +70,28 @@ class ReasoningStream:
         """``start`` (may open with <think>), ``reasoning`` or ``answer``."""
 
     def update(self, new_text: str, finished: bool) -> tuple[str, str]:
+        start, end = self.parser.start, self.parser.end
         text = self.pending + new_text
         self.pending = ""
         reasoning = answer = ""
         while text:
             if self.state == "start":
-                if text.startswith(START):
-                    text, self.state = text[len(START) :], "reasoning"
-                elif START.startswith(text) and not finished:
+                if text.startswith(start):
+                    text, self.state = text[len(start) :], "reasoning"
+                elif start.startswith(text) and not finished:
                     self.pending, text = text, ""
                 else:
                     self.state = "answer"
             elif self.state == "reasoning":
-                if self.parser.opens_in_prompt and text.startswith(START):
-                    text = text[len(START) :]  # written again by the model: not thinking
+                if self.parser.opens_in_prompt and text.startswith(start):
+                    text = text[len(start) :]  # written again by the model: not thinking
                     continue
-                i = text.find(END)
+                i = text.find(end)
                 if i >= 0:
                     reasoning += text[:i]
-                    text, self.state = text[i + len(END) :], "answer"
+                    text, self.state = text[i + len(end) :], "answer"
                     continue
-                keep = 0 if finished else _tag_prefix(text, (END, START))
+                keep = 0 if finished else _tag_prefix(text, (end, start))
                 reasoning += text[: len(text) - keep]
                 self.pending, text = text[len(text) - keep :], ""
             else:

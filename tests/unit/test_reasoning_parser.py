@@ -1,5 +1,6 @@
-"""``--reasoning-parser``: the thinking between <think> and </think> apart from the answer,
-whole and streamed in pieces of any size (a tag split across pieces never leaks)."""
+"""``--reasoning-parser``: the thinking between <think> and </think> (Seed-OSS's <seed:think>
+and </seed:think>) apart from the answer, whole and streamed in pieces of any size (a tag
+split across pieces never leaks)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ CASES = [
     ("deepseek_r1", "<think>Two.</think>Four.", ("Two.", "Four.")),
     ("deepseek_r1", "still thinking when cut off", ("still thinking when cut off", None)),
     ("deepseek_r1", "</think>", ("", None)),
+    ("seed_oss", "<seed:think>Two and two.</seed:think>Four.", ("Two and two.", "Four.")),
+    ("seed_oss", "Two.</seed:think>Four.", ("Two.", "Four.")),
+    ("seed_oss", "<seed:think>cut off", ("cut off", None)),
+    ("seed_oss", "<think>x</think>y", ("<think>x</think>y", None)),  # not Seed-OSS's tags
+    (
+        "seed_oss",
+        "<seed:think>a<seed:cot_budget_reflect>5 used</seed:cot_budget_reflect>b</seed:think>c",
+        ("a<seed:cot_budget_reflect>5 used</seed:cot_budget_reflect>b", "c"),
+    ),
 ]
 
 
@@ -40,5 +50,7 @@ def test_a_streamed_output_gives_the_same_parts_in_any_pieces(name, output, expe
 
 
 def test_an_unknown_parser_is_refused():
-    with pytest.raises(ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1"):
+    with pytest.raises(
+        ValueError, match="reasoning_parser must be one of qwen3, deepseek_r1, seed_oss"
+    ):
         ReasoningParser("o1")
