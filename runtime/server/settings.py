@@ -18,7 +18,7 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-TOOL_CALL_PARSERS = ("hermes", "smollm2")
+TOOL_CALL_PARSERS = ("hermes", "smollm2", "qwen3_coder", "seed_oss")
 """Tool-call formats ``--tool-call-parser`` knows (``tool_calls.py`` reads them, and
 ``tool_prompt.py`` writes tools in them for chat templates that ignore ``tools``)."""
 
@@ -83,7 +83,7 @@ class ServerSettings:
     as a file or inline; the file is read when the flags are parsed)."""
 
     reasoning_parser: str | None = None
-    """``qwen3`` or ``deepseek_r1``: a chat completion's thinking goes into
+    """``qwen3``, ``deepseek_r1`` or ``seed_oss``: a chat completion's thinking goes into
     ``reasoning_content``, apart from ``content`` (``reasoning.py``); unset: all is content."""
 
     responses_store_mb: float = 256.0
@@ -196,9 +196,11 @@ class ServerSettings:
             default=None,
             choices=list(TOOL_CALL_PARSERS),
             help="the model's tool-call format, for tool_choice auto: hermes (Hermes, Qwen: "
-            "<tool_call>{...}</tool_call>) or smollm2 (<tool_call>[{...}]</tool_call>); either reads "
-            "both, and writes the tools into the prompt in its format when the chat template "
-            "ignores them; default: auto is refused",
+            "<tool_call>{...}</tool_call>), smollm2 (<tool_call>[{...}]</tool_call>), qwen3_coder "
+            "(<tool_call><function=NAME><parameter=KEY>...) or seed_oss (the same in "
+            "<seed:tool_call>); each reads all of these in its tags, and writes the tools into "
+            "the prompt in its format when the chat template ignores them; default: auto is "
+            "refused",
         )
         g.add_argument(
             "--chat-template",
@@ -212,8 +214,9 @@ class ServerSettings:
             default=None,
             choices=list(REASONING_PARSERS),
             help="a reasoning model's <think>...</think>, given apart as reasoning_content in chat "
-            "completions: qwen3 (the model opens <think>) or deepseek_r1 (the template opens it: "
-            "DeepSeek-R1 and its distilled models); default: all output is content",
+            "completions: qwen3 (the model opens <think>), deepseek_r1 (the template opens it: "
+            "DeepSeek-R1 and its distilled models) or seed_oss (Seed-OSS's <seed:think>); "
+            "default: all output is content",
         )
         g.add_argument(
             "--responses-store-mb",

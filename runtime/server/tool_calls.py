@@ -8,17 +8,24 @@ generated text back into OpenAI ``tool_calls``.
   generates its arguments object.
 - ``auto``: the model writes its own tool-call format, read by the parser the server was
   started with (``--tool-call-parser``): ``hermes`` (Hermes, Qwen:
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per call) or ``smollm2``
-  (``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``). Both read either
-  form, ``parameters`` for ``arguments``, and an empty list as "no call"; they differ in how
-  ``tool_prompt.py`` shows the tools to a model whose chat template ignores them.
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one per call), ``smollm2``
+  (``<tool_call>[{"name": ..., "arguments": {...}}, ...]</tool_call>``), ``qwen3_coder``
+  (Qwen3-Coder's ``<tool_call><function=NAME><parameter=KEY>value</parameter>...</function>
+  </tool_call>``) or ``seed_oss`` (the same inside ``<seed:tool_call>``). Within its tags each
+  reads any of these forms, ``parameters`` for ``arguments``, and an empty list as "no call";
+  a ``<parameter=...>``'s text becomes the JSON type the function's schema gives that
+  parameter (as vLLM's ``qwen3_coder`` parser converts it: a string where it says none). The
+  parsers differ in their tags and in how ``tool_prompt.py`` shows the tools to a model whose
+  chat template ignores them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +38,16 @@ from conveyor.runtime.server.tool_prompt import TOOL_PROMPTS, ToolPrompt
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_HERMES_BLOCK = re.compile(r"<tool_call>.*?(?:</tool_call>|$)", re.DOTALL)
+SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
+_PARAMETER = re.compile(
+    r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL
+)
+
+
+def call_tags(parser: str | None) -> tuple[str, str]:
+    """The tags around a call in ``parser``'s format."""
+    return (SEED_OPEN, SEED_CLOSE) if parser == "seed_oss" else (HERMES_OPEN, HERMES_CLOSE)
 
 
 @dataclass(frozen=True)
@@ -133,11 +148,12 @@ class ToolCalling:
             return 0
         if self.mode != "auto":
             return len(text)
-        at = text.find(HERMES_OPEN)
+        opening = call_tags(self.parser)[0]
+        at = text.find(opening)
         if at >= 0:
             return at
-        for keep in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-            if HERMES_OPEN.startswith(text[-keep:]):
+        for keep in range(min(len(opening) - 1, len(text)), 0, -1):
+            if opening.startswith(text[-keep:]):
                 return len(text) - keep
         return len(text)
 
@@ -178,8 +194,19 @@ class ToolCalling:
             calls.feed(text)
             return (None, calls.calls) if calls.calls else None
         if self.mode == "auto":
-            return _parse_hermes(text)
+            return _parse_calls(text, call_tags(self.parser), self._parameter_types)
         return None
+
+    def _parameter_types(self, function: str, parameter: str) -> str | None:
+        """The JSON type the function's schema gives a parameter (the first that is not
+        ``null`` of a list of types); None where it gives none."""
+        tool = next((t for t in self.tools if t.function.name == function), None)
+        properties = ((tool.function.parameters or {}) if tool else {}).get("properties")
+        spec = properties.get(parameter) if isinstance(properties, dict) else None
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        if isinstance(kind, list):
+            kind = next((k for k in kind if k != "null"), None)
+        return kind if isinstance(kind, str) else None
 
 
 class ToolCallStream:
@@ -366,25 +393,81 @@ def _string(token: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
-    at = text.find(HERMES_OPEN)
+def _parse_calls(
+    text: str, tags: tuple[str, str], types: Callable[[str, str], str | None]
+) -> tuple[str | None, list[dict[str, Any]]] | None:
+    """The calls between ``tags`` (the last may be unclosed), each body JSON (one call or a
+    list) or Qwen3-Coder's XML; None when there are none or one does not parse."""
+    opening, closing = tags
+    at = text.find(opening)
     if at < 0:
         return None
+    block = re.compile(f"{re.escape(opening)}(.*?)(?:{re.escape(closing)}|$)", re.DOTALL)
     calls = []
-    for body in _HERMES_CALL.findall(text, at):
-        try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):  # RecursionError: nested too deep
+    for body in block.findall(text, at):
+        body = body.strip()
+        found = _xml_calls(body, types) if body.startswith("<function=") else _json_calls(body)
+        if found is None:
             return None
-        for c in parsed if isinstance(parsed, list) else [parsed]:
-            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
-                return None
-            args = c.get("arguments", c.get("parameters", {}))
-            calls.append(_call(c["name"], json.dumps(args, ensure_ascii=False)))
+        calls += found
     if not calls:  # "<tool_call>[]</tool_call>": the model said it calls nothing
-        return _HERMES_BLOCK.sub("", text), []
+        return block.sub("", text), []
     content = text[:at].strip()
     return content or None, calls
+
+
+def _json_calls(body: str) -> list[dict[str, Any]] | None:
+    try:
+        parsed = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # RecursionError: nested too deep
+        return None
+    calls = []
+    for c in parsed if isinstance(parsed, list) else [parsed]:
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+            return None
+        args = c.get("arguments", c.get("parameters", {}))
+        calls.append(_call(c["name"], json.dumps(args, ensure_ascii=False)))
+    return calls
+
+
+def _xml_calls(body: str, types: Callable[[str, str], str | None]) -> list[dict[str, Any]] | None:
+    calls = []
+    for name, inner in _FUNCTION.findall(body):
+        name = name.strip()
+        args: dict[str, Any] = {}
+        for key, value in _PARAMETER.findall(inner):
+            key = key.strip()
+            value = value.removeprefix("\n").removesuffix("\n")  # the lines the tags sit on
+            args[key] = _typed(value, types(name, key))
+        calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
+    return calls or None  # "<function=>": not a call
+
+
+def _typed(value: str, kind: str | None) -> Any:
+    """A parameter's text as the JSON type its schema names; the text itself where that
+    does not read (or no type is named, or a string is)."""
+    if kind in (None, "string"):
+        return value
+    text = value.strip()
+    if text.lower() == "null":
+        return None
+    try:
+        if kind in ("integer", "number") and re.fullmatch(r"-?\d+", text):
+            return int(text)  # ValueError past Python's 4,300 digits
+        if kind == "number":
+            number = float(text)
+            return number if math.isfinite(number) else value  # JSON has no inf or nan
+        if kind == "boolean":
+            return {"true": True, "false": False}[text.lower()]
+        if kind == "integer":
+            return value
+        return json.loads(text, parse_constant=_no_constant)  # object, array, another type
+    except (ValueError, KeyError, RecursionError):
+        return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads reads NaN and Infinity by default
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

@@ -66,6 +66,42 @@ def _smollm2_calls(calls: list[dict[str, Any]]) -> str:
     return f"<tool_call>{_json(calls)}</tool_call>"
 
 
+def _xml_system(opening: str, closing: str) -> Callable[[list[dict[str, Any]]], str]:
+    def system(tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(_json(t) for t in tools)
+        return (
+            "# Tools\n\n"
+            "You can call the functions listed inside <tools></tools> XML tags:\n"
+            f"<tools>\n{listed}\n</tools>\n\n"
+            f"To call one, answer with this block and nothing after it, one {opening} block "
+            "per call, one <parameter> per argument:\n"
+            f"{opening}\n<function=FUNCTION_NAME>\n<parameter=ARGUMENT_NAME>\nvalue\n"
+            f"</parameter>\n</function>\n{closing}"
+        )
+
+    return system
+
+
+def _xml_calls(opening: str, closing: str) -> Callable[[list[dict[str, Any]]], str]:
+    def calls(history: list[dict[str, Any]]) -> str:
+        blocks = []
+        for c in history:
+            args = c["arguments"]
+            if isinstance(args, str):  # OpenAI's messages carry them as JSON text
+                try:
+                    args = json.loads(args)
+                except ValueError:
+                    args = {}
+            parameters = "".join(
+                f"<parameter={k}>\n{v if isinstance(v, str) else _json(v)}\n</parameter>\n"
+                for k, v in (args.items() if isinstance(args, dict) else ())
+            )
+            blocks.append(f"{opening}\n<function={c['name']}>\n{parameters}</function>\n{closing}")
+        return "\n".join(blocks)
+
+    return calls
+
+
 @dataclass(frozen=True)
 class ToolPrompt:
     """One model family's way of showing tools, calls and results in plain chat messages."""
@@ -112,6 +148,16 @@ class ToolPrompt:
 TOOL_PROMPTS = {
     "hermes": ToolPrompt(system=_hermes_system, calls=_hermes_calls),
     "smollm2": ToolPrompt(system=_smollm2_system, calls=_smollm2_calls),
+    "qwen3_coder": ToolPrompt(
+        system=_xml_system("<tool_call>", "</tool_call>"),
+        calls=_xml_calls("<tool_call>", "</tool_call>"),
+    ),
+    "seed_oss": ToolPrompt(
+        system=_xml_system("<seed:tool_call>", "</seed:tool_call>"),
+        calls=_xml_calls("<seed:tool_call>", "</seed:tool_call>"),
+    ),
 }
-"""By ``--tool-call-parser``: Hermes / Qwen 2.5 (one ``<tool_call>{...}</tool_call>`` per call)
-and SmolLM2 (the 1.7B's function-calling format, ``<tool_call>[{...}, ...]</tool_call>``)."""
+"""By ``--tool-call-parser``: Hermes / Qwen 2.5 (one ``<tool_call>{...}</tool_call>`` per call),
+SmolLM2 (the 1.7B's function-calling format, ``<tool_call>[{...}, ...]</tool_call>``), and
+Qwen3-Coder's and Seed-OSS's XML (``<function=NAME><parameter=KEY>value</parameter>``, in
+``<tool_call>`` or ``<seed:tool_call>``)."""

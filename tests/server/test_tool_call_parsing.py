@@ -253,11 +253,15 @@ def test_tool_history_becomes_text_in_the_familys_format() -> None:
     assert hermes[2]["content"] == (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     )
-    # what the parser reads back is the call that was written
-    for parser in TOOL_PROMPTS:
-        found = ToolCalling([TOOL], "auto", parser=parser).extract(
-            (smol if parser == "smollm2" else hermes)[2]["content"]
-        )
+    coder = TOOL_PROMPTS["qwen3_coder"].rewrite(history, [WEATHER])
+    assert coder[2]["content"] == (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    # what each parser reads back is the call it wrote
+    for parser, prompt in TOOL_PROMPTS.items():
+        written = prompt.rewrite(history, [WEATHER])[2]["content"]
+        found = ToolCalling([TOOL], "auto", parser=parser).extract(written)
         assert found is not None
         assert json.loads(found[1][0]["function"]["arguments"]) == {"city": "Oslo"}
 
@@ -275,3 +279,100 @@ def test_output_nested_too_deep_for_the_json_parser_is_no_call() -> None:
         assert calling.extract(text) is None
     named = ToolCalling([TOOL], "named", name="f").extract(deep)
     assert named is not None and named[1][0]["function"]["arguments"] == deep
+
+
+TYPED = Tool.model_validate(
+    {
+        "type": "function",
+        "function": {
+            "name": "book",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "nights": {"type": "integer"},
+                    "budget": {"type": "number"},
+                    "late": {"type": "boolean"},
+                    "guests": {"type": "array"},
+                    "extras": {"type": ["object", "null"]},
+                    "note": {"type": "string"},
+                },
+            },
+        },
+    }
+)
+
+
+def test_qwen3_coder_calls_take_their_schemas_types() -> None:
+    """Qwen3-Coder's XML: each parameter's text (less the lines its tags sit on) becomes the
+    JSON type the schema names; a string stays as written, numbers and all; a parameter the
+    schema does not name stays text."""
+    text = (
+        "Booking.\n<tool_call>\n<function=book>\n<parameter=city>\n 12 Rue X\n\n</parameter>\n"
+        "<parameter=nights>\n3\n</parameter>\n<parameter=budget>\n-2.5e2\n</parameter>\n"
+        '<parameter=late>\nTrue\n</parameter>\n<parameter=guests>\n["a", 1]\n</parameter>\n'
+        "<parameter=extras>\nnull\n</parameter>\n<parameter=note>\n42\n</parameter>\n"
+        "<parameter=other>\n{}\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=book>\n<parameter=nights>\n2"
+    )
+    found = ToolCalling([TYPED], "auto", parser="qwen3_coder").extract(text)
+    assert found is not None
+    content, calls = found
+    assert content == "Booking."
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {
+            "city": " 12 Rue X\n",
+            "nights": 3,
+            "budget": -250.0,
+            "late": True,
+            "guests": ["a", 1],
+            "extras": None,
+            "note": "42",
+            "other": "{}",
+        },
+        {"nights": 2},  # cut short by max_tokens: what it has
+    ]
+
+
+def test_a_parameter_that_does_not_read_as_its_type_stays_text() -> None:
+    params = {"nights": "three", "budget": "NaN", "guests": "[1,", "late": "maybe"}
+    body = "".join(f"<parameter={k}>{v}</parameter>" for k, v in params.items())
+    big = "9" * 5000  # past Python's int() digits
+    body += f'<parameter=extras>{{"x": Infinity}}</parameter><parameter=city>{big}</parameter>'
+    found = ToolCalling([TYPED], "auto", parser="qwen3_coder").extract(
+        f"<tool_call><function=book>{body}</function></tool_call>"
+    )
+    assert found is not None
+    args = json.loads(found[1][0]["function"]["arguments"])
+    assert args == {**params, "extras": '{"x": Infinity}', "city": big}
+    nights = f"<tool_call><function=book><parameter=nights>{big}</parameter></function>"
+    found = ToolCalling([TYPED], "auto", parser="qwen3_coder").extract(nights)
+    assert found is not None and json.loads(found[1][0]["function"]["arguments"]) == {"nights": big}
+
+
+def test_seed_oss_reads_its_own_tags_only() -> None:
+    seed = ToolCalling([TYPED], "auto", parser="seed_oss")
+    found = seed.extract(
+        "<seed:tool_call>\n<function=book>\n<parameter=nights>4</parameter>\n</function>\n"
+        "</seed:tool_call>"
+    )
+    assert found is not None and json.loads(found[1][0]["function"]["arguments"]) == {"nights": 4}
+    assert seed.extract('<tool_call>{"name": "book", "arguments": {}}</tool_call>') is None
+    assert seed.visible_len("ok <seed:tool") == len("ok ")
+    assert seed.visible_len("ok <tool_call>") == len("ok <tool_call>")
+    # the JSON forms inside its tags, as every parser reads them
+    found = seed.extract('<seed:tool_call>{"name": "book", "arguments": {"a": 1}}</seed:tool_call>')
+    assert found is not None and json.loads(found[1][0]["function"]["arguments"]) == {"a": 1}
+
+
+def test_hermes_reads_the_xml_form_too() -> None:
+    found = AUTO.extract("<tool_call><function=f><parameter=x>1</parameter></function></tool_call>")
+    assert found is not None and json.loads(found[1][0]["function"]["arguments"]) == {"x": "1"}
+
+
+def test_the_xml_prompt_asks_for_its_own_tags() -> None:
+    for parser, opening in (("qwen3_coder", "<tool_call>"), ("seed_oss", "<seed:tool_call>")):
+        system = TOOL_PROMPTS[parser].rewrite([{"role": "user", "content": "hi"}], [WEATHER])
+        text = system[0]["content"]
+        assert f"<tools>\n{json.dumps(WEATHER)}\n</tools>" in text
+        assert f"{opening}\n<function=FUNCTION_NAME>" in text
