@@ -185,6 +185,27 @@ PRESETS: dict[str, dict[str, Any]] = {
         "attention_out_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
         "hidden_act": "silu", "vocab_size": 4096, "torch_dtype": "float32",
     },
+    # GLM-4-9B-0414's scaled down: half of each head turned by an interleaved rotary, q/k/v
+    # biases, gate/up fused, sandwich norms, 4 heads of 128 over 1 KV head (its 16:1 near).
+    "glm4-8l-512": {
+        "model_type": "glm4", "architectures": ["Glm4ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1712, "num_hidden_layers": 8, "num_attention_heads": 4,
+        "num_key_value_heads": 1, "head_dim": 128, "partial_rotary_factor": 0.5,
+        "attention_bias": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "eos_token_id": 2, "pad_token_id": 0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 4096,
+        "torch_dtype": "float32",
+    },
+    # ERNIE-4.5-0.3B's scaled down: every head turned by an interleaved rotary (theta 5e5),
+    # 8 heads of 64 over 1 KV head, a tied head.
+    "ernie45-8l-512": {
+        "model_type": "ernie4_5", "architectures": ["Ernie4_5ForCausalLM"], "hidden_size": 512,
+        "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+        "num_key_value_heads": 1, "head_dim": 64, "use_bias": False,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": True, "hidden_act": "silu", "vocab_size": 4096,
+        "torch_dtype": "float32",
+    },
     # Mixtral 8x7B's scaled down: 8 experts of the dense width, 2 per token.
     "mixtral-8l-512": {
         "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_size": 512,

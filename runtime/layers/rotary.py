@@ -5,7 +5,8 @@ dimensions turn, in pairs ``(i, i + rotary_dim / 2)``) runs in the same full-hea
 every kernel stays as it is: the checkpoint's q and k rows are reordered per head at load
 (``rotary_row_order``) so that each turning pair lands on ``(j, j + head_dim / 2)`` and the
 passing dimensions on the slots whose frequency is zero (cos 1, sin 0). Attention reads only
-q·k, which one order for both leaves as it was.
+q·k, which one order for both leaves as it was. An interleaved rotary (GLM's and ERNIE 4.5's,
+GPT-J's layout: pairs ``(2i, 2i + 1)`` turn at frequency ``i``) is reordered the same way.
 """
 
 from __future__ import annotations
@@ -93,16 +94,19 @@ def rotary_dim(config, head_dim: int, layer_type: str | None = None) -> int:
     return dim
 
 
-def rotary_row_order(head_dim: int, turning: int) -> torch.Tensor | None:
+def rotary_row_order(head_dim: int, turning: int, interleaved: bool = False) -> torch.Tensor | None:
     """A head's q/k dimensions in Conveyor's layout under a partial rotary of ``turning``
-    dimensions (see the module docstring): slot ``j`` holds the checkpoint's dimension
-    ``order[j]``; None for a full rotary, where the layouts are the same."""
-    if turning == head_dim:
+    dimensions, or an interleaved one (see the module docstring): slot ``j`` holds the
+    checkpoint's dimension ``order[j]``; None for a full rotary in the rotate-half layout,
+    where the layouts are the same."""
+    if turning == head_dim and not interleaved:
         return None
     half, pairs = head_dim // 2, turning // 2
     passing = list(range(turning, head_dim))
-    order = list(range(pairs)) + passing[: half - pairs]
-    order += list(range(pairs, turning)) + passing[half - pairs :]
+    # The checkpoint's pair i: (i, i + turning / 2), or (2i, 2i + 1) interleaved.
+    first = range(0, turning, 2) if interleaved else range(pairs)
+    second = range(1, turning, 2) if interleaved else range(pairs, turning)
+    order = list(first) + passing[: half - pairs] + list(second) + passing[half - pairs :]
     return torch.tensor(order)
 
 

@@ -279,18 +279,25 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             tensors[p + "pre_feedforward_layernorm.weight"] = norm(h)
         if kind in ("gemma2", "gemma3_text") or post_norms:
             tensors[p + "post_feedforward_layernorm.weight"] = norm(h)
+        if kind == "glm4":  # GLM-4-0414's sandwich norms, under its own names
+            tensors[p + "post_self_attn_layernorm.weight"] = norm(h)
+            tensors[p + "post_mlp_layernorm.weight"] = norm(h)
+        ernie_bias = kind == "ernie4_5" and config.get("use_bias")
         qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
-        if qkv_bias or config.get("attention_bias"):
+        if qkv_bias or config.get("attention_bias") or ernie_bias:
             tensors |= {
                 p + "self_attn.q_proj.bias": normal(nh * hd, std=0.1),
                 p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),
                 p + "self_attn.v_proj.bias": normal(nkv * hd, std=0.1),
             }
-        # Llama's bias is on all four; Seed-OSS has attention_out_bias for o_proj's.
-        o_bias = config.get("attention_bias") and kind not in ("qwen2", "qwen2_moe", "seed_oss")
-        if o_bias or (kind == "seed_oss" and config.get("attention_out_bias")):
+        # Llama's bias is on all four (ERNIE 4.5's too); Seed-OSS has attention_out_bias for
+        # o_proj's; Qwen2's and GLM's are on q/k/v only.
+        o_bias = config.get("attention_bias") and kind not in (
+            "qwen2", "qwen2_moe", "seed_oss", "glm", "glm4",
+        )  # fmt: skip
+        if o_bias or ernie_bias or (kind == "seed_oss" and config.get("attention_out_bias")):
             tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)
-        if config.get("mlp_bias"):
+        if config.get("mlp_bias") or ernie_bias:
             tensors |= {
                 p + "mlp.gate_proj.bias": normal(inter, std=0.1),
                 p + "mlp.up_proj.bias": normal(inter, std=0.1),
@@ -301,8 +308,11 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
                 p + "self_attn.q_norm.weight": norm(nh * hd if olmo else hd),
                 p + "self_attn.k_norm.weight": norm(nkv * hd if olmo else hd),
             }
-        if config["model_type"] == "phi3":  # Phi-3's checkpoints hold q/k/v and gate/up fused
+        # Phi-3's checkpoints hold q/k/v and gate/up fused, GLM's gate/up.
+        if kind in ("phi3", "glm", "glm4"):
             for fused, parts in FUSED.items():
+                if kind != "phi3" and fused == "qkv_proj":
+                    continue
                 block = "self_attn" if fused == "qkv_proj" else "mlp"
                 pieces = [tensors.pop(f"{p}{block}.{part}.weight") for part in parts]
                 tensors[f"{p}{block}.{fused}.weight"] = torch.cat(pieces)

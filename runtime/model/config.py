@@ -5,8 +5,8 @@ pulls ``torch.distributed.tensor`` and sympy: 2-3 s of every replica's start, on
 dozen numbers. ``ModelConfig`` holds the fields the decoder, the KV cache and the stop tokens
 read, with the defaults and derived values of ``LlamaConfig``, ``MistralConfig``,
 ``Qwen2Config``, ``Qwen3Config``, ``Phi3Config``, ``GraniteConfig``, ``SmolLM3Config``,
-``Olmo2Config``, ``Olmo3Config``, ``Exaone4Config`` and ``SeedOssConfig``
-(tests/engine/test_model_config.py
+``Olmo2Config``, ``Olmo3Config``, ``Exaone4Config``, ``SeedOssConfig``, ``GlmConfig``,
+``Glm4Config`` and ``Ernie4_5Config`` (tests/engine/test_model_config.py
 compares every field with transformers'). Whatever it does not model -- another model type, a scaled rope (whose
 frequencies transformers' own initialisers compute), rope parameters per layer type -- still
 gets transformers' config: ``from_values`` says None.
@@ -81,13 +81,26 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         max_position_embeddings=524288, pad_token_id=1, bos_token_id=0, eos_token_id=2,
         attention_bias=True,
     ),
+    "glm": dict(
+        vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+        num_attention_heads=32, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1.5625e-07, pad_token_id=151329,
+        eos_token_id=[151329, 151336, 151338], attention_bias=True, partial_rotary_factor=0.5,
+    ),
+    "ernie4_5": dict(
+        vocab_size=103424, hidden_size=1024, intermediate_size=3072, num_hidden_layers=18,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
+_DEFAULTS["glm4"] = _DEFAULTS["glm"]
 
-_DEFAULT_THETA = {"smollm3": 2_000_000.0, "olmo3": 500_000.0}
+_DEFAULT_THETA = {"smollm3": 2_000_000.0, "olmo3": 500_000.0, "ernie4_5": 500_000.0}
 """The rope theta of a config that names none, where its class's ``default_theta`` is not
 ``DEFAULT_ROPE_THETA``."""
 
-_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral", "phi3", "seed_oss")
+_HEAD_DIM_FROM_HIDDEN = ("llama", "mistral", "phi3", "seed_oss", "glm", "glm4", "ernie4_5")
 """Types whose config derives a missing head_dim as hidden_size // num_attention_heads (Qwen2
 has no such field: the decoder derives it the same way; Qwen3's default is 128)."""
 
@@ -114,6 +127,8 @@ class ModelConfig:
     """Llama's: biases on q/k/v and o_proj; Seed-OSS's: on q/k/v only."""
     attention_out_bias: bool = False
     """Seed-OSS: a bias on o_proj."""
+    use_bias: bool = False
+    """ERNIE 4.5: biases on every projection, the MLP's too."""
     mlp_bias: bool = False
     hidden_act: str = "silu"
     bos_token_id: int | None = None

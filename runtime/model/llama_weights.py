@@ -5,7 +5,7 @@ The model merges some projections into one parameter (q/k/v into ``qkv_proj``, g
 here so that tensor parallelism cuts each as any other. ``weight_shard`` says which part of
 each tensor a rank holds, so the loaders read only that; ``load_weights`` copies the parts in
 and checks that every parameter was set exactly once. Routed and shared experts map through
-``expert_weights.py``; a partial rotary reorders q's and k's rows (``to_rotary_layout``);
+``expert_weights.py``; a partial or interleaved rotary reorders q's and k's rows (``to_rotary_layout``);
 Gemma's norms are offset by 1 and Granite's residual branches scaled (``output_rows``) at load;
 OLMo's q/k norms span the whole projection, so a rank holds its heads' part of their weights.
 """

@@ -13,6 +13,7 @@ import glob
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -185,11 +186,25 @@ decoder beside a SigLIP image tower), with their checkpoint's name prefixes -> t
 model's (None: the image part's, not read)."""
 
 
+GLM4_NORMS = {
+    "post_self_attn_layernorm": "post_attention_layernorm",
+    "post_attention_layernorm": "pre_feedforward_layernorm",
+    "post_mlp_layernorm": "post_feedforward_layernorm",
+}
+"""GLM-4-0414's sandwich norms -> Gemma 2's names for the same places (``llama.py``): the
+attention's output norm, the MLP's input norm (which GLM calls post_attention_layernorm, as
+Llama does), the MLP's output norm."""
+_GLM4_NORM = re.compile(r"\.(" + "|".join(GLM4_NORMS) + r")\.")
+
+
 def checkpoint_names(files: ModelFiles) -> Callable[[str], str | None]:
     """Checkpoint tensor name -> the decoder's name for it (None: not the decoder's): the
-    names themselves, but for the text model of an image-text checkpoint."""
+    names themselves, but for the text model of an image-text checkpoint and GLM-4-0414's
+    norms (``GLM4_NORMS``)."""
     config = files.path / "config.json"
     kind = json.loads(config.read_text()).get("model_type") if files.gguf is None else None
+    if kind == "glm4":
+        return lambda name: _GLM4_NORM.sub(lambda m: f".{GLM4_NORMS[m.group(1)]}.", name)
     prefixes = TEXT_OF_MULTIMODAL.get(kind or "")
     if prefixes is None:
         return lambda name: name
@@ -219,6 +234,7 @@ def load_tokenizer(files: ModelFiles):
 AUTO_TOKENIZER_KEEPS_BACKEND = (
     "llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
     "qwen3_moe", "granite", "granitemoe", "smollm3", "olmo2", "olmo3", "exaone4", "seed_oss",
+    "glm", "glm4",
 )  # fmt: skip
 """Model types for which ``AutoTokenizer`` loads a tokenizer_config.json's
 ``TokenizersBackend`` as that class (transformers 5; for Qwen2 it substitutes

@@ -19,9 +19,12 @@ from conveyor.runtime.model.config import layer_windows
 
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 OLMO = ("olmo2", "olmo3")
+GLM = ("glm", "glm4")
+INTERLEAVED_ROPE = (*GLM, "ernie4_5")
+"""Model types whose rotary turns pairs (2i, 2i + 1) (``layers/rotary.py``)."""
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss", "exaone4",
-    *GEMMA, *OLMO, *MOE_MODEL_TYPES,
+    *GEMMA, *OLMO, *GLM, "ernie4_5", *MOE_MODEL_TYPES,
 )  # fmt: skip
 
 
@@ -72,20 +75,25 @@ class DecoderShape:
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
         # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only, and
-        # Seed-OSS has its own attention_out_bias for o_proj.
+        # so has GLM's attention_bias; Seed-OSS has its own attention_out_bias for o_proj;
+        # ERNIE 4.5's use_bias is on every projection, the MLP's too.
         qwen2 = self.model_type == "qwen2" or (
             self.model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)
         )
         # EXAONE 4 has no biases, whatever its config.json holds.
         exaone4 = self.model_type == "exaone4"
         attention_bias = not exaone4 and bool(getattr(config, "attention_bias", False))
+        if self.model_type == "ernie4_5":
+            attention_bias = bool(getattr(config, "use_bias", False))
         self.qkv_bias = qwen2 or attention_bias
         self.o_bias = (
             bool(getattr(config, "attention_out_bias", False))
             if self.model_type == "seed_oss"
-            else not qwen2 and attention_bias
+            else not qwen2 and self.model_type not in GLM and attention_bias
         )
-        self.mlp_bias = not exaone4 and bool(getattr(config, "mlp_bias", False))
+        self.mlp_bias = not exaone4 and bool(
+            getattr(config, "use_bias" if self.model_type == "ernie4_5" else "mlp_bias", False)
+        )
         olmo = self.model_type in OLMO
         self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
         """Qwen3, Gemma 3 and EXAONE 4 norm q and k per head (a norm of ``head_dim``)."""
@@ -116,9 +124,10 @@ class DecoderShape:
         (``llama_weights.py``)."""
         self.logits_scaling = float(config.logits_scaling) if granite else 1.0
         """Granite divides its logits by this."""
-        self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text")
-        """Gemma 2/3: the attention's and the MLP's outputs are normed before their residual
-        adds, and the MLP's input norm is ``pre_feedforward_layernorm``."""
+        self.sandwich_norms = self.model_type in ("gemma2", "gemma3_text", "glm4")
+        """Gemma 2/3 and GLM-4-0414: the attention's and the MLP's outputs are normed before
+        their residual adds, and the MLP's input norm is ``pre_feedforward_layernorm`` (GLM's
+        checkpoint names are mapped to Gemma's at load: ``loader.checkpoint_names``)."""
         self.post_norms = olmo or self.model_type == "exaone4"
         """OLMo 2/3 and EXAONE 4: no norm before the attention or the MLP (each reads the
         residual stream itself); their outputs are normed (``post_attention_layernorm``,
@@ -179,9 +188,11 @@ class DecoderShape:
         if len({inv.numel() for inv, _ in self.ropes}) > 1:
             raise ValueError("layer types that turn different shares of a head are not supported")
         self.inv_freq, self.rope_scaling = self.ropes[0]
-        self.qk_order = rotary_row_order(self.head_dim, 2 * self.inv_freq.numel())
-        """A partial rotary's order of a head's q/k dimensions (``layers/rotary.py``); None:
-        the checkpoint's."""
+        self.qk_order = rotary_row_order(
+            self.head_dim, 2 * self.inv_freq.numel(), self.model_type in INTERLEAVED_ROPE
+        )
+        """A partial or interleaved rotary's order of a head's q/k dimensions
+        (``layers/rotary.py``); None: the checkpoint's."""
 
 
 def _rope_layers(config) -> tuple[bool, ...]:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 from model_shapes import (
+    ERNIE4_5,
     EXAONE4,
     GEMMA2,
     GEMMA3,
+    GLM,
+    GLM4,
     GRANITE,
     GRANITEMOE,
     MIXTRAL,
@@ -44,6 +47,9 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "olmo3": str(generate_model(root / "olmo3", OLMO3, seed=12)),
         "exaone4": str(generate_model(root / "exaone4", EXAONE4, seed=13)),
         "seed_oss": str(generate_model(root / "seed_oss", SEED_OSS, seed=14)),
+        "glm": str(generate_model(root / "glm", GLM, seed=15)),
+        "glm4": str(generate_model(root / "glm4", GLM4, seed=16)),
+        "ernie4_5": str(generate_model(root / "ernie4_5", ERNIE4_5, seed=17)),
     }
 
 

@@ -153,6 +153,30 @@ SEED_OSS = dict(
 )
 """Seed-OSS's shape: Llama with biases on q/k/v (``attention_bias``) and, here, on o_proj
 (``attention_out_bias``, which Seed-OSS-36B leaves off)."""
+GLM = dict(
+    SMALL,
+    architectures=["GlmForCausalLM"],
+    model_type="glm",
+    partial_rotary_factor=0.5,
+    attention_bias=True,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+"""GLM-4's shape (glm-4-9b-chat-hf): half of each head turned by an interleaved rotary (pairs
+2i, 2i + 1, GPT-J's layout), q/k/v biases (none on o_proj), gate/up fused in the checkpoint."""
+GLM4 = dict(GLM, architectures=["Glm4ForCausalLM"], model_type="glm4")
+"""GLM-4-0414's: GLM's layers with sandwich norms (``post_self_attn_layernorm``,
+``post_mlp_layernorm``, and ``post_attention_layernorm`` before the MLP)."""
+ERNIE4_5 = dict(
+    SMALL,
+    architectures=["Ernie4_5ForCausalLM"],
+    model_type="ernie4_5",
+    use_bias=True,
+    tie_word_embeddings=False,
+)
+"""ERNIE 4.5's shape (0.3B): every head turned whole by an interleaved rotary, and here
+``use_bias``: biases on q/k/v, o_proj and the MLP (the 0.3B has none)."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

@@ -32,6 +32,9 @@ MODELS = [
     "olmo3",
     "exaone4",
     "seed_oss",
+    "glm",
+    "glm4",
+    "ernie4_5",
 ]
 
 

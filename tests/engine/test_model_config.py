@@ -89,6 +89,11 @@ CONFIGS = [
     ("seed_oss", {}),
     ("seed_oss", {**SMALL, "num_key_value_heads": 2, "head_dim": 32}),
     ("seed_oss", {**SMALL, "attention_bias": False, "attention_out_bias": True, "mlp_bias": True}),
+    *[(t, {}) for t in ("glm", "glm4", "ernie4_5")],
+    *[(t, SMALL) for t in ("glm", "glm4", "ernie4_5")],
+    ("glm", {**SMALL, "partial_rotary_factor": 1.0, "attention_bias": False, "head_dim": 64}),
+    ("glm4", {**SMALL, "num_key_value_heads": 2, "rope_theta": 1e6, "eos_token_id": 7}),
+    ("ernie4_5", {**SMALL, "use_bias": True, "head_dim": None, "tie_word_embeddings": False}),
 ]
 
 READ = (

@@ -197,12 +197,13 @@ def test_each_rank_holds_only_its_shard_of_a_gguf(tp_models, tmp_path):
 # head shared by 2 ranks, with its two rope tables and q/k norms on each; SmolLM3's NoPE
 # layer turning nothing on either rank; OLMo's q/k norms over every rank's heads (2 KV heads
 # split, OLMo 3's one shared by 2 ranks); EXAONE 4's post-norms and per-head q/k norms with its
-# global layer turning nothing; Seed-OSS's biases on q/k/v and o_proj.
+# global layer turning nothing; Seed-OSS's biases on q/k/v and o_proj; GLM-4-0414's interleaved
+# half rotary, fused gate/up and sandwich norms; ERNIE 4.5's interleaved rotary and biases.
 CASES = [
     ("conveyor-tiny", 2), ("qwen2-322", 4), ("llama-biased", 2), ("phi3", 2), ("gemma2", 2),
     ("gemma3", 2), ("mixtral", 2), ("qwen3_moe", 2), ("qwen2_moe", 2), ("granite", 2),
     ("granitemoe", 2), ("smollm3", 2), ("olmo2", 2), ("olmo3", 2), ("exaone4", 2),
-    ("seed_oss", 2),
+    ("seed_oss", 2), ("glm4", 2), ("ernie4_5", 2),
 ]  # fmt: skip
 
 

@@ -270,6 +270,12 @@ DECODERS = {
         sliding_window=12, layer_types=["full_attention", "sliding_attention", "full_attention"],
         tie_word_embeddings=False,
     ),
+    # GLM-4-0414: half of each head turned by an interleaved rotary (reordered at load), q/k/v
+    # biases, sandwich norms under GLM's names.
+    "glm4": dict(
+        SMALL_DECODER, architectures=["Glm4ForCausalLM"], model_type="glm4",
+        partial_rotary_factor=0.5, attention_bias=True, eos_token_id=2, tie_word_embeddings=False,
+    ),
     # Mixture-of-experts MLPs: Mixtral's renormalised top 2 of 4; Qwen3-MoE's rounded and
     # renormalised top 3 of 8 beside a dense layer (mlp_only_layers); Qwen2-MoE's raw softmax
     # weights and a shared expert under its sigmoid gate, layer 0 dense (decoder_sparse_step).
