@@ -128,7 +128,10 @@ def load_config(files: ModelFiles):
                     "are refused)",
                     values["model_type"],
                 )
+                # transformers ties the head by the whole model's config, not the text one's
+                tied = getattr(config, "tie_word_embeddings", False)
                 config = config.text_config
+                config.tie_word_embeddings = tied
         if getattr(config, "tie_word_embeddings", False) and _holds_its_own_head(files):
             log.warning(
                 "config.json ties the LM head to the embedding, but the checkpoint holds an "
@@ -170,19 +173,19 @@ def _read_tensor(file: str, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-TEXT_OF_MULTIMODAL = {
-    "gemma3": (
-        ("language_model.model.", "model."),  # as Google's checkpoints name them
-        ("model.language_model.", "model."),  # as transformers >= 4.52 saves them
-        ("language_model.lm_head.", "lm_head."),
-        ("model.vision_tower.", None),
-        ("vision_tower.", None),
-        ("model.multi_modal_projector.", None),
-        ("multi_modal_projector.", None),
-    ),
-}
+_LLAVA_NAMES = (
+    ("language_model.model.", "model."),  # as Google's and Mistral's checkpoints name them
+    ("model.language_model.", "model."),  # as transformers >= 4.52 saves them
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.", None),
+    ("vision_tower.", None),
+    ("model.multi_modal_projector.", None),
+    ("multi_modal_projector.", None),
+)
+TEXT_OF_MULTIMODAL = {"gemma3": _LLAVA_NAMES, "mistral3": _LLAVA_NAMES}
 """Image-text model types whose text model Conveyor serves (Gemma 3 4B-27B: a Gemma 3 text
-decoder beside a SigLIP image tower), with their checkpoint's name prefixes -> the text
+decoder beside a SigLIP image tower; Mistral 3, as Mistral Small 3.1 and 3.2: a Mistral text
+decoder beside a Pixtral image tower), with their checkpoint's name prefixes -> the text
 model's (None: the image part's, not read)."""
 
 
