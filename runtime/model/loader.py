@@ -132,6 +132,8 @@ def load_config(files: ModelFiles):
                 tied = getattr(config, "tie_word_embeddings", False)
                 config = config.text_config
                 config.tie_word_embeddings = tied
+                if config.model_type in TEXT_MODEL_TYPES:
+                    config.model_type = TEXT_MODEL_TYPES[config.model_type]
         if getattr(config, "tie_word_embeddings", False) and _holds_its_own_head(files):
             log.warning(
                 "config.json ties the LM head to the embedding, but the checkpoint holds an "
@@ -182,11 +184,28 @@ _LLAVA_NAMES = (
     ("model.multi_modal_projector.", None),
     ("multi_modal_projector.", None),
 )
-TEXT_OF_MULTIMODAL = {"gemma3": _LLAVA_NAMES, "mistral3": _LLAVA_NAMES}
+_QWEN_VL_NAMES = (
+    ("model.language_model.", "model."),  # as transformers >= 4.52 saves them
+    ("model.visual.", None),
+    ("visual.", None),  # Qwen's own checkpoints: the text model's names are already a Qwen2's
+)
+TEXT_OF_MULTIMODAL = {
+    "gemma3": _LLAVA_NAMES,
+    "mistral3": _LLAVA_NAMES,
+    "qwen2_vl": _QWEN_VL_NAMES,
+    "qwen2_5_vl": _QWEN_VL_NAMES,
+    "qwen3_vl": _QWEN_VL_NAMES,
+}
 """Image-text model types whose text model Conveyor serves (Gemma 3 4B-27B: a Gemma 3 text
 decoder beside a SigLIP image tower; Mistral 3, as Mistral Small 3.1 and 3.2: a Mistral text
-decoder beside a Pixtral image tower), with their checkpoint's name prefixes -> the text
-model's (None: the image part's, not read)."""
+decoder beside a Pixtral image tower; Qwen2-VL, Qwen2.5-VL and the dense Qwen3-VL: a Qwen2 or
+Qwen3 text decoder beside a ViT), with their checkpoint's name prefixes -> the text model's
+(None: the image part's, not read)."""
+
+TEXT_MODEL_TYPES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+"""Text models of image-text checkpoints that are, for text, another model type: Qwen-VL's
+multimodal rope (``mrope_section``) gives a text token the same position in each of its
+sections, which is the plain rope of that position, so text alone runs as Qwen2 or Qwen3."""
 
 
 GLM4_NORMS = {
