@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's and Qwen3-VL's image-text checkpoints: their text model is served as the Qwen2
+"""Qwen2-VL's, Qwen2.5-VL's and Qwen3-VL's image-text checkpoints: their text model is served as the Qwen2
 or Qwen3 it is for text (a text token's multimodal rope is the plain rope of its position), the
 vision tower beside it is not read."""
 
@@ -36,6 +36,21 @@ def _qwen2_5_vl():
     return Qwen2_5_VLForConditionalGeneration, config
 
 
+def _qwen2_vl():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = {k: v for k, v in QWEN2.items() if k not in ("architectures", "torch_dtype")}
+    text |= dict(
+        model_type="qwen2_vl_text", rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}
+    )
+    vision = dict(
+        depth=1, embed_dim=32, hidden_size=128, num_heads=2, mlp_ratio=2, patch_size=14,
+        spatial_merge_size=2, temporal_patch_size=2,
+    )  # fmt: skip
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, **SPECIAL)
+    return Qwen2VLForConditionalGeneration, config
+
+
 def _qwen3_vl():
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -57,14 +72,16 @@ def _qwen3_vl():
     return Qwen3VLForConditionalGeneration, config
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def image_text(tmp_path_factory, request) -> tuple[str, type]:
     """A random-weight checkpoint as transformers saves it, with a tokenizer of the text
     shape's; (its directory, its transformers class)."""
     root = tmp_path_factory.mktemp(request.param)
-    shape = QWEN2 if request.param == "qwen2_5_vl" else QWEN3
+    shape = QWEN3 if request.param == "qwen3_vl" else QWEN2
     text = generate_model(root / "text", shape, seed=7)  # its tokenizer and generation config
-    cls, config = _qwen2_5_vl() if request.param == "qwen2_5_vl" else _qwen3_vl()
+    cls, config = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl}[
+        request.param
+    ]()
     torch.manual_seed(0)
     model = cls(config).eval()
     with torch.no_grad():  # a fresh model's norms are exactly 1, its weights tiny: spread them
