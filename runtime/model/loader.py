@@ -111,6 +111,21 @@ def resolve_model_path(model: str) -> Path:
         ) from exc
 
 
+def _refuse_quantized(values: dict) -> None:
+    """A checkpoint of quantized weights (FP8, AWQ, GPTQ, bitsandbytes, compressed-tensors:
+    a ``quantization_config`` in config.json, or in its text config) is refused before any
+    weight is read, naming its method: Conveyor serves float weights and GGUF's types."""
+    for where in (values, values.get("text_config") or {}):
+        quant = where.get("quantization_config") if isinstance(where, dict) else None
+        if quant:
+            method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else quant
+            raise ValueError(
+                f"the checkpoint's weights are quantized (quantization_config: {method}); "
+                "Conveyor serves float16, bfloat16 or float32 checkpoints and GGUF files: use "
+                "the model's unquantized release, or a GGUF of it"
+            )
+
+
 def load_config(files: ModelFiles):
     """The model's config: Conveyor's own (``config.py``: no transformers import) where it
     models the config, transformers' where it does not."""
@@ -118,6 +133,7 @@ def load_config(files: ModelFiles):
         if files.gguf is not None:
             return files.gguf.config()
         values = json.loads((files.path / "config.json").read_text())
+        _refuse_quantized(values)
         if (config := ModelConfig.from_values(values)) is None:
             from transformers import AutoConfig
 

@@ -225,3 +225,21 @@ def test_a_tied_config_beside_a_head_of_its_own_serves_that_head(tmp_path, head,
         tensors["lm_head.weight"] = embed.clone() if head == "copy" else embed * 2
     save_file(tensors, str(tmp_path / "model.safetensors"))
     assert load_config(ModelFiles(tmp_path)).tie_word_embeddings is tied
+
+
+@pytest.mark.parametrize(
+    ("values", "method"),
+    [
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "fp8"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "awq"),
+        ({"text_config": {"quantization_config": {"quant_method": "gptq"}}}, "gptq"),
+    ],
+)
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path, values, method):
+    """Its weights would not fit the float layers (scales beside them, packed integers): it is
+    refused before any weight is read, with what to use instead."""
+    from conveyor.runtime.model.loader import ModelFiles, load_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL, **values}))
+    with pytest.raises(ValueError, match=f"quantized \\(quantization_config: {method}\\).*GGUF"):
+        load_config(ModelFiles(tmp_path))
