@@ -38,11 +38,10 @@ class EngineState:
         """Size the KV cache for ``settings`` on ``runner``'s device; ValueError when the
         settings cannot fit the model or its cache."""
         model_limit = int(getattr(config, "max_position_embeddings", 0) or 4096)
-        wanted = settings.max_model_len or _default_context(config, model_limit)
-        if wanted > model_limit:
-            raise ValueError(
-                f"--max-model-len {wanted} exceeds the model's max_position_embeddings {model_limit}"
-            )
+        limit, why = _served_limit(config, model_limit)
+        wanted = settings.max_model_len or _default_context(config, limit)
+        if wanted > limit:
+            raise ValueError(f"--max-model-len {wanted} exceeds {why} {limit}")
         num_blocks = runner.num_blocks_for_memory(wanted * settings.max_running_requests)
         capacity = num_blocks * settings.block_size
         if capacity < wanted:
@@ -61,6 +60,27 @@ class EngineState:
             eos_token_ids=_eos_ids(config, tokenizer, generation_config),
             num_threads=threads,
         )
+
+
+def _served_limit(config: PretrainedConfig, model_limit: int) -> tuple[int, str]:
+    """The longest context Conveyor serves the model with, and what sets it: the model's
+    ``max_position_embeddings``, but Ministral 3's original context where its rope asks for
+    Llama 4's query scale (``llama_4_scaling_beta``): ``1 + beta * log(1 + floor(position /
+    original_max_position_embeddings))``, which is 1 before that position and which Conveyor's
+    attention does not apply past it."""
+    params = getattr(config, "rope_parameters", None) or {}
+    original = params.get("original_max_position_embeddings")
+    if params.get("llama_4_scaling_beta") and original and int(original) < model_limit:
+        log.info(
+            "contexts up to %d tokens: past its original_max_position_embeddings this model "
+            "scales its queries by llama_4_scaling_beta, which Conveyor does not",
+            int(original),
+        )
+        return int(original), (
+            "the context Conveyor serves this model with (its original_max_position_embeddings, "
+            "past which its llama_4_scaling_beta scales queries, which Conveyor does not do)"
+        )
+    return model_limit, "the model's max_position_embeddings"
 
 
 def _default_context(config: PretrainedConfig, model_limit: int) -> int:

@@ -262,7 +262,8 @@ def _plain_rope(values: dict[str, Any], default_theta: float) -> dict[str, Any] 
 def layer_windows(config: Any) -> tuple[int, ...]:
     """Per layer, how many keys a query sees, its own included (0: every key before it), as
     transformers' masks read ``config`` (a ``ModelConfig`` or transformers' own): Mistral
-    slides in every layer when ``sliding_window`` is set (its class default is 4096), and so
+    slides in every layer when ``sliding_window`` is set (its class default is 4096; Ministral
+    3's is none; Ministral's own slides in the layers ``layer_types`` names), and so
     does Phi-3 (Phi-3-mini-4k's config says 2047; the class default is none), Mixtral and
     Qwen3-MoE (whose configs set it only with ``use_sliding_window``); Qwen2 and
     Qwen3 only with ``use_sliding_window``, in the layers ``layer_types`` names (by default
@@ -275,9 +276,9 @@ def layer_windows(config: Any) -> tuple[int, ...]:
     keys ``i - window + 1 .. i``."""
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None) or 0
-    if config.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
+    if config.model_type in ("mistral", "ministral3", "phi3", "mixtral", "qwen3_moe"):
         return (window,) * layers
-    filled = ("gemma2", "gemma3_text", "qwen2_moe", "olmo3", "smollm3", "exaone4")
+    filled = ("gemma2", "gemma3_text", "qwen2_moe", "olmo3", "smollm3", "exaone4", "ministral")
     if config.model_type in filled:
         return tuple(window if kind == "sliding_attention" else 0 for kind in config.layer_types)
     if config.model_type not in ("qwen2", "qwen3") or not getattr(

@@ -23,8 +23,8 @@ GLM = ("glm", "glm4")
 INTERLEAVED_ROPE = (*GLM, "ernie4_5")
 """Model types whose rotary turns pairs (2i, 2i + 1) (``layers/rotary.py``)."""
 SUPPORTED_MODEL_TYPES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "smollm3", "seed_oss", "exaone4",
-    *GEMMA, *OLMO, *GLM, "ernie4_5", *MOE_MODEL_TYPES,
+    "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
+    "seed_oss", "exaone4", *GEMMA, *OLMO, *GLM, "ernie4_5", *MOE_MODEL_TYPES,
 )  # fmt: skip
 
 

@@ -12,6 +12,8 @@ from model_shapes import (
     GLM4,
     GRANITE,
     GRANITEMOE,
+    MINISTRAL,
+    MINISTRAL3,
     MIXTRAL,
     OLMO2,
     OLMO3,
@@ -50,6 +52,8 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "glm": str(generate_model(root / "glm", GLM, seed=15)),
         "glm4": str(generate_model(root / "glm4", GLM4, seed=16)),
         "ernie4_5": str(generate_model(root / "ernie4_5", ERNIE4_5, seed=17)),
+        "ministral": str(generate_model(root / "ministral", MINISTRAL, seed=18)),
+        "ministral3": str(generate_model(root / "ministral3", MINISTRAL3, seed=19)),
     }
 
 

@@ -177,6 +177,36 @@ ERNIE4_5 = dict(
 )
 """ERNIE 4.5's shape (0.3B): every head turned whole by an interleaved rotary, and here
 ``use_bias``: biases on q/k/v, o_proj and the MLP (the 0.3B has none)."""
+MINISTRAL = dict(
+    SMALL,
+    architectures=["MinistralForCausalLM"],
+    model_type="ministral",
+    sliding_window=12,
+    layer_types=["sliding_attention", "full_attention"],
+    tie_word_embeddings=False,
+)
+"""Ministral-8B-2410's shape: Mistral whose window slides in the layers ``layer_types`` names
+(here the first of two)."""
+MINISTRAL3 = dict(
+    SMALL,
+    architectures=["Ministral3ForCausalLM"],
+    model_type="ministral3",
+    max_position_embeddings=4096,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 1_000_000.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 512,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "llama_4_scaling_beta": 0.1,
+    },
+    tie_word_embeddings=False,
+)
+"""Ministral 3's (the text model of Ministral-3-3B/8B/14B): Mistral with YaRN, and Llama 4's
+query scale past its original context, which is where Conveyor stops serving it (512 here)."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

@@ -35,6 +35,8 @@ MODELS = [
     "glm",
     "glm4",
     "ernie4_5",
+    "ministral",
+    "ministral3",
 ]
 
 
