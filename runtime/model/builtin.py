@@ -293,7 +293,7 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
         # Llama's bias is on all four (ERNIE 4.5's too); Seed-OSS has attention_out_bias for
         # o_proj's; Qwen2's and GLM's are on q/k/v only.
         o_bias = config.get("attention_bias") and kind not in (
-            "qwen2", "qwen2_moe", "seed_oss", "glm", "glm4",
+            "qwen2", "qwen2_moe", "seed_oss", "glm", "glm4", "helium",
         )  # fmt: skip
         if o_bias or ernie_bias or (kind == "seed_oss" and config.get("attention_out_bias")):
             tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)

@@ -272,7 +272,7 @@ def load_tokenizer(files: ModelFiles):
 AUTO_TOKENIZER_KEEPS_BACKEND = (
     "llama", "mistral", "qwen3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe",
     "qwen3_moe", "granite", "granitemoe", "smollm3", "olmo2", "olmo3", "exaone4", "seed_oss",
-    "glm", "glm4", "ministral", "ministral3",
+    "glm", "glm4", "ministral", "ministral3", "helium",
 )  # fmt: skip
 """Model types for which ``AutoTokenizer`` loads a tokenizer_config.json's
 ``TokenizersBackend`` as that class (transformers 5; for Qwen2 it substitutes

@@ -20,11 +20,11 @@ from conveyor.runtime.model.config import layer_windows
 GEMMA = ("gemma", "gemma2", "gemma3_text")
 OLMO = ("olmo2", "olmo3")
 GLM = ("glm", "glm4")
-INTERLEAVED_ROPE = (*GLM, "ernie4_5")
+INTERLEAVED_ROPE = (*GLM, "ernie4_5", "helium")
 """Model types whose rotary turns pairs (2i, 2i + 1) (``layers/rotary.py``)."""
 SUPPORTED_MODEL_TYPES = (
     "llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "phi3", "granite", "smollm3",
-    "seed_oss", "exaone4", *GEMMA, *OLMO, *GLM, "ernie4_5", *MOE_MODEL_TYPES,
+    "seed_oss", "exaone4", "helium", *GEMMA, *OLMO, *GLM, "ernie4_5", *MOE_MODEL_TYPES,
 )  # fmt: skip
 
 
@@ -75,7 +75,7 @@ class DecoderShape:
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
         # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only, and
-        # so has GLM's attention_bias; Seed-OSS has its own attention_out_bias for o_proj;
+        # so have GLM's and Helium's attention_bias; Seed-OSS has its own attention_out_bias for o_proj;
         # ERNIE 4.5's use_bias is on every projection, the MLP's too.
         qwen2 = self.model_type == "qwen2" or (
             self.model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)
@@ -89,7 +89,7 @@ class DecoderShape:
         self.o_bias = (
             bool(getattr(config, "attention_out_bias", False))
             if self.model_type == "seed_oss"
-            else not qwen2 and self.model_type not in GLM and attention_bias
+            else not qwen2 and self.model_type not in (*GLM, "helium") and attention_bias
         )
         self.mlp_bias = not exaone4 and bool(
             getattr(config, "use_bias" if self.model_type == "ernie4_5" else "mlp_bias", False)
@@ -104,9 +104,9 @@ class DecoderShape:
         gemma = self.model_type in GEMMA
         self.norm_offset = 1.0 if gemma else 0.0
         """Added to every norm's checkpoint weight at load: Gemma's norms scale by 1 + weight."""
-        self.norm_dtype = torch.float32 if gemma or olmo else None
-        """The norms' weight dtype (None: the model's): Gemma's and OLMo's scale in float32
-        and round once (``layers/layernorm.py``)."""
+        self.norm_dtype = torch.float32 if gemma or olmo or self.model_type == "helium" else None
+        """The norms' weight dtype (None: the model's): Gemma's, OLMo's and Helium's scale in
+        float32 and round once (``layers/layernorm.py``)."""
         granite = self.model_type in ("granite", "granitemoe")
         self.embed_scale = (
             self.hidden_size**0.5

@@ -12,6 +12,7 @@ from model_shapes import (
     GLM4,
     GRANITE,
     GRANITEMOE,
+    HELIUM,
     MINISTRAL,
     MINISTRAL3,
     MIXTRAL,
@@ -54,6 +55,7 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
         "ernie4_5": str(generate_model(root / "ernie4_5", ERNIE4_5, seed=17)),
         "ministral": str(generate_model(root / "ministral", MINISTRAL, seed=18)),
         "ministral3": str(generate_model(root / "ministral3", MINISTRAL3, seed=19)),
+        "helium": str(generate_model(root / "helium", HELIUM, seed=20)),
     }
 
 

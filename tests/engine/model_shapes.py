@@ -207,6 +207,19 @@ MINISTRAL3 = dict(
 )
 """Ministral 3's (the text model of Ministral-3-3B/8B/14B): Mistral with YaRN, and Llama 4's
 query scale past its original context, which is where Conveyor stops serving it (512 here)."""
+HELIUM = dict(
+    SMALL,
+    architectures=["HeliumForCausalLM"],
+    model_type="helium",
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    attention_bias=True,
+    mlp_bias=True,
+    rms_norm_eps=1e-8,
+    tie_word_embeddings=False,
+)
+"""Kyutai's Helium: a Llama turning q and k in the interleaved layout, with norms that scale in
+float32 and round once, and here biases on q/k/v (none on o_proj) and the MLP."""
 MIXTRAL = dict(
     SMALL,
     architectures=["MixtralForCausalLM"],

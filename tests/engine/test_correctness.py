@@ -37,6 +37,7 @@ MODELS = [
     "ernie4_5",
     "ministral",
     "ministral3",
+    "helium",
 ]
 
 
