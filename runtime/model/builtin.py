@@ -283,8 +283,15 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             tensors[p + "post_self_attn_layernorm.weight"] = norm(h)
             tensors[p + "post_mlp_layernorm.weight"] = norm(h)
         ernie_bias = kind == "ernie4_5" and config.get("use_bias")
+        # EXAONE 4 and ERNIE 4.5 read neither attention_bias nor mlp_bias, GLM no mlp_bias:
+        # transformers' modules have no such biases, so neither does their checkpoint.
+        # Seed-OSS's and GLM's attention_bias is on where config.json leaves it out.
+        attention_bias = kind not in ("exaone4", "ernie4_5") and config.get(
+            "attention_bias", kind in ("seed_oss", "glm", "glm4")
+        )
+        mlp_bias = kind not in ("exaone4", "ernie4_5", "glm", "glm4") and config.get("mlp_bias")
         qkv_bias = kind == "qwen2" or (kind == "qwen2_moe" and config.get("qkv_bias", True))
-        if qkv_bias or config.get("attention_bias") or ernie_bias:
+        if qkv_bias or attention_bias or ernie_bias:
             tensors |= {
                 p + "self_attn.q_proj.bias": normal(nh * hd, std=0.1),
                 p + "self_attn.k_proj.bias": normal(nkv * hd, std=0.1),
@@ -292,12 +299,12 @@ def _write_weights(out: Path, config: dict, seed: int) -> None:
             }
         # Llama's bias is on all four (ERNIE 4.5's too); Seed-OSS has attention_out_bias for
         # o_proj's; Qwen2's and GLM's are on q/k/v only.
-        o_bias = config.get("attention_bias") and kind not in (
+        o_bias = attention_bias and kind not in (
             "qwen2", "qwen2_moe", "seed_oss", "glm", "glm4", "helium",
         )  # fmt: skip
         if o_bias or ernie_bias or (kind == "seed_oss" and config.get("attention_out_bias")):
             tensors[p + "self_attn.o_proj.bias"] = normal(h, std=0.1)
-        if config.get("mlp_bias") or ernie_bias:
+        if mlp_bias or ernie_bias:
             tensors |= {
                 p + "mlp.gate_proj.bias": normal(inter, std=0.1),
                 p + "mlp.up_proj.bias": normal(inter, std=0.1),

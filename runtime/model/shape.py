@@ -91,8 +91,13 @@ class DecoderShape:
             if self.model_type == "seed_oss"
             else not qwen2 and self.model_type not in (*GLM, "helium") and attention_bias
         )
-        self.mlp_bias = not exaone4 and bool(
-            getattr(config, "use_bias" if self.model_type == "ernie4_5" else "mlp_bias", False)
+        # GLM's MLP has no biases either (transformers' GlmMLP), whatever mlp_bias says.
+        self.mlp_bias = (
+            not exaone4
+            and self.model_type not in GLM
+            and bool(
+                getattr(config, "use_bias" if self.model_type == "ernie4_5" else "mlp_bias", False)
+            )
         )
         olmo = self.model_type in OLMO
         self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")

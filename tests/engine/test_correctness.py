@@ -162,3 +162,23 @@ def test_static_and_none_modes(model_dirs, reference, model, mode):
     requests = workload(7, seed=4)
     outputs = run_staggered(engine, requests, [0, 0, 0, 1, 2, 2, 9])
     assert_matches_reference(model_dirs, reference, model, requests, outputs)
+
+
+@pytest.mark.parametrize("model_type", ["glm", "glm4", "exaone4", "ernie4_5"])
+def test_bias_keys_the_models_modules_do_not_read_add_no_bias(tmp_path, reference, model_type):
+    """transformers' GLM MLP has no biases whatever ``mlp_bias`` says, nor have EXAONE 4's or
+    ERNIE 4.5's projections whatever ``attention_bias`` / ``mlp_bias`` say (ERNIE's follow
+    ``use_bias``): such a config.json's checkpoint has none, and the engine serves it as
+    transformers does."""
+    from model_shapes import ERNIE4_5, EXAONE4, GLM, GLM4
+
+    from conveyor.runtime.model.builtin import generate_model
+
+    shape = {"glm": GLM, "glm4": GLM4, "exaone4": EXAONE4, "ernie4_5": ERNIE4_5}[model_type]
+    config = {**shape, "mlp_bias": True, "attention_bias": model_type in ("glm", "glm4")}
+    if model_type == "ernie4_5":
+        config |= {"use_bias": False, "attention_bias": True}
+    dirs = {model_type: str(generate_model(tmp_path / model_type, config, seed=18))}
+    requests = [(list(b"The quick brown fox jumps over the lazy dog"), 12)]
+    outputs = run_staggered(make_engine(dirs, model_type), requests, [0])
+    assert_matches_reference(dirs, reference, model_type, requests, outputs)
