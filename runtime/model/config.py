@@ -223,28 +223,46 @@ def _exaone4_layers(config: ModelConfig) -> None:
     ``sliding_window``, every ``sliding_window_pattern``-th layer full and the others sliding
     (4 by default; an ``LLLG`` string read letter by letter, repeated); without one, every
     layer full (where transformers' class divides by a pattern of 0)."""
-    layers = config.num_hidden_layers
-    if config.layer_types is not None:
-        return
-    pattern = config.sliding_window_pattern
-    if config.sliding_window is None or not pattern:
-        config.layer_types = ["full_attention"] * layers
-    elif isinstance(pattern, str):
+    if config.layer_types is None:
+        config.layer_types = exaone4_layer_types(
+            config.num_hidden_layers, config.sliding_window, config.sliding_window_pattern
+        )
+
+
+def exaone4_layer_types(layers: int, sliding_window: Any, pattern: Any) -> list[str]:
+    """EXAONE 4's ``layer_types`` from its ``sliding_window`` and ``sliding_window_pattern``
+    (``_exaone4_layers``)."""
+    if sliding_window is None or not pattern:
+        return ["full_attention"] * layers
+    if isinstance(pattern, str):
         letters = pattern.upper()
         if set(letters) - {"L", "G"}:
             raise ValueError(
                 f"sliding_window_pattern {pattern!r} is neither a number nor a string of L "
                 "(local) and G (global)"
             )
-        config.layer_types = [
+        return [
             "sliding_attention" if letters[i % len(letters)] == "L" else "full_attention"
             for i in range(layers)
         ]
-    else:
-        config.layer_types = [
-            "sliding_attention" if (i + 1) % int(pattern) else "full_attention"
-            for i in range(layers)
-        ]
+    return [
+        "sliding_attention" if (i + 1) % int(pattern) else "full_attention" for i in range(layers)
+    ]
+
+
+def transformers_values(values: dict[str, Any]) -> dict[str, Any]:
+    """config.json's ``values`` as transformers' config class can read them: EXAONE 4's hub
+    configs write ``sliding_window_pattern`` as a string ("LLLG"), which ``Exaone4Config``
+    cannot derive ``layer_types`` from (it takes the pattern modulo), so they are spelled
+    out. ``values`` itself where nothing needs it."""
+    pattern = values.get("sliding_window_pattern")
+    if values.get("model_type") != "exaone4" or not isinstance(pattern, str):
+        return values
+    if values.get("layer_types") is not None:
+        return values
+    layers = values.get("num_hidden_layers", _DEFAULTS["exaone4"]["num_hidden_layers"])
+    window = values.get("sliding_window", _DEFAULTS["exaone4"]["sliding_window"])
+    return {**values, "layer_types": exaone4_layer_types(layers, window, pattern)}
 
 
 def _plain_rope(values: dict[str, Any], default_theta: float) -> dict[str, Any] | None:

@@ -25,7 +25,7 @@ from torch import nn
 from conveyor.runtime.layers.attention import AttentionBackend
 from conveyor.runtime.layers.parallel import SINGLE, Shard, TensorParallel
 from conveyor.runtime.model.builtin import BUILTIN_MODELS, builtin_model_path
-from conveyor.runtime.model.config import ModelConfig
+from conveyor.runtime.model.config import ModelConfig, transformers_values
 from conveyor.runtime.model.gguf import GGUFModel, find_gguf, is_gguf
 from conveyor.runtime.model.llama import LlamaForCausalLM
 
@@ -137,7 +137,11 @@ def load_config(files: ModelFiles):
         if (config := ModelConfig.from_values(values)) is None:
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(files.path)
+            readable = transformers_values(values)
+            if readable is values:
+                config = AutoConfig.from_pretrained(files.path)
+            else:  # what from_pretrained reads, with what its class cannot derive spelled out
+                config = AutoConfig.for_model(**readable)
             if values.get("model_type") in TEXT_OF_MULTIMODAL:
                 log.info(
                     "%s is an image-text model: serving its text model (requests with images "

@@ -156,6 +156,23 @@ def test_exaone4_reads_its_hub_configs_pattern_string_and_a_config_without_a_win
         ModelConfig.from_values({**values, "sliding_window_pattern": "LLXG"})
 
 
+def test_exaone4_reads_its_pattern_string_beside_a_rope_transformers_config_holds(tmp_path):
+    """A scaled rope (EXAONE 4.0 32B's llama3) leaves the config to transformers, whose
+    ``Exaone4Config`` cannot take the hub configs' ``sliding_window_pattern`` string: it is
+    read as the number 4 is."""
+    from conveyor.runtime.model.loader import ModelFiles, load_config
+
+    rope = {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # fmt: skip
+    values = {**SMALL, "model_type": "exaone4", "num_hidden_layers": 6, "rope_scaling": rope}
+    (tmp_path / "config.json").write_text(json.dumps({**values, "sliding_window_pattern": "LLLG"}))
+    got = DecoderShape(load_config(ModelFiles(tmp_path)))
+    want = DecoderShape(transformers_config("exaone4", {**values, "sliding_window_pattern": 4}))
+    assert got.windows == want.windows == (4096, 4096, 4096, 0, 4096, 4096)
+    assert got.layer_ropes == want.layer_ropes
+    assert torch.equal(got.inv_freq, want.inv_freq)
+
+
 def test_reading_a_config_imports_no_transformers(tmp_path):
     """The import this module exists to avoid (torch.distributed.tensor, sympy: seconds)."""
     (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
