@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -134,7 +135,8 @@ def load_config(files: ModelFiles):
             return files.gguf.config()
         values = json.loads((files.path / "config.json").read_text())
         _refuse_quantized(values)
-        if (config := ModelConfig.from_values(values)) is None:
+        config: Any = ModelConfig.from_values(values)  # or transformers' config, below
+        if config is None:
             from transformers import AutoConfig
 
             readable = transformers_values(values)
