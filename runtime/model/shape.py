@@ -74,31 +74,8 @@ class DecoderShape:
         """This rank's rows of the embedding and the LM head."""
         self.rms_norm_eps = config.rms_norm_eps
         self.max_position = config.max_position_embeddings
-        # Llama's attention_bias puts a bias on o_proj too; Qwen2 has q/k/v biases only, and
-        # so have GLM's and Helium's attention_bias; Seed-OSS has its own attention_out_bias for o_proj;
-        # ERNIE 4.5's use_bias is on every projection, the MLP's too.
-        qwen2 = self.model_type == "qwen2" or (
-            self.model_type == "qwen2_moe" and getattr(config, "qkv_bias", True)
-        )
-        # EXAONE 4 has no biases, whatever its config.json holds.
-        exaone4 = self.model_type == "exaone4"
-        attention_bias = not exaone4 and bool(getattr(config, "attention_bias", False))
-        if self.model_type == "ernie4_5":
-            attention_bias = bool(getattr(config, "use_bias", False))
-        self.qkv_bias = qwen2 or attention_bias
-        self.o_bias = (
-            bool(getattr(config, "attention_out_bias", False))
-            if self.model_type == "seed_oss"
-            else not qwen2 and self.model_type not in (*GLM, "helium") and attention_bias
-        )
-        # GLM's MLP has no biases either (transformers' GlmMLP), whatever mlp_bias says.
-        self.mlp_bias = (
-            not exaone4
-            and self.model_type not in GLM
-            and bool(
-                getattr(config, "use_bias" if self.model_type == "ernie4_5" else "mlp_bias", False)
-            )
-        )
+        self.qkv_bias, self.o_bias, self.mlp_bias = _biases(config)
+        """Biases on q/k/v, on o_proj and on the MLP's projections."""
         olmo = self.model_type in OLMO
         self.qk_norm = self.model_type in ("qwen3", "qwen3_moe", "gemma3_text", "exaone4")
         """Qwen3, Gemma 3 and EXAONE 4 norm q and k per head (a norm of ``head_dim``)."""
@@ -198,6 +175,32 @@ class DecoderShape:
         )
         """A partial or interleaved rotary's order of a head's q/k dimensions
         (``layers/rotary.py``); None: the checkpoint's."""
+
+
+def _biases(config) -> tuple[bool, bool, bool]:
+    """(q/k/v, o_proj, MLP) biases, as each model type's transformers modules read its config:
+    Llama's ``attention_bias`` is on all four projections; Qwen2's q/k/v biases are always
+    there (Qwen2-MoE's with ``qkv_bias``); GLM's and Helium's ``attention_bias`` is on q/k/v
+    only, and GLM's MLP has none; Seed-OSS has ``attention_out_bias`` for o_proj; ERNIE
+    4.5's ``use_bias`` is on every projection; EXAONE 4 has none, whatever its config says."""
+    kind = config.model_type
+
+    def flag(name: str) -> bool:
+        return bool(getattr(config, name, False))
+
+    if kind == "exaone4":
+        return False, False, False
+    if kind == "ernie4_5":
+        return (flag("use_bias"),) * 3
+    mlp = kind not in GLM and flag("mlp_bias")
+    if kind == "qwen2" or (kind == "qwen2_moe" and getattr(config, "qkv_bias", True)):
+        return True, False, mlp
+    attention = flag("attention_bias")
+    if kind == "seed_oss":
+        return attention, flag("attention_out_bias"), mlp
+    if kind in (*GLM, "helium"):
+        return attention, False, mlp
+    return attention, attention, mlp
 
 
 def _rope_layers(config) -> tuple[bool, ...]:
