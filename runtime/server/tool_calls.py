@@ -15,17 +15,13 @@ generated text back into OpenAI ``tool_calls``.
   reads any of these forms, ``parameters`` for ``arguments``, and an empty list as "no call";
   a ``<parameter=...>``'s text becomes the JSON type the function's schema gives that
   parameter (as vLLM's ``qwen3_coder`` parser converts it: a string where it says none). The
-  parsers differ in their tags and in how ``tool_prompt.py`` shows the tools to a model whose
-  chat template ignores them.
+  parsers differ in their tags (the text is read by ``tool_call_text.py``) and in how
+  ``tool_prompt.py`` shows the tools to a model whose chat template ignores them.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
-import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,21 +29,10 @@ from conveyor.runtime.sampling_params import StructuredOutputParams
 from conveyor.runtime.server.errors import bad_request
 from conveyor.runtime.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool
 from conveyor.runtime.server.settings import TOOL_CALL_PARSERS
+from conveyor.runtime.server.tool_call_text import call_tags, new_call, parse_calls
 from conveyor.runtime.server.tool_prompt import TOOL_PROMPTS, ToolPrompt
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-SEED_OPEN, SEED_CLOSE = "<seed:tool_call>", "</seed:tool_call>"
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
-_PARAMETER = re.compile(
-    r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>)|$)", re.DOTALL
-)
-
-
-def call_tags(parser: str | None) -> tuple[str, str]:
-    """The tags around a call in ``parser``'s format."""
-    return (SEED_OPEN, SEED_CLOSE) if parser == "seed_oss" else (HERMES_OPEN, HERMES_CLOSE)
 
 
 @dataclass(frozen=True)
@@ -188,13 +173,13 @@ class ToolCalling:
         choice's finish reason says ``length``). For ``auto``, ``tool_calls`` is empty when
         the model wrote an empty list of calls; ``content`` is then its text without it."""
         if self.mode == "named":
-            return (None, [_call(self.name or "", text)]) if text else None
+            return (None, [new_call(self.name or "", text)]) if text else None
         if self.mode == "required":
             calls = RequiredCalls()
             calls.feed(text)
             return (None, calls.calls) if calls.calls else None
         if self.mode == "auto":
-            return _parse_calls(text, call_tags(self.parser), self._parameter_types)
+            return parse_calls(text, call_tags(self.parser), self._parameter_types)
         return None
 
     def _parameter_types(self, function: str, parameter: str) -> str | None:
@@ -263,7 +248,7 @@ class ToolCallStream:
         if not new_text:
             return [{}], called
         if self.call_id is None:
-            first = _call(self.tools.name or "", new_text)
+            first = new_call(self.tools.name or "", new_text)
             self.call_id = first["id"]
             return [{"tool_calls": [{"index": 0, **first}]}], called
         return [{"tool_calls": [{"index": 0, "function": {"arguments": new_text}}]}], called
@@ -360,7 +345,7 @@ class RequiredCalls:
             return
         end = len(self.buffer) if self.args_end is None else self.args_end
         if not self.open and self.sent == 0:
-            call = _call(self.name, self.buffer[self.args_start : end])
+            call = new_call(self.name, self.buffer[self.args_start : end])
             self.calls.append(call)
             # a copy: the call's arguments grow as they come; the delta has what came so far
             out.append({"index": len(self.calls) - 1, **call, "function": {**call["function"]}})
@@ -377,7 +362,7 @@ class RequiredCalls:
                 c = json.loads(self.buffer[self.element_start : end])
                 if not isinstance(c["name"], str):
                     return
-                call = _call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                call = new_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
             except (ValueError, RecursionError, KeyError, TypeError):
                 return
             self.calls.append(call)
@@ -391,91 +376,6 @@ def _string(token: str) -> str | None:
     except ValueError:
         return None
     return value if isinstance(value, str) else None
-
-
-def _parse_calls(
-    text: str, tags: tuple[str, str], types: Callable[[str, str], str | None]
-) -> tuple[str | None, list[dict[str, Any]]] | None:
-    """The calls between ``tags`` (the last may be unclosed), each body JSON (one call or a
-    list) or Qwen3-Coder's XML; None when there are none or one does not parse."""
-    opening, closing = tags
-    at = text.find(opening)
-    if at < 0:
-        return None
-    block = re.compile(f"{re.escape(opening)}(.*?)(?:{re.escape(closing)}|$)", re.DOTALL)
-    calls = []
-    for body in block.findall(text, at):
-        body = body.strip()
-        found = _xml_calls(body, types) if body.startswith("<function=") else _json_calls(body)
-        if found is None:
-            return None
-        calls += found
-    if not calls:  # "<tool_call>[]</tool_call>": the model said it calls nothing
-        return block.sub("", text), []
-    content = text[:at].strip()
-    return content or None, calls
-
-
-def _json_calls(body: str) -> list[dict[str, Any]] | None:
-    try:
-        parsed = json.loads(body, parse_constant=_no_constant)
-    except (ValueError, RecursionError):  # RecursionError: nested too deep
-        return None
-    calls = []
-    for c in parsed if isinstance(parsed, list) else [parsed]:
-        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
-            return None
-        args = c.get("arguments", c.get("parameters", {}))
-        calls.append(_call(c["name"], json.dumps(args, ensure_ascii=False)))
-    return calls
-
-
-def _xml_calls(body: str, types: Callable[[str, str], str | None]) -> list[dict[str, Any]] | None:
-    calls = []
-    for name, inner in _FUNCTION.findall(body):
-        name = name.strip()
-        args: dict[str, Any] = {}
-        for key, value in _PARAMETER.findall(inner):
-            key = key.strip()
-            value = value.removeprefix("\n").removesuffix("\n")  # the lines the tags sit on
-            args[key] = _typed(value, types(name, key))
-        calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
-    return calls or None  # "<function=>": not a call
-
-
-def _typed(value: str, kind: str | None) -> Any:
-    """A parameter's text as the JSON type its schema names; the text itself where that
-    does not read (or no type is named, or a string is)."""
-    if kind in (None, "string"):
-        return value
-    text = value.strip()
-    if text.lower() == "null":
-        return None
-    try:
-        if kind in ("integer", "number") and re.fullmatch(r"-?\d+", text):
-            return int(text)  # ValueError past Python's 4,300 digits
-        if kind == "number":
-            number = float(text)
-            return number if math.isfinite(number) else value  # JSON has no inf or nan
-        if kind == "boolean":
-            return {"true": True, "false": False}[text.lower()]
-        if kind == "integer":
-            return value
-        return json.loads(text, parse_constant=_no_constant)  # object, array, another type
-    except (ValueError, KeyError, RecursionError):
-        return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # json.loads reads NaN and Infinity by default
-
-
-def _call(name: str, arguments: str) -> dict[str, Any]:
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
 
 
 def _describe(choice: object) -> str:
