@@ -80,6 +80,21 @@ def run_staggered(
     return outputs
 
 
+def assert_generates_as(hf, requests, outputs: dict[str, list[int]]) -> None:
+    """Each request's output (``run_staggered``'s) is what transformers model ``hf`` generates
+    greedily from the same prompt, one at a time."""
+    import torch
+
+    for i, (prompt, max_tokens) in enumerate(requests):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            expected = hf.eval().generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                do_sample=False,
+            )[0, len(prompt):].tolist()  # fmt: skip
+        assert outputs[f"r{i}"] == expected, i
+
+
 def greedy_logprobs(engine: LLMEngine, prompt: list[int], max_tokens: int, top: int) -> list:
     """The ``Logprob`` of each token a greedy request for ``prompt`` generates, with its
     ``top`` alternatives."""

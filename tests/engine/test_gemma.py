@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_shapes import GEMMA2, GEMMA3, SMALL
-from test_correctness import greedy_logprobs, make_engine, run_staggered
+from test_correctness import assert_generates_as, greedy_logprobs, make_engine, run_staggered
 
 from conveyor.runtime.kernels import cpu
 from conveyor.runtime.model.builtin import generate_model
@@ -125,14 +125,7 @@ def test_gemma3_image_text_checkpoint_serves_its_text_model(gemma3_image_text, b
     engine = make_engine({"mm": gemma3_image_text}, "mm", attention_backend=backend)
     requests = _requests(4, 3)
     outputs = run_staggered(engine, requests, [0, 0, 1, 2])
-    for i, (prompt, max_tokens) in enumerate(requests):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            expected = hf.eval().generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                do_sample=False,
-            )[0, len(prompt):].tolist()  # fmt: skip
-        assert outputs[f"r{i}"] == expected, i
+    assert_generates_as(hf, requests, outputs)
 
 
 GEMMA3_NO_SCALING = {k: v for k, v in GEMMA3.items() if k != "rope_scaling"}

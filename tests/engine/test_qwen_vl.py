@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from model_shapes import QWEN2, QWEN3
-from test_correctness import make_engine, run_staggered
+from test_correctness import assert_generates_as, make_engine, run_staggered
 
 from conveyor.runtime.model.builtin import generate_model
 
@@ -104,11 +104,4 @@ def test_the_text_model_of_a_qwen_vl_checkpoint_is_served(image_text):
     rng = random.Random(3)
     requests = [([rng.randrange(300) for _ in range(rng.randrange(4, 40))], 8) for _ in range(4)]
     outputs = run_staggered(engine, requests, [0, 0, 1, 2])
-    for i, (prompt, max_tokens) in enumerate(requests):
-        ids = torch.tensor([prompt])
-        with torch.inference_mode():
-            expected = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                do_sample=False,
-            )[0, len(prompt):].tolist()  # fmt: skip
-        assert outputs[f"r{i}"] == expected, i
+    assert_generates_as(hf, requests, outputs)

@@ -278,60 +278,33 @@ def test_a_named_functions_arguments_stream_as_they_are_generated(client: openai
         assert_valid_arguments("get_weather", arguments)
 
 
-def test_auto_parses_the_models_own_calls_streamed_and_not(
-    start_server: Callable[..., ChildProcess],
-) -> None:
-    """A regex makes the random model write a Hermes call; the parser turns it into one."""
-    server = start_server("--tool-call-parser", "hermes")
-    forced = (
-        r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
-        r'\{"city": "Oslo", "unit": "celsius"\}\}</tool_call>'
-    )
-    body = dict(
-        model=MODEL,
-        messages=MESSAGES,
-        tools=TOOLS,
-        tool_choice="auto",
-        max_tokens=200,
-        extra_body={"guided_regex": forced},
-    )
-    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
-        r = client.chat.completions.create(**body)  # type: ignore[call-overload]
-        stream = client.chat.completions.create(**body, stream=True)  # type: ignore[call-overload]
-        content, calls, finish = "", [], None
-        for chunk in stream:
-            for c in chunk.choices:
-                content += c.delta.content or ""
-                calls += c.delta.tool_calls or []
-                finish = c.finish_reason or finish
-    message = r.choices[0].message
-    assert r.choices[0].finish_reason == "tool_calls" and message.content == "Sure."
-    assert message.tool_calls is not None and len(message.tool_calls) == 1
-    assert_valid_call(message.tool_calls[0])
-    assert json.loads(message.tool_calls[0].function.arguments)["city"] == "Oslo"
-    assert finish == "tool_calls" and content.strip() == "Sure."  # the call text never shows
-    assert [c.function.name for c in calls] == ["get_weather"]
+XML_CALL = (
+    "<function=get_weather>\\n<parameter=city>\\nOslo\\n</parameter>\\n"
+    "<parameter=unit>\\ncelsius\\n</parameter>\\n<parameter=days>\\n3\\n</parameter>\\n"
+    "</function>"
+)
+"""Qwen3-Coder's and Seed-OSS's form of a call, as a regex (``days`` is written as text)."""
 
 
 @pytest.mark.parametrize(
-    ("parser", "opening", "closing"),
+    ("parser", "forced"),
     [
-        ("qwen3_coder", "<tool_call>", "</tool_call>"),
-        ("seed_oss", "<seed:tool_call>", "</seed:tool_call>"),
+        (
+            "hermes",
+            r'Sure\. <tool_call>\{"name": "get_weather", "arguments": '
+            r'\{"city": "Oslo", "unit": "celsius", "days": 3\}\}</tool_call>',
+        ),
+        ("qwen3_coder", f"Sure\\. <tool_call>\\n{XML_CALL}\\n</tool_call>"),
+        ("seed_oss", f"Sure\\. <seed:tool_call>\\n{XML_CALL}\\n</seed:tool_call>"),
     ],
 )
-def test_auto_parses_xml_calls_into_their_schemas_types(
-    start_server: Callable[..., ChildProcess], parser: str, opening: str, closing: str
+def test_auto_parses_the_models_own_calls_streamed_and_not(
+    start_server: Callable[..., ChildProcess], parser: str, forced: str
 ) -> None:
-    """Qwen3-Coder's and Seed-OSS's XML calls (forced here by a regex): each parameter's
-    text becomes the type the schema gives it (``days`` an integer), and the call's text
-    never shows in the content, streamed or not."""
+    """A regex makes the random model write a call in the parser's format; the parser turns it
+    into one, whose arguments take the schema's types (the XML's ``days`` an integer), and the
+    call's text never shows in the content, streamed or not."""
     server = start_server("--tool-call-parser", parser)
-    forced = (
-        f"Sure\\. {opening}\\n<function=get_weather>\\n<parameter=city>\\nOslo\\n</parameter>\\n"
-        "<parameter=unit>\\ncelsius\\n</parameter>\\n<parameter=days>\\n3\\n</parameter>\\n"
-        f"</function>\\n{closing}"
-    )
     body = dict(
         model=MODEL,
         messages=MESSAGES,
@@ -355,5 +328,6 @@ def test_auto_parses_xml_calls_into_their_schemas_types(
     assert_valid_call(message.tool_calls[0])
     want = {"city": "Oslo", "unit": "celsius", "days": 3}
     assert json.loads(message.tool_calls[0].function.arguments) == want
-    assert finish == "tool_calls" and content.strip() == "Sure."
+    assert finish == "tool_calls" and content.strip() == "Sure."  # the call text never shows
+    assert [c.function.name for c in calls] == ["get_weather"]
     assert [json.loads(c.function.arguments) for c in calls] == [want]
